@@ -1,0 +1,55 @@
+"""diag: the math, layouts, judgement and outputs of the transformer training monitor.
+
+The live capture lives in the sibling package ``hooks`` (``from hooks import Monitor``).
+"""
+
+from diag.alerts import Alert, AlertConfig, Detectors, Observation, TrainingHalted, attention_state
+from diag.attention import AttentionStats, attention_logits, stats_from_logits
+from diag.errors import ConfigError, DiagError, SinkError, SpecError
+from diag.layouts import ADAPTERS, ModuleView, QKVLayout, find_layout, split_qkv
+from diag.metrics import grad_metrics, spectrum_metrics, update_metrics
+from diag.sinks import FanOut, JsonlSink, MemorySink, Record, Sink, TensorBoardSink
+from diag.spectral import (
+    effective_rank,
+    qk_singular_values,
+    qk_singular_values_reference,
+    spectral_energy_concentration,
+    stable_rank,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ADAPTERS",
+    "Alert",
+    "AlertConfig",
+    "AttentionStats",
+    "ConfigError",
+    "Detectors",
+    "DiagError",
+    "FanOut",
+    "JsonlSink",
+    "MemorySink",
+    "ModuleView",
+    "Observation",
+    "QKVLayout",
+    "Record",
+    "Sink",
+    "SinkError",
+    "SpecError",
+    "TensorBoardSink",
+    "TrainingHalted",
+    "attention_logits",
+    "attention_state",
+    "effective_rank",
+    "find_layout",
+    "grad_metrics",
+    "qk_singular_values",
+    "qk_singular_values_reference",
+    "spectral_energy_concentration",
+    "spectrum_metrics",
+    "split_qkv",
+    "stable_rank",
+    "stats_from_logits",
+    "update_metrics",
+]

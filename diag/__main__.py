@@ -1,0 +1,5 @@
+import sys
+
+from diag.cli import main
+
+sys.exit(main())

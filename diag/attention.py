@@ -1,0 +1,165 @@
+"""Statistics of the attention a model really computed: entropy, rank, max logit.
+
+Pure tensor math. Inputs are the logits the model fed to its softmax (eager
+attention), or the q, k, mask and scale it passed to a fused attention kernel;
+both lead to the same float64 computation on a few sampled sequences.
+
+Shapes: N sampled sequences, H heads, Q query positions, K key positions.
+
+* Masked keys are excluded: their logit is -inf, or an additive mask value at or
+  below half the most negative number of its dtype (Hugging Face adds
+  ``torch.finfo(dtype).min``).
+* A query row is valid when at least one key is not masked; statistics average
+  over valid rows only.
+* ``attn_rank`` is the effective rank (Roy & Vetterli) of the attention matrix of
+  one sequence and head restricted to its first ``rank_rows`` query rows (invalid
+  rows and masked keys contribute zero rows and columns, which do not change the
+  nonzero singular values); averaged over the sampled sequences.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from diag.spectral import effective_rank
+
+__all__ = [
+    "AttentionStats",
+    "excluded_by_additive_mask",
+    "attention_logits",
+    "stats_from_logits",
+    "stats_from_probabilities_reference",
+]
+
+# Bytes of float64 logits processed at once per sequence; bounds the capture's memory.
+_CHUNK_BYTES = 32 * 2**20
+
+
+@dataclass
+class AttentionStats:
+    """Per-head results, each a float64 tensor of shape (H,)."""
+
+    entropy: Tensor
+    rank: Tensor
+    max_logit: Tensor
+    rows: Tensor  # (1,): valid query rows per sequence that the rank saw (mean over sequences)
+
+
+def excluded_by_additive_mask(x: Tensor) -> Tensor:
+    """True where an additive mask (or logits with the mask added) excludes a key."""
+    if x.dtype == torch.bool:
+        raise TypeError("boolean masks mark allowed keys; use ~mask for excluded keys")
+    return x <= torch.finfo(x.dtype).min / 2
+
+
+def attention_logits(
+    q: Tensor,
+    k: Tensor,
+    scale: float | None = None,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+) -> Tensor:
+    """Float64 logits (N, H, Q, K) as ``F.scaled_dot_product_attention`` defines them.
+
+    q: (N, H, Q, D); k: (N, G, K, D) with G dividing H (grouped-query attention is
+    expanded as SDPA's ``enable_gqa`` does). attn_mask: boolean (True = attend) or
+    additive, broadcastable to (N, H, Q, K). Excluded entries are -inf.
+    """
+    n_heads, n_kv = q.shape[1], k.shape[1]
+    if n_kv != n_heads:
+        k = k.repeat_interleave(n_heads // n_kv, dim=1)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    logits = (q.double() @ k.double().transpose(-1, -2)) * scale  # (N, H, Q, K)
+    if is_causal:
+        n_q, n_k = logits.shape[-2:]
+        allowed = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril()
+        logits = logits.masked_fill(~allowed, -math.inf)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            logits = logits.masked_fill(~attn_mask, -math.inf)
+        else:
+            excluded = excluded_by_additive_mask(attn_mask)
+            logits = (logits + attn_mask.double()).masked_fill(excluded, -math.inf)
+    return logits
+
+
+def _row_chunks(n_rows: int, n_heads: int, n_keys: int) -> int:
+    return max(1, min(n_rows, _CHUNK_BYTES // max(1, 8 * n_heads * n_keys)))
+
+
+def stats_from_logits(logits: Tensor, rank_rows: int = 256) -> AttentionStats:
+    """Entropy (nats, mean over valid rows), effective rank and max logit per head.
+
+    logits: (N, H, Q, K) as fed to the softmax; excluded keys are -inf or carry a
+    large negative additive mask (see :func:`excluded_by_additive_mask`).
+    """
+    n_seq, n_heads, n_q, n_k = logits.shape
+    dev = logits.device
+    ent_sum = torch.zeros(n_heads, dtype=torch.float64, device=dev)
+    rows = torch.zeros(n_heads, dtype=torch.float64, device=dev)
+    max_logit = torch.full((n_heads,), -math.inf, dtype=torch.float64, device=dev)
+    rank_sum = torch.zeros(n_heads, dtype=torch.float64, device=dev)
+    rank_rows_seen = torch.zeros(1, dtype=torch.float64, device=dev)
+    step = _row_chunks(n_q, n_heads, n_k)
+    for i in range(n_seq):
+        rank_block = []
+        for start in range(0, n_q, step):
+            chunk = logits[i, :, start : start + step]  # (H, c, K)
+            excluded = excluded_by_additive_mask(chunk)
+            s = chunk.double().masked_fill(excluded, -math.inf)
+            valid_row = (~excluded).any(-1)  # (H, c)
+            logp = torch.log_softmax(s, dim=-1)
+            p = logp.exp().masked_fill(~valid_row[..., None], 0.0)
+            row_ent = -(p * logp.masked_fill(p == 0, 0.0)).sum(-1)  # (H, c)
+            ent_sum += row_ent.sum(-1)
+            rows += valid_row.sum(-1)
+            max_logit = torch.maximum(max_logit, s.amax(dim=(-1, -2)))
+            if start < rank_rows:
+                rank_block.append(p[:, : rank_rows - start])
+        block = torch.cat(rank_block, dim=1)  # (H, R, K)
+        rank_sum += effective_rank(torch.linalg.svdvals(block))
+        rank_rows_seen += (block[0] > 0).any(-1).sum()
+    return AttentionStats(
+        entropy=ent_sum / rows,
+        rank=rank_sum / n_seq,
+        max_logit=max_logit,
+        rows=rank_rows_seen / n_seq,
+    )
+
+
+def stats_from_probabilities_reference(
+    probs: Tensor, allowed: Tensor, rank_rows: int = 256
+) -> tuple[Tensor, Tensor]:
+    """Slow reference from explicit probabilities (N, H, Q, K) and allowed keys (N, Q, K).
+
+    Per-head loops in float64: entropy = mean over valid rows of -sum p log p;
+    rank = mean over sequences of the effective rank of the first rank_rows rows.
+    """
+    n_seq, n_heads, n_q, _ = probs.shape
+    entropy = torch.zeros(n_heads, dtype=torch.float64)
+    rank = torch.zeros(n_heads, dtype=torch.float64)
+    for h in range(n_heads):
+        total, count = 0.0, 0
+        for i in range(n_seq):
+            p_rows = []
+            for r in range(n_q):
+                if not bool(allowed[i, r].any()):
+                    p_rows.append(torch.zeros(probs.shape[-1], dtype=torch.float64))
+                    continue
+                p = probs[i, h, r].double() * allowed[i, r]
+                p_rows.append(p)
+                nz = p[p > 0]
+                total += float(-(nz * nz.log()).sum())
+                count += 1
+            mat = torch.stack(p_rows)[:rank_rows]
+            sv = torch.linalg.svdvals(mat)
+            pn = sv / sv.sum()
+            pn = pn[pn > 0]
+            rank[h] += math.exp(float(-(pn * pn.log()).sum())) / n_seq
+        entropy[h] = total / count
+    return entropy, rank

@@ -1,0 +1,12 @@
+"""hooks: attach the diagnostics to a live PyTorch training loop.
+
+    from hooks import Monitor
+    monitor = Monitor(model, logdir="runs/exp1", every=10)
+"""
+
+from diag.alerts import Alert, AlertConfig, TrainingHalted
+from diag.layouts import QKVLayout
+from hooks.discovery import AttentionLayer, discover
+from hooks.monitor import SIGNALS, Monitor
+
+__all__ = ["Alert", "AlertConfig", "AttentionLayer", "Monitor", "QKVLayout", "SIGNALS", "TrainingHalted", "discover"]

@@ -1,0 +1,218 @@
+"""Capture the attention a model really computes, on sampled steps only.
+
+While armed, each monitored attention module gets a forward pre-hook and a
+forward hook. Around that module's forward (training mode, grad enabled, first
+call since arming) a ``TorchFunctionMode`` watches three functions:
+
+* ``F.scaled_dot_product_attention``: q and k as the kernel receives them (after
+  RoPE, grouped-query heads as passed), its mask, ``is_causal`` and scale;
+* ``softmax`` over the last dim of a 4-D tensor: the logits of eager attention,
+  masks and biases already added;
+* ``F.multi_head_attention_forward`` (``nn.MultiheadAttention``): q and k are
+  projected from its inputs with its own weights; calls made inside it (its SDPA)
+  are not dispatched to the mode again.
+
+Each call is reduced at once to per-head statistics of the first ``n_seqs``
+sequences of the batch (:mod:`diag.attention`); nothing larger survives the call.
+The real call runs first, unchanged: outputs, RNG and autograd are untouched.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
+
+from diag.attention import AttentionStats, attention_logits, stats_from_logits
+from hooks.discovery import AttentionLayer
+
+__all__ = ["AttentionCapture"]
+
+_MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
+
+
+def _sdpa_args(args: tuple, kwargs: dict) -> dict:
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    return bound
+
+
+def _slice_mask(mask: Tensor | None, batch: int, n: int) -> Tensor | None:
+    if mask is None or mask.dim() < 4 or mask.shape[0] != batch:
+        return mask
+    return mask[:n]
+
+
+def _from_sdpa(args: tuple, kwargs: dict, n: int) -> tuple[Tensor, Callable[[], Tensor]]:
+    a = _sdpa_args(args, kwargs)
+    q, k = a["query"], a["key"]
+    if q.dim() == 3:
+        q, k = q.unsqueeze(0), k.unsqueeze(0)
+    batch = q.shape[0]
+    mask = _slice_mask(a.get("attn_mask"), batch, n)
+    return q, lambda: attention_logits(
+        q[:n], k[:n], a.get("scale"), mask, bool(a.get("is_causal", False))
+    )
+
+
+def _from_softmax(args: tuple, kwargs: dict, n: int) -> tuple[Tensor, Callable[[], Tensor]] | None:
+    x = args[0]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    if not isinstance(x, Tensor) or x.dim() != 4 or dim not in (-1, 3):
+        return None
+    return x, lambda: x[:n]
+
+
+def _mha_mask(
+    attn_mask: Tensor | None, kpm: Tensor | None, shape: tuple[int, ...], n: int, device: torch.device
+) -> Tensor:
+    """Additive float64 mask (n, H, L, S) from nn.MultiheadAttention's two masks."""
+    batch, heads, n_q, n_k = shape
+    mask = torch.zeros(n, heads, n_q, n_k, dtype=torch.float64, device=device)
+    for m, view in ((attn_mask, "attn"), (kpm, "kpm")):
+        if m is None:
+            continue
+        if view == "attn":
+            m = m.reshape(batch, heads, n_q, n_k)[:n] if m.dim() == 3 else m[None, None]
+        else:
+            m = m[:n, None, None, :]
+        add = m.to(mask.device)
+        add = add.double().masked_fill(add, -math.inf) if add.dtype == torch.bool else add.double()
+        mask = mask + add
+    return mask
+
+
+def _from_mha(args: tuple, kwargs: dict, n: int) -> tuple[Tensor, Callable[[], Tensor]] | None:
+    a = _MHA_SIGNATURE.bind(*args, **kwargs).arguments
+    if a.get("bias_k") is not None or a.get("add_zero_attn") or a.get("static_k") is not None:
+        return None
+    query, key = a["query"], a["key"]
+    if query.dim() == 2:
+        query, key = query.unsqueeze(1), key.unsqueeze(1)
+    heads = a["num_heads"]
+    n_q, batch, embed = query.shape
+    d = embed // heads
+    bias = a.get("in_proj_bias")
+    b_q, b_k = (None, None) if bias is None else (bias[:embed], bias[embed : 2 * embed])
+    if a.get("use_separate_proj_weight"):
+        w_q, w_k = a["q_proj_weight"], a["k_proj_weight"]
+    else:
+        w_q, w_k = a["in_proj_weight"][:embed], a["in_proj_weight"][embed : 2 * embed]
+    q = F.linear(query[:, :n], w_q, b_q).reshape(n_q, -1, heads, d).permute(1, 2, 0, 3)  # (n, H, L, D)
+    k = F.linear(key[:, :n], w_k, b_k).reshape(key.shape[0], -1, heads, d).permute(1, 2, 0, 3)
+    shape = (batch, heads, n_q, key.shape[0])
+    mask = _mha_mask(a.get("attn_mask"), a.get("key_padding_mask"), shape, q.shape[0], q.device)
+    return q, lambda: attention_logits(q, k, None, mask)
+
+
+_HANDLERS: dict[Callable, Callable] = {
+    F.scaled_dot_product_attention: _from_sdpa,
+    F.softmax: _from_softmax,
+    torch.softmax: _from_softmax,
+    Tensor.softmax: _from_softmax,
+    F.multi_head_attention_forward: _from_mha,
+}
+
+
+class _Mode(TorchFunctionMode):
+    def __init__(self, capture: AttentionCapture) -> None:
+        super().__init__()
+        self.capture = capture
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        handler = _HANDLERS.get(func)
+        if handler is not None:
+            self.capture._record(handler, args, kwargs)
+        return out
+
+
+class AttentionCapture:
+    """Arms hooks for one forward, reduces each attention call to per-head statistics."""
+
+    def __init__(self, layers: list[AttentionLayer], n_seqs: int = 2, rank_rows: int = 256) -> None:
+        self.layers = layers
+        self.n_seqs = n_seqs
+        self.rank_rows = rank_rows
+        self.results: dict[int, AttentionStats] = {}
+        self.problems: dict[int, str] = {}
+        self._handles: list[RemovableHandle] = []
+        self._active: AttentionLayer | None = None
+        self._mode: _Mode | None = None
+
+    @property
+    def armed(self) -> bool:
+        return bool(self._handles)
+
+    def arm(self) -> None:
+        if self._handles:
+            return
+        self.results, self.problems = {}, {}
+        for layer in self.layers:
+            pre = layer.module.register_forward_pre_hook(self._pre_hook(layer))
+            post = layer.module.register_forward_hook(self._post_hook(layer), always_call=True)
+            self._handles += [pre, post]
+
+    def disarm(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._exit_mode()
+
+    def take(self) -> tuple[dict[int, AttentionStats], dict[int, str]]:
+        """Results of the armed forward (then disarmed and cleared)."""
+        self.disarm()
+        results, problems = self.results, self.problems
+        self.results, self.problems = {}, {}
+        return results, problems
+
+    def _pre_hook(self, layer: AttentionLayer):
+        def hook(module, args):
+            done = layer.index in self.results or layer.index in self.problems
+            if done or self._mode is not None or not module.training or not torch.is_grad_enabled():
+                return
+            self._active = layer
+            self._mode = _Mode(self)
+            self._mode.__enter__()
+
+        return hook
+
+    def _post_hook(self, layer: AttentionLayer):
+        def hook(module, args, output):
+            if self._active is layer:
+                self._exit_mode()
+                if layer.index not in self.results and layer.index not in self.problems:
+                    self.problems[layer.index] = "no attention call (SDPA, softmax or MHA) was seen"
+
+        return hook
+
+    def _exit_mode(self) -> None:
+        if self._mode is not None:
+            mode, self._mode, self._active = self._mode, None, None
+            mode.__exit__(None, None, None)
+
+    def _record(self, handler: Callable, args: tuple, kwargs: dict) -> None:
+        layer = self._active
+        if layer is None or layer.index in self.results or layer.index in self.problems:
+            return
+        with torch.no_grad():
+            got = handler(args, kwargs, self.n_seqs)
+            if got is None:
+                return
+            seen, logits = got
+            expected = layer.layout.n_heads
+            if seen.shape[1] != expected:
+                self.problems[layer.index] = (
+                    f"the attention call has {seen.shape[1]} heads (shape {tuple(seen.shape)}) "
+                    f"but the layout says n_heads={expected}"
+                )
+                return
+            self.results[layer.index] = stats_from_logits(logits(), self.rank_rows)

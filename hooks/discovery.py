@@ -1,0 +1,119 @@
+"""Find the attention modules of a live model and their Q/K/V layouts."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from torch import nn
+
+from diag.errors import SpecError
+from diag.layouts import ADAPTERS, ModuleView, QKVLayout, find_layout
+from diag.tags import layer_label
+
+__all__ = ["AttentionLayer", "discover", "module_view"]
+
+_INT_ATTRS = (
+    "num_heads",
+    "num_attention_heads",
+    "n_head",
+    "n_heads",
+    "head_dim",
+    "num_key_value_heads",
+    "n_kv_heads",
+    "embed_dim",
+)
+
+
+@dataclass
+class AttentionLayer:
+    """One monitored attention module."""
+
+    index: int
+    label: str  # e.g. "L03", used in every tag
+    name: str  # module path in the model, e.g. "transformer.h.3.attn"
+    module: nn.Module
+    layout: QKVLayout
+
+    def params(self) -> dict[str, nn.Parameter]:
+        """The parameters that the layout names, by their names relative to the module."""
+        named = dict(self.module.named_parameters())
+        return {n: named[n] for n in self.layout.param_names}
+
+
+def module_view(name: str, module: nn.Module) -> ModuleView:
+    params = {n: tuple(p.shape) for n, p in module.named_parameters(recurse=False)}
+    for child_name, child in module.named_children():
+        for n, p in child.named_parameters(recurse=False):
+            params[f"{child_name}.{n}"] = tuple(p.shape)
+    attrs: dict[str, int] = {}
+    for source in (getattr(module, "config", None), module):
+        for key in _INT_ATTRS:
+            value = getattr(source, key, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                attrs[key] = value
+    return ModuleView(name=name, cls=type(module).__name__, params=params, attrs=attrs)
+
+
+def _spec_layout(name: str, spec: Mapping[str, QKVLayout]) -> QKVLayout | None:
+    for pattern, layout in spec.items():
+        if fnmatch.fnmatchcase(name, pattern):
+            return layout
+    return None
+
+
+def _check_params(name: str, module: nn.Module, layout: QKVLayout) -> None:
+    params = dict(module.named_parameters())
+    missing = [n for n in layout.param_names if n not in params]
+    if missing:
+        raise SpecError(
+            f"module {name!r} ({type(module).__name__}) has no parameter {missing[0]!r} named by "
+            f"its layout; it has {sorted(params)[:8]}. Fix the spec's q=/k=/v= names."
+        )
+
+
+def discover(model: nn.Module, spec: Mapping[str, QKVLayout] | None = None) -> list[AttentionLayer]:
+    """Attention layers in registration order; an explicit ``spec`` overrides discovery.
+
+    spec maps module-name patterns (fnmatch, e.g. ``"blocks.*.attn"``) to layouts;
+    when given, only matching modules are monitored. Modules inside a found
+    attention module are not searched again.
+    """
+    found: list[tuple[str, nn.Module, QKVLayout]] = []
+    inside: tuple[str, ...] = ()
+    for name, module in model.named_modules():
+        if inside and any(name.startswith(p + ".") for p in inside):
+            continue
+        layout = _spec_layout(name, spec) if spec else find_layout(module_view(name, module))
+        if layout is None:
+            continue
+        _check_params(name, module, layout)
+        found.append((name, module, layout))
+        inside += (name,)
+    if not found:
+        raise SpecError(_nothing_found(model, spec))
+    return [
+        AttentionLayer(i, layer_label(i, len(found)), name, module, layout)
+        for i, (name, module, layout) in enumerate(found)
+    ]
+
+
+def _nothing_found(model: nn.Module, spec: Mapping[str, QKVLayout] | None) -> str:
+    if spec:
+        return (
+            f"no module of {type(model).__name__} matches the spec patterns {list(spec)}; "
+            "patterns match module names as model.named_modules() prints them, e.g. 'blocks.*.attn'"
+        )
+    suspects = [
+        f"{n} ({type(m).__name__})"
+        for n, m in model.named_modules()
+        if n and any(w in n.lower() or w in type(m).__name__.lower() for w in ("attn", "attention"))
+    ][:6]
+    tried = "; ".join(f"{a.name}: {a.describes}" for a in ADAPTERS)
+    return (
+        f"no attention layer recognised in {type(model).__name__}. Tried {tried}. "
+        f"Attention-like modules seen: {suspects or 'none'}. Pass an explicit spec, e.g. "
+        "Monitor(model, spec={'blocks.*.attn': QKVLayout(n_heads=8, head_dim=64, "
+        "q='qkv.weight', packing='fused')})"
+    )

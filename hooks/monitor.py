@@ -1,0 +1,288 @@
+"""The Monitor: attach to a model in one line, call ``step`` once per training step.
+
+    monitor = Monitor(model, logdir="runs/exp1", every=10)
+    ...
+    loss.backward()
+    monitor.step(step, loss=loss)   # after backward (and clipping), before optimizer.step()
+    optimizer.step()
+
+Semantics: values logged at step t describe the model of step t's forward and
+backward; ``update_*`` at step t describe the update that optimizer step t applied
+(measured at the next ``step`` call or at ``close``). A non-sampled step costs a
+few attribute reads. A sampled step works under ``no_grad``, draws no random
+numbers and only reads parameters and gradients.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from diag.alerts import Alert, AlertConfig, AlertSink, Detectors, Observation, TrainingHalted
+from diag.errors import ConfigError
+from diag.layouts import QKVLayout, split_qkv
+from diag.metrics import DEFAULT_SEC_TOP, grad_metrics, spectrum_metrics, update_metrics
+from diag.sinks import FanOut, JsonlSink, Record, Sink, TensorBoardSink, check_logdir
+from diag.tags import LAYER_METRICS, STATS, head_tag, histogram_tag, layer_tag, stat_tag
+from hooks.capture import AttentionCapture
+from hooks.discovery import AttentionLayer, discover
+
+__all__ = ["Monitor", "SIGNALS"]
+
+log = logging.getLogger("diag")
+
+SIGNALS = ("spectra", "attention", "grads", "updates")
+# Above this many heads in the whole model, per-head scalars are off by default
+# (per-layer max/min/mean and the across-head histograms are always written).
+PER_HEAD_LIMIT = 256
+
+
+class Monitor:
+    """Watches every attention layer of ``model`` and writes the signals to sinks.
+
+    Args:
+        model: any ``nn.Module`` holding attention layers.
+        logdir: TensorBoard run directory; ``metrics.jsonl`` and ``alerts.jsonl`` go
+            there too. Checked writable now. None: only ``sinks``.
+        every: sample steps where ``step % every == 0``.
+        per_head: log every head's scalars; default: when the model has at most
+            256 heads in total.
+        spec: ``{module-name pattern: QKVLayout}``; overrides discovery.
+        signals: subset of ``("spectra", "attention", "grads", "updates")``.
+        sec_top: s of the spectral energy concentration SEC_s.
+        attn_seqs: the first ``attn_seqs`` sequences of the batch are analysed.
+        attn_rank_rows: the attention rank uses the first this many query rows.
+        sinks: more sinks (objects with write/flush/close).
+        alerts: detector thresholds; ``on_alert``: called with each Alert.
+        stop_on_critical: raise ``TrainingHalted`` from ``step`` on a critical alert.
+        purge_step: on resume, TensorBoard discards events at or after this step.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        logdir: str | os.PathLike | None = None,
+        every: int = 10,
+        *,
+        per_head: bool | None = None,
+        spec: Mapping[str, QKVLayout] | None = None,
+        signals: Iterable[str] = SIGNALS,
+        sec_top: int = DEFAULT_SEC_TOP,
+        attn_seqs: int = 2,
+        attn_rank_rows: int = 256,
+        sinks: Iterable[Sink] = (),
+        alerts: AlertConfig | None = None,
+        on_alert: Callable[[Alert], None] | None = None,
+        stop_on_critical: bool = False,
+        purge_step: int | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"Monitor(model=...) needs an nn.Module, got {type(model).__name__}")
+        if not isinstance(every, int) or every < 1:
+            raise ConfigError(f"Monitor(every={every!r}): expected an integer >= 1, e.g. every=10")
+        self.signals = frozenset(signals)
+        unknown = self.signals - set(SIGNALS)
+        if unknown:
+            raise ConfigError(f"Monitor(signals=...) has unknown {sorted(unknown)}; choose from {SIGNALS}")
+        for name, value in (("sec_top", sec_top), ("attn_seqs", attn_seqs), ("attn_rank_rows", attn_rank_rows)):
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"Monitor({name}={value!r}): expected an integer >= 1")
+        self.model, self.every, self.sec_top = model, every, sec_top
+        self.layers: list[AttentionLayer] = discover(model, spec)
+        total_heads = sum(layer.layout.n_heads for layer in self.layers)
+        self.per_head = total_heads <= PER_HEAD_LIMIT if per_head is None else per_head
+        sink_list = list(sinks)
+        self.logdir = None if logdir is None else check_logdir(logdir)
+        if self.logdir is not None:
+            sink_list += [TensorBoardSink(self.logdir, purge_step), JsonlSink(self.logdir / "metrics.jsonl")]
+        self.sinks = FanOut(sink_list)
+        alert_path = None if self.logdir is None else self.logdir / "alerts.jsonl"
+        self.alert_sink = AlertSink(self.sinks, alert_path, on_alert, stop_on_critical)
+        self.detectors = Detectors(alerts or AlertConfig())
+        self.capture = AttentionCapture(self.layers, attn_seqs, attn_rank_rows)
+        self.last: dict[str, float] = {}
+        self._snapshot: tuple[int, list[tuple[Tensor, Tensor, Tensor]]] | None = None
+        self._warned: set[str] = set()
+        self._closed = False
+        if "attention" in self.signals:
+            self.capture.arm()  # the first forward; discarded if its step is not sampled
+
+    # ------------------------------------------------------------------ public
+
+    def should_sample(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def step(self, step: int, loss: Tensor | float | None = None) -> None:
+        """Call once per training step, after backward and before ``optimizer.step()``."""
+        if self._snapshot is not None:
+            self._guard("updates", self._finish_updates)
+        if step % self.every == 0:
+            self._guard("sample", self._sample, step, loss)
+        elif self.capture.armed:
+            self.capture.disarm()
+        if "attention" in self.signals and (step + 1) % self.every == 0:
+            self.capture.arm()
+
+    def close(self) -> None:
+        """Write what is pending, remove every hook, close the sinks. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.capture.disarm()
+        if self._snapshot is not None:
+            self._guard("updates", self._finish_updates)
+        self.sinks.close()
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        capture = getattr(self, "capture", None)
+        if capture is not None:
+            capture.disarm()
+
+    def state_dict(self) -> dict:
+        return {"detectors": self.detectors.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.detectors.load_state_dict(state["detectors"])
+
+    # --------------------------------------------------------------- internals
+
+    def _guard(self, what: str, fn: Callable, *args: object) -> None:
+        """A fault in the monitor is reported once per kind and never reaches training."""
+        try:
+            fn(*args)
+        except TrainingHalted:
+            raise
+        except Exception as err:  # noqa: BLE001 - the training run must go on
+            self._warn_once(what, f"diag: {what} failed at this step ({err!r}); training continues")
+
+    def _warn_once(self, kind: str, message: str) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            log.warning(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+    def _sample(self, step: int, loss: Tensor | float | None) -> None:
+        results, problems = self.capture.take() if "attention" in self.signals else ({}, {})
+        with torch.no_grad():
+            per_layer = [self._weight_side(layer) for layer in self.layers]
+            if "spectra" in self.signals:
+                self._spectra(per_layer)
+            for layer, values in zip(self.layers, per_layer):
+                self._attention(layer, values, results, problems)
+            record, arrays = self._record(step, per_layer)
+        loss_value = None
+        if loss is not None:
+            loss_value = float(loss.detach()) if isinstance(loss, Tensor) else float(loss)
+            record.scalars["loss"] = loss_value
+        self._check_finite(record)
+        self.last = dict(record.scalars)
+        self.sinks.write(record)
+        self.alert_sink.emit(self.detectors.observe(Observation(step, loss_value, arrays)))
+
+    def _weight_side(self, layer: AttentionLayer) -> dict[str, Tensor]:
+        params = layer.params()
+        values: dict[str, Tensor] = {}
+        weights = {n: p.detach() for n, p in params.items()}
+        if "grads" in self.signals:
+            grads = {n: p.grad for n, p in params.items()}
+            if all(g is not None for g in grads.values()):
+                values.update(grad_metrics(*split_qkv(grads, layer.layout)))
+            else:
+                self._warn_once("no-grad", f"diag: {layer.name} has no .grad at a sampled step; "
+                                "call monitor.step after loss.backward()")
+        values["_qkv"] = split_qkv(weights, layer.layout)
+        return values
+
+    def _spectra(self, per_layer: list[dict]) -> None:
+        groups: dict[tuple, list[int]] = {}
+        for i, values in enumerate(per_layer):
+            wq, wk, _ = values["_qkv"]
+            groups.setdefault((tuple(wq.shape), tuple(wk.shape), wq.dtype), []).append(i)
+        for members in groups.values():
+            qs, ks = zip(*(per_layer[i]["_qkv"][:2] for i in members))
+            out = spectrum_metrics(torch.stack(qs), torch.stack(ks), self.sec_top)
+            for j, i in enumerate(members):
+                per_layer[i].update({name: t[j] for name, t in out.items()})
+
+    def _attention(self, layer, values: dict, results: dict, problems: dict) -> None:
+        if layer.index in problems:
+            self._warn_once(f"attn-{layer.index}", f"diag: attention of {layer.name} not measured: "
+                            f"{problems[layer.index]}")
+        stats = results.get(layer.index)
+        if stats is not None:
+            values.update(
+                attn_entropy=stats.entropy,
+                attn_rank=stats.rank,
+                attn_max_logit=stats.max_logit,
+                attn_rows=stats.rows,
+            )
+
+    def _record(self, step: int, per_layer: list[dict]) -> tuple[Record, dict]:
+        names, tensors = [], []
+        for layer, values in zip(self.layers, per_layer):
+            for metric, t in values.items():
+                if not metric.startswith("_"):
+                    names.append((layer, metric))
+                    tensors.append(t.reshape(-1).double())
+        if "updates" in self.signals:
+            self._snapshot = (step, [tuple(x.clone() for x in v["_qkv"]) for v in per_layer])
+        flat = torch.cat(tensors).cpu().numpy() if tensors else np.zeros(0)  # one host sync
+        record, offset, arrays = Record(step), 0, {}
+        for (layer, metric), t in zip(names, tensors):
+            chunk = flat[offset : offset + t.numel()]
+            offset += t.numel()
+            self._add(record, layer.label, metric, chunk)
+            arrays.setdefault(layer.label, {})[metric] = chunk
+        return record, arrays
+
+    def _add(self, record: Record, label: str, metric: str, values: np.ndarray) -> None:
+        if metric == "qk_spectrum":
+            record.histograms[f"{metric}/{label}"] = values
+            return
+        if metric in LAYER_METRICS:
+            record.scalars[layer_tag(metric, label)] = float(values[0])
+            return
+        if self.per_head:
+            for h, v in enumerate(values):
+                record.scalars[head_tag(metric, label, h, values.size)] = float(v)
+        with np.errstate(all="ignore"):
+            for stat, fn in zip(STATS, (np.max, np.min, np.mean)):
+                record.scalars[stat_tag(metric, label, stat)] = float(fn(values))
+        record.histograms[histogram_tag(metric, label)] = values
+
+    def _finish_updates(self) -> None:
+        step, snapshot = self._snapshot
+        self._snapshot = None
+        scalars: dict[str, float] = {}
+        arrays: dict[str, dict[str, np.ndarray]] = {}
+        with torch.no_grad():
+            for layer, before in zip(self.layers, snapshot):
+                after = split_qkv({n: p.detach() for n, p in layer.params().items()}, layer.layout)
+                for name, b, a in zip("qkv", before, after):
+                    out = update_metrics(b.flatten(0, 1), a.flatten(0, 1), name)
+                    for metric, value in out.items():
+                        scalars[layer_tag(metric, layer.label)] = float(value)
+                        arrays.setdefault(layer.label, {})[metric] = np.array([float(value)])
+        self.last.update(scalars)
+        self.sinks.write(Record(step, scalars))
+        self.alert_sink.emit(self.detectors.observe(Observation(step, None, arrays)))
+
+    def _check_finite(self, record: Record) -> None:
+        bad = [tag for tag, v in record.scalars.items() if not math.isfinite(v)]
+        if bad:
+            self._warn_once("nonfinite", f"diag: non-finite values at step {record.step} "
+                            f"(e.g. {bad[:3]}); logged as NaN, training continues")
+
