@@ -40,13 +40,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _show_diag_log() -> None:
+    """The CLI is an application: it shows the ``diag`` logger on stderr (library code never does)."""
+    logger = logging.getLogger("diag")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
-    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the CLI is an application
+    _show_diag_log()
     try:
         if args.command == "demo":
             # The demo is a live training loop, which lives in ``hooks``; imported
