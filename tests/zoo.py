@@ -125,13 +125,13 @@ def gpt2(attn: str = "eager", dropout: float = 0.1) -> Case:
     return Case(f"gpt2-{attn}", model, _padded_tokens, _hf_lm_loss)
 
 
-def llama(attn: str = "eager", kv_heads: int = 2) -> Case:
+def llama(attn: str = "eager", kv_heads: int = 2, dropout: float = 0.1) -> Case:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=64,
-                      attention_dropout=0.1)
+                      attention_dropout=dropout, initializer_range=0.2)
     model = LlamaForCausalLM._from_config(cfg, attn_implementation=attn)
     return Case(f"llama-{attn}", model, _padded_tokens, _hf_lm_loss)
 
