@@ -14,7 +14,8 @@ Shapes: N sampled sequences, H heads, Q query positions, K key positions.
 * ``attn_rank`` is the effective rank (Roy & Vetterli) of the attention matrix of
   one sequence and head restricted to its first ``rank_rows`` query rows (invalid
   rows and masked keys contribute zero rows and columns, which do not change the
-  nonzero singular values); averaged over the sampled sequences.
+  nonzero singular values); averaged over the sampled sequences that have a valid
+  row among those. ``rows`` is the mean number of valid rows the rank saw.
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ def stats_from_logits(logits: Tensor, rank_rows: int = 256) -> AttentionStats:
     max_logit = torch.full((n_heads,), -math.inf, dtype=torch.float64, device=dev)
     rank_sum = torch.zeros(n_heads, dtype=torch.float64, device=dev)
     rank_rows_seen = torch.zeros(1, dtype=torch.float64, device=dev)
+    rank_seqs = torch.zeros(1, dtype=torch.float64, device=dev)
     step = _row_chunks(n_q, n_heads, n_k)
     for i in range(n_seq):
         rank_block = []
@@ -122,13 +124,16 @@ def stats_from_logits(logits: Tensor, rank_rows: int = 256) -> AttentionStats:
             if start < rank_rows:
                 rank_block.append(p[:, : rank_rows - start])
         block = torch.cat(rank_block, dim=1)  # (H, R, K)
-        rank_sum += effective_rank(torch.linalg.svdvals(block))
-        rank_rows_seen += (block[0] > 0).any(-1).sum()
+        seen = (block[0] > 0).any(-1).sum()
+        has_rows = seen > 0  # a sequence with no valid row in the block has no rank
+        rank_sum += torch.where(has_rows, effective_rank(torch.linalg.svdvals(block)), 0.0)
+        rank_rows_seen += seen
+        rank_seqs += has_rows
     return AttentionStats(
         entropy=ent_sum / rows,
-        rank=rank_sum / n_seq,
+        rank=rank_sum / rank_seqs,
         max_logit=max_logit,
-        rows=rank_rows_seen / n_seq,
+        rows=rank_rows_seen / rank_seqs,
     )
 
 
@@ -144,7 +149,7 @@ def stats_from_probabilities_reference(
     entropy = torch.zeros(n_heads, dtype=torch.float64)
     rank = torch.zeros(n_heads, dtype=torch.float64)
     for h in range(n_heads):
-        total, count = 0.0, 0
+        total, count, ranks = 0.0, 0, []
         for i in range(n_seq):
             p_rows = []
             for r in range(n_q):
@@ -157,9 +162,12 @@ def stats_from_probabilities_reference(
                 total += float(-(nz * nz.log()).sum())
                 count += 1
             mat = torch.stack(p_rows)[:rank_rows]
+            if not bool((mat > 0).any()):
+                continue  # no valid row in the block: this sequence has no rank
             sv = torch.linalg.svdvals(mat)
             pn = sv / sv.sum()
             pn = pn[pn > 0]
-            rank[h] += math.exp(float(-(pn * pn.log()).sum())) / n_seq
-        entropy[h] = total / count
+            ranks.append(math.exp(float(-(pn * pn.log()).sum())))
+        entropy[h] = total / count if count else math.nan
+        rank[h] = sum(ranks) / len(ranks) if ranks else math.nan
     return entropy, rank
