@@ -1,0 +1,172 @@
+"""Detectors driven by scripted observations: exact alerts at exact steps; the channels."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import pytest
+
+from diag.alerts import AlertConfig, AlertSink, Detectors, Observation, TrainingHalted, attention_state
+from diag.errors import ConfigError
+from diag.sinks import FanOut, MemorySink
+
+
+def attn(entropy, rank, rows=64.0):
+    return {"attn_entropy": np.array(entropy, float), "attn_rank": np.array(rank, float),
+            "attn_rows": np.array([rows])}
+
+
+def kinds(alerts):
+    return [(a.step, a.kind, a.where) for a in alerts]
+
+
+def test_attention_states():
+    cfg = AlertConfig()
+    assert attention_state(0.1, 2.0, 64, cfg) == "malignant"
+    assert attention_state(0.1, 50.0, 64, cfg) == "benign"
+    assert attention_state(3.0, 1.5, 64, cfg) == "uniform"
+    assert attention_state(3.0, 40.0, 64, cfg) == "normal"
+
+
+def test_malignant_collapse_fires_once_after_persisting():
+    det = Detectors(AlertConfig(collapse_persist=2))
+    script = [attn([2.0, 2.0], [40, 40]), attn([0.1, 2.0], [2, 40]), attn([0.1, 2.0], [2, 40]),
+              attn([0.1, 2.0], [2, 40]), attn([2.0, 2.0], [40, 40]), attn([0.1, 2.0], [2, 40]),
+              attn([0.1, 2.0], [2, 40])]
+    out = []
+    for i, m in enumerate(script):
+        out += det.observe(Observation(i * 10, None, {"L00": m}))
+    assert kinds(out) == [(20, "malignant_collapse", "L00/H00"), (60, "malignant_collapse", "L00/H00")]
+    assert all(a.level == "critical" for a in out)
+
+
+def test_benign_and_uniform_are_reported_as_info_on_entry():
+    det = Detectors()
+    out = []
+    for i, m in enumerate([attn([0.1, 3.0], [60, 1.2]), attn([0.1, 3.0], [60, 1.2]), attn([2.0, 2.0], [40, 40])]):
+        out += det.observe(Observation(i, None, {"L01": m}))
+    assert kinds(out) == [(0, "benign_collapse", "L01/H00"), (0, "uniform_attention", "L01/H01")]
+    assert {a.level for a in out} == {"info"}
+
+
+def test_early_warning_needs_growth_and_concentration():
+    det = Detectors(AlertConfig(sigma_growth=2.0, sec_warn=0.5))
+    seq = [([1.0, 1.0], [0.2, 0.2]), ([1.5, 1.0], [0.3, 0.2]), ([2.5, 1.0], [0.3, 0.2]),
+           ([3.0, 1.0], [0.6, 0.2]), ([5.0, 1.0], [0.9, 0.2])]
+    out = []
+    for i, (sigma, sec) in enumerate(seq):
+        m = {"qk_sigma1": np.array(sigma), "qk_sec": np.array(sec)}
+        out += det.observe(Observation(i, None, {"L00": m}))
+    assert kinds(out) == [(3, "collapse_warning", "L00/H00")]
+    assert out[0].values["sigma1_growth"] == pytest.approx(3.0)
+
+
+def test_early_warning_from_large_update_ratio():
+    det = Detectors(AlertConfig(sigma_growth=2.0, tau_warn=0.01))
+    det.observe(Observation(0, None, {"L00": {"qk_sigma1": np.array([1.0]), "qk_sec": np.array([0.1])}}))
+    det.observe(Observation(0, None, {"L00": {"update_ratio_q": np.array([0.05])}}))
+    out = det.observe(Observation(10, None, {"L00": {"qk_sigma1": np.array([2.5]), "qk_sec": np.array([0.1])}}))
+    assert kinds(out) == [(10, "collapse_warning", "L00/H00")]
+
+
+def _plateau_run(det, losses, ratio):
+    out = []
+    for i, loss in enumerate(losses):
+        layers = {"L00": {"grad_ratio_qk_v": np.array([ratio])}}
+        out += det.observe(Observation(i, loss, layers))
+    return out
+
+
+def test_plateau_then_eureka_moment():
+    det = Detectors(AlertConfig(plateau_window=6, plateau_rel=0.02, plateau_qk_ratio=0.3, eureka_drop=0.3))
+    losses = [2.3, 2.3, 2.3, 2.3, 2.3, 2.3, 2.3, 2.29, 1.2, 0.5]
+    out = _plateau_run(det, losses, ratio=0.05)
+    assert kinds(out) == [(5, "eureka_plateau", ""), (8, "eureka_moment", "")]
+
+
+def test_no_plateau_when_qk_gradients_are_healthy_or_loss_falls():
+    det = Detectors(AlertConfig(plateau_window=6))
+    assert _plateau_run(det, [2.3] * 12, ratio=0.9) == []
+    det = Detectors(AlertConfig(plateau_window=6))
+    assert _plateau_run(det, [3.0 * 0.9**i for i in range(12)], ratio=0.05) == []
+
+
+def test_nonfinite_fires_on_entry_only():
+    det = Detectors()
+    seq = [1.0, float("nan"), float("nan"), 1.0, float("inf")]
+    out = []
+    for i, loss in enumerate(seq):
+        out += det.observe(Observation(i, loss, {}))
+    assert kinds(out) == [(1, "nonfinite_loss", ""), (4, "nonfinite_loss", "")]
+    out = det.observe(Observation(5, 1.0, {"L00": {"qk_sigma1": np.array([np.nan])}}))
+    assert kinds(out) == [(5, "nonfinite_weights", "")]
+
+
+def test_loss_spike():
+    det = Detectors(AlertConfig(spike_warmup=5, spike_sigma=6.0))
+    rng = np.random.default_rng(0)
+    losses = list(2.0 + 0.01 * rng.standard_normal(30)) + [5.0] + [2.0] * 3
+    out = []
+    for i, loss in enumerate(losses):
+        out += [a for a in det.observe(Observation(i, float(loss), {})) if a.kind == "loss_spike"]
+    assert kinds(out) == [(30, "loss_spike", "")]
+
+
+def test_state_dict_round_trip_continues_identically():
+    cfg = AlertConfig(plateau_window=6, collapse_persist=3)
+    script = [(2.3, attn([0.1], [2])) for _ in range(10)] + [(1.0, attn([0.1], [2]))]
+    whole, first = Detectors(cfg), Detectors(cfg)
+    out_whole = [a for i, (loss, m) in enumerate(script)
+                 for a in whole.observe(Observation(i, loss, {"L00": {**m, "grad_ratio_qk_v": np.array([0.1])}}))]
+    out_split = [a for i, (loss, m) in enumerate(script[:4])
+                 for a in first.observe(Observation(i, loss, {"L00": {**m, "grad_ratio_qk_v": np.array([0.1])}}))]
+    state = json.loads(json.dumps(first.state_dict()))  # must be plain JSON
+    resumed = Detectors(cfg)
+    resumed.load_state_dict(state)
+    out_split += [a for i, (loss, m) in enumerate(script[4:], start=4)
+                  for a in resumed.observe(Observation(i, loss, {"L00": {**m, "grad_ratio_qk_v": np.array([0.1])}}))]
+    assert kinds(out_whole) == kinds(out_split)
+    assert {k for _, k, _ in kinds(out_whole)} == {"malignant_collapse", "eureka_plateau", "eureka_moment"}
+
+
+def test_config_checks_itself():
+    with pytest.raises(ConfigError, match="sparse_entropy"):
+        AlertConfig(sparse_entropy=-1)
+    with pytest.raises(ConfigError, match="plateau_window"):
+        AlertConfig(plateau_window=0)
+
+
+def test_alert_channels(tmp_path, caplog):
+    mem = MemorySink()
+    seen = []
+    sink = AlertSink(FanOut([mem]), tmp_path / "alerts.jsonl", seen.append, stop_on_critical=False)
+    det = Detectors(AlertConfig(collapse_persist=1))
+    alerts = det.observe(Observation(7, None, {"L02": attn([0.1], [1.0])}))
+    with caplog.at_level(logging.INFO, logger="diag"):
+        sink.emit(alerts)
+    assert [a.kind for a in seen] == ["malignant_collapse"]
+    assert mem.records[0].scalars == {"alerts/malignant_collapse": 1.0}
+    assert "L02/H00" in mem.records[0].texts["alerts/malignant_collapse"]
+    line = json.loads((tmp_path / "alerts.jsonl").read_text().splitlines()[0])
+    assert line["kind"] == "malignant_collapse" and line["step"] == 7 and line["level"] == "critical"
+    assert any("malignant" in r.message for r in caplog.records)
+
+
+def test_stop_on_critical_raises_after_writing(tmp_path):
+    mem = MemorySink()
+    sink = AlertSink(FanOut([mem]), tmp_path / "alerts.jsonl", None, stop_on_critical=True)
+    alerts = Detectors(AlertConfig(collapse_persist=1)).observe(Observation(3, None, {"L00": attn([0.1], [1.0])}))
+    with pytest.raises(TrainingHalted) as info:
+        sink.emit(alerts)
+    assert info.value.alert.kind == "malignant_collapse"
+    assert (tmp_path / "alerts.jsonl").exists() and mem.records
+
+
+def test_failing_callback_does_not_propagate(tmp_path):
+    def boom(alert):
+        raise RuntimeError("user bug")
+
+    sink = AlertSink(FanOut([]), None, boom)
+    sink.emit(Detectors(AlertConfig(collapse_persist=1)).observe(Observation(0, None, {"L00": attn([0.1], [1.0])})))
