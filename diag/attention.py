@@ -126,7 +126,10 @@ def stats_from_logits(logits: Tensor, rank_rows: int = 256) -> AttentionStats:
         block = torch.cat(rank_block, dim=1)  # (H, R, K)
         seen = (block[0] > 0).any(-1).sum()
         has_rows = seen > 0  # a sequence with no valid row in the block has no rank
-        rank_sum += torch.where(has_rows, effective_rank(torch.linalg.svdvals(block)), 0.0)
+        finite = torch.isfinite(block).flatten(1).all(1)  # (H,): a NaN head gets a NaN rank
+        sv = torch.linalg.svdvals(torch.where(finite[:, None, None], block, 0.0))
+        erank = torch.where(finite, effective_rank(sv), torch.nan)
+        rank_sum += torch.where(has_rows, erank, 0.0)
         rank_rows_seen += seen
         rank_seqs += has_rows
     return AttentionStats(

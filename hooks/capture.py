@@ -189,7 +189,10 @@ class AttentionCapture:
         def hook(module, args, output):
             if self._active is layer:
                 self._exit_mode()
-                if layer.index not in self.results and layer.index not in self.problems:
+                if output is None:  # the forward raised: what it saw does not count
+                    self.results.pop(layer.index, None)
+                    self.problems.pop(layer.index, None)
+                elif layer.index not in self.results and layer.index not in self.problems:
                     self.problems[layer.index] = "no attention call (SDPA, softmax or MHA) was seen"
 
         return hook
@@ -203,16 +206,19 @@ class AttentionCapture:
         layer = self._active
         if layer is None or layer.index in self.results or layer.index in self.problems:
             return
-        with torch.no_grad():
-            got = handler(args, kwargs, self.n_seqs)
-            if got is None:
-                return
-            seen, logits = got
-            expected = layer.layout.n_heads
-            if seen.shape[1] != expected:
-                self.problems[layer.index] = (
-                    f"the attention call has {seen.shape[1]} heads (shape {tuple(seen.shape)}) "
-                    f"but the layout says n_heads={expected}"
-                )
-                return
-            self.results[layer.index] = stats_from_logits(logits(), self.rank_rows)
+        try:
+            with torch.no_grad():
+                got = handler(args, kwargs, self.n_seqs)
+                if got is None:
+                    return
+                seen, logits = got
+                expected = layer.layout.n_heads
+                if seen.shape[1] != expected:
+                    self.problems[layer.index] = (
+                        f"the attention call has {seen.shape[1]} heads (shape {tuple(seen.shape)}) "
+                        f"but the layout says n_heads={expected}"
+                    )
+                    return
+                self.results[layer.index] = stats_from_logits(logits(), self.rank_rows)
+        except Exception as err:  # noqa: BLE001 - a fault here must never reach the forward pass
+            self.problems[layer.index] = f"capture failed: {err!r}"

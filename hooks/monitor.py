@@ -121,6 +121,8 @@ class Monitor:
 
     def step(self, step: int, loss: Tensor | float | None = None) -> None:
         """Call once per training step, after backward and before ``optimizer.step()``."""
+        if self._closed:
+            return
         if self._snapshot is not None:
             self._guard("updates", self._finish_updates)
         if step % self.every == 0:
