@@ -80,9 +80,39 @@ def stable_rank(sv: Tensor) -> Tensor:
     return sv.square().sum(-1) / sv[..., 0].square()
 
 
-def top_singular_value(w: Tensor) -> Tensor:
-    """sigma_1 of a matrix (or a batch of matrices), exact, float64; NaN if not finite."""
+def top_singular_value(w: Tensor, exact_below: int = 128, block: int = 8, rtol: float = 1e-6) -> Tensor:
+    """sigma_1 of a matrix or a batch of matrices (..., m, n), float64; NaN if not finite.
+
+    Small matrices (min(m, n) <= exact_below): the full singular values. Larger ones:
+    block Krylov on W^T W from a fixed start block (a private generator: the global
+    RNG is untouched) with full re-orthogonalisation, then Rayleigh-Ritz; iterates
+    until the estimate changes by less than ``rtol`` relative, or the subspace spans
+    everything (exact). The estimate never exceeds sigma_1 (it is a Ritz value).
+    """
     w64 = w.to(torch.float64)
     if not bool(torch.isfinite(w64).all()):
         return torch.full(w.shape[:-2], torch.nan, dtype=torch.float64, device=w.device)
-    return torch.linalg.matrix_norm(w64, ord=2)
+    if min(w64.shape[-2:]) <= exact_below:
+        return torch.linalg.matrix_norm(w64, ord=2)
+    if w64.shape[-2] < w64.shape[-1]:
+        w64 = w64.transpose(-1, -2)  # (..., m, n) with m >= n: the Krylov space lives in R^n
+    n = w64.shape[-1]
+    gen = torch.Generator(device=w64.device).manual_seed(0)
+    start = torch.randn(n, block, generator=gen, dtype=torch.float64, device=w64.device)
+    q = torch.linalg.qr(start.expand(*w64.shape[:-2], n, block)).Q  # (..., n, b)
+    wq = w64 @ q  # (..., m, b)
+    basis, w_basis = q, wq
+    estimate = torch.zeros(w64.shape[:-2], dtype=torch.float64, device=w64.device)
+    while True:
+        gram = w_basis.transpose(-1, -2) @ w_basis  # (..., k, k): W restricted to the basis
+        new = torch.linalg.eigvalsh(gram)[..., -1].clamp_min(0).sqrt()
+        done = bool(((new - estimate).abs() <= rtol * new).all()) or basis.shape[-1] + block > n
+        estimate = new
+        if done:
+            return estimate
+        z = w64.transpose(-1, -2) @ wq  # (..., n, b): the next Krylov block of W^T W
+        for _ in range(2):  # re-orthogonalise twice against the whole basis
+            z = z - basis @ (basis.transpose(-1, -2) @ z)
+        q = torch.linalg.qr(z).Q
+        wq = w64 @ q
+        basis, w_basis = torch.cat([basis, q], -1), torch.cat([w_basis, wq], -1)

@@ -213,3 +213,21 @@ def test_chunked_rows_equal_unchunked(monkeypatch):
     chunked = stats_from_logits(logits, rank_rows=17)
     for name in ("entropy", "rank", "max_logit", "rows"):
         torch.testing.assert_close(getattr(chunked, name), getattr(whole, name))
+
+
+@pytest.mark.parametrize("kind", ["gaussian", "low-rank", "sign"])
+def test_top_singular_value_krylov_path_matches_full_svd(kind):
+    from diag.spectral import top_singular_value
+
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(3, 200, 300, generator=g)
+    if kind == "low-rank":
+        w = 0.01 * w + torch.randn(3, 200, 2, generator=g) @ torch.randn(3, 2, 300, generator=g)
+    elif kind == "sign":  # Adam-like updates: a clustered spectrum, the slow case
+        w = torch.sign(w)
+    before = torch.get_rng_state()
+    got = top_singular_value(w, exact_below=16)  # force the Krylov path
+    assert torch.equal(before, torch.get_rng_state())  # a private generator: global RNG untouched
+    ref = torch.linalg.matrix_norm(w.double(), ord=2)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=0)
+    assert (got <= ref * (1 + 1e-12)).all()  # a Ritz value never overshoots
