@@ -1,0 +1,169 @@
+"""What watching costs: ratios measured side by side in one run (not a timed test).
+
+    .venv/bin/python benchmarks/overhead.py --model small --reps 5
+    .venv/bin/python benchmarks/overhead.py --model tiny
+
+Prints, for a GPT-2-shaped model (Hugging Face, sdpa attention, random init,
+batch 4 x 128 tokens):
+  1. exact spectra of all heads (d_head x d_head core) vs the naive full SVD of each
+     d_model x d_model product: time ratio and the largest relative disagreement;
+  2. training-step time with the Monitor at every=1, 10, 100 vs no Monitor, the
+     configurations interleaved round-robin so drift on a shared machine hits all
+     alike: median (min, max) overhead ratios;
+  3. the cost of one non-sampled ``monitor.step`` call, relative to a training step;
+  4. the cost of each signal family on a sampled step, as a fraction of one step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from diag.layouts import split_qkv
+from diag.sinks import MemorySink
+from diag.spectral import qk_singular_values, qk_singular_values_reference
+from hooks import Monitor
+from hooks.discovery import discover
+
+SHAPES = {"small": (12, 12, 768), "tiny": (2, 4, 64)}
+
+
+def build(size: str):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    layers, heads, width = SHAPES[size]
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=layers, n_head=heads, n_embd=width, vocab_size=8192, n_positions=256)
+    return GPT2LMHeadModel._from_config(cfg, attn_implementation="sdpa")
+
+
+def spectra(model, reps: int) -> None:
+    layers = discover(model)
+    qs, ks = zip(*(split_qkv({n: p.detach() for n, p in l.params().items()}, l.layout)[:2] for l in layers))
+    wq, wk = torch.cat(qs), torch.cat(ks)
+    fast, slow = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        sv = qk_singular_values(wq, wk)
+        t1 = time.perf_counter()
+        ref = torch.stack([qk_singular_values_reference(wq[h], wk[h]) for h in range(wq.shape[0])])
+        t2 = time.perf_counter()
+        fast.append(t1 - t0)
+        slow.append(t2 - t1)
+    err = ((sv - ref).abs() / ref[:, :1]).max().item()
+    ratio = [s / f for s, f in zip(slow, fast)]
+    print(f"1. spectra of {wq.shape[0]} heads: core {statistics.median(fast) * 1e3:.1f} ms, naive SVD "
+          f"{statistics.median(slow) * 1e3:.0f} ms; naive/core {statistics.median(ratio):.0f}x "
+          f"(min {min(ratio):.0f}, max {max(ratio):.0f}); max |diff|/sigma_1 {err:.1e}")
+
+
+def train_steps(model, monitor, steps: int, start: int) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, 8192, (4, 128), generator=torch.Generator().manual_seed(0))
+    times = []
+    for step in range(start, start + steps):
+        t0 = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        if monitor is not None:
+            monitor.step(step, loss=loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def overhead(model, reps: int, steps: int) -> float:
+    configs = {"none": None, "every=1": 1, "every=10": 10, "every=100": 100}
+    totals: dict[str, list[float]] = {k: [] for k in configs}
+    train_steps(model, None, 2, 0)  # warm up
+    for rep in range(reps):
+        for name, every in configs.items():
+            monitor = None if every is None else Monitor(model, every=every, sinks=[MemorySink()])
+            totals[name].append(sum(train_steps(model, monitor, steps, 1)))
+            if monitor is not None:
+                monitor.close()
+    base = statistics.median(totals["none"]) / steps
+    print(f"2. training step without monitor: {base * 1e3:.0f} ms (median of {reps} x {steps} steps)")
+    for name in list(configs)[1:]:
+        ratios = [t / n for t, n in zip(totals[name], totals["none"])]
+        print(f"   {name:>9}: time ratio {statistics.median(ratios):.3f} "
+              f"(min {min(ratios):.3f}, max {max(ratios):.3f})")
+    return base
+
+
+def non_sampled_cost(model, base: float) -> None:
+    monitor = Monitor(model, every=1000, sinks=[MemorySink()])
+    monitor.capture.disarm()
+    n = 20000
+    t0 = time.perf_counter()
+    for step in range(1, n + 1):
+        if step % 1000:
+            monitor.step(step)
+    per_call = (time.perf_counter() - t0) / n
+    monitor.close()
+    print(f"3. one non-sampled monitor.step: {per_call * 1e6:.2f} us = {per_call / base * 100:.5f}% of a step")
+
+
+def _fwd_bwd(model, ids) -> float:
+    t0 = time.perf_counter()
+    model(input_ids=ids, labels=ids).loss.backward()
+    return time.perf_counter() - t0
+
+
+def families(model, base: float, reps: int) -> None:
+    """Weight-side families: the duration of the monitor.step calls that do their work.
+    Attention: forward+backward with the capture armed minus without, interleaved."""
+    print("4. sampled-step cost per signal family (fraction of one training step):")
+    ids = torch.randint(0, 8192, (4, 128), generator=torch.Generator().manual_seed(0))
+    for family in ("spectra", "grads", "updates"):
+        monitor = Monitor(model, every=2, signals=(family,), sinks=[MemorySink()])
+        costs = []
+        for rep in range(reps):
+            _fwd_bwd(model, ids)
+            t0 = time.perf_counter()
+            monitor.step(2 * rep)  # sampled
+            t1 = time.perf_counter()
+            monitor.step(2 * rep + 1)  # not sampled: finishes the update ratios of the last step
+            costs.append(t1 - t0 + (time.perf_counter() - t1 if family == "updates" else 0.0))
+            model.zero_grad(set_to_none=True)
+        monitor.close()
+        print(f"   {family:>9}: {statistics.median(costs) / base * 100:6.2f}% "
+              f"(min {min(costs) / base * 100:.2f}, max {max(costs) / base * 100:.2f})")
+    monitor = Monitor(model, every=1, signals=("attention",), sinks=[MemorySink()])
+    costs = []
+    for rep in range(reps):
+        monitor.capture.arm()
+        armed = _fwd_bwd(model, ids)
+        monitor.capture.take()
+        plain = _fwd_bwd(model, ids)
+        costs.append(armed - plain)
+        model.zero_grad(set_to_none=True)
+    monitor.close()
+    print(f"   attention: {statistics.median(costs) / base * 100:6.2f}% "
+          f"(min {min(costs) / base * 100:.2f}, max {max(costs) / base * 100:.2f})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(SHAPES), default="small")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model = build(args.model)
+    layers, heads, width = SHAPES[args.model]
+    print(f"model: GPT-2 shape {layers} layers x {heads} heads, d_model {width}; batch 4 x 128; "
+          f"{args.threads} threads")
+    spectra(model, args.reps)
+    base = overhead(model, args.reps, args.steps)
+    non_sampled_cost(model, base)
+    families(model, base, args.reps)
+
+
+if __name__ == "__main__":
+    main()
