@@ -20,6 +20,7 @@ import numpy as np
 
 from diag.errors import ConfigError, DiagError
 from diag.sinks import FanOut, Record
+from diag.tags import head_label
 
 __all__ = [
     "Alert",
@@ -68,6 +69,7 @@ class AlertConfig:
 
     sparse_entropy: float = 0.5  # nats: below, a query spreads its mass over ~1.6 keys or fewer
     low_rank_frac: float = 0.1  # attention effective rank below 10% of its rows is low-rank
+    uniform_frac: float = 0.8  # entropy at 80% of uniform attention's over the same keys is "uniform"
     collapse_persist: int = 2  # consecutive samples in the malignant state -> critical
     sigma_growth: float = 2.0  # sigma_1 grown this many times over its first value ...
     sec_warn: float = 0.5  # ... with SEC_s at or above this -> early warning
@@ -80,7 +82,7 @@ class AlertConfig:
     spike_warmup: int = 10  # samples before spikes are judged
 
     def __post_init__(self) -> None:
-        for name in ("sparse_entropy", "low_rank_frac", "sigma_growth", "sec_warn", "tau_warn",
+        for name in ("sparse_entropy", "low_rank_frac", "uniform_frac", "sigma_growth", "sec_warn", "tau_warn",
                      "plateau_rel", "plateau_qk_ratio", "eureka_drop", "spike_sigma"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"AlertConfig.{name}={getattr(self, name)!r}: expected a positive number")
@@ -89,13 +91,20 @@ class AlertConfig:
                 raise ConfigError(f"AlertConfig.{name}={getattr(self, name)!r}: expected an integer >= 1")
 
 
-def attention_state(entropy: float, rank: float, rows: float, cfg: AlertConfig) -> str:
-    """'malignant' (sparse, low-rank), 'benign' (sparse, full-rank), 'uniform' (low-rank, not sparse) or 'normal'."""
+def attention_state(
+    entropy: float, rank: float, rows: float, cfg: AlertConfig, uniform_entropy: float = math.inf
+) -> str:
+    """The state of one head's attention.
+
+    'malignant': sparse (entropy <= sparse_entropy) and low-rank (rank <= low_rank_frac * rows);
+    'benign': sparse, not low-rank; 'uniform': low-rank with entropy >= uniform_frac of
+    what uniform attention over the same keys would have; otherwise 'normal'.
+    """
     sparse = entropy <= cfg.sparse_entropy
     low_rank = rank <= cfg.low_rank_frac * max(rows, 1.0)
     if sparse:
         return "malignant" if low_rank else "benign"
-    return "uniform" if low_rank else "normal"
+    return "uniform" if low_rank and entropy >= cfg.uniform_frac * uniform_entropy else "normal"
 
 
 class Detectors:
@@ -150,8 +159,11 @@ class Detectors:
             alerts += self._early_warning(step, label, m, base)
         if "attn_entropy" in m and "attn_rows" in m:
             rows = float(m["attn_rows"][0])
+            uniform = float(m["attn_entropy_uniform"][0]) if "attn_entropy_uniform" in m else math.inf
+            n = len(m["attn_entropy"])
             for h, (e, r) in enumerate(zip(m["attn_entropy"], m["attn_rank"])):
-                alerts += self._head_state(step, f"{label}/H{h:02d}", float(e), float(r), rows)
+                where = f"{label}/{head_label(h, n)}"
+                alerts += self._head_state(step, where, float(e), float(r), rows, uniform)
         return alerts
 
     def _early_warning(self, step: int, label: str, m: dict, base: list[float]) -> list[Alert]:
@@ -166,14 +178,16 @@ class Detectors:
             values = {"sigma1_growth": float(growth[h]), "qk_sigma1": float(m["qk_sigma1"][h])}
             if "qk_sec" in m:
                 values["qk_sec"] = float(m["qk_sec"][h])
-            return [Alert(step, "collapse_warning", "warning", f"{label}/H{h:02d}",
-                          f"{label} head {h}: sigma_1(Wq^T Wk) grew {growth[h]:.1f}x with a concentrated "
-                          "spectrum; malignant entropy collapse may follow (consider warmup or a lower "
+            why = "a concentrated spectrum" if concentrated else "large update ratios in the layer"
+            return [Alert(step, "collapse_warning", "warning", f"{label}/{head_label(h, len(growth))}",
+                          f"{label} head {h}: sigma_1(Wq^T Wk) grew {growth[h]:.1f}x with {why}; "
+                          "malignant entropy collapse may follow (consider warmup or a lower "
                           "learning rate)", values)]
         return []
 
-    def _head_state(self, step: int, where: str, e: float, r: float, rows: float) -> list[Alert]:
-        state = attention_state(e, r, rows, self.cfg) if math.isfinite(e) and math.isfinite(r) else "normal"
+    def _head_state(self, step: int, where: str, e: float, r: float, rows: float, uniform: float) -> list[Alert]:
+        finite = math.isfinite(e) and math.isfinite(r)
+        state = attention_state(e, r, rows, self.cfg, uniform) if finite else "normal"
         previous = self.head_state.get(where, "normal")
         self.head_state[where] = state
         run = self.malignant_run.get(where, 0) + 1 if state == "malignant" else 0
@@ -192,20 +206,19 @@ class Detectors:
     # ------------------------------------------------------- loss and values
 
     def _nonfinite(self, obs: Observation) -> list[Alert]:
-        found = set()
-        if obs.loss is not None and not math.isfinite(obs.loss):
-            found.add("loss")
+        """Fires on entry into a non-finite state, per kind; only kinds this observation shows are judged."""
+        seen: dict[str, bool] = {}
+        if obs.loss is not None:
+            seen["loss"] = not math.isfinite(obs.loss)
         for metrics in obs.layers.values():
-            if "qk_sigma1" in metrics and not np.isfinite(metrics["qk_sigma1"]).all():
-                found.add("weights")
-            if "grad_norm_q" in metrics and not all(
-                np.isfinite(metrics[k]).all() for k in ("grad_norm_q", "grad_norm_k", "grad_norm_v")
-            ):
-                found.add("gradients")
-        new = found - self.nonfinite
-        self.nonfinite = found
+            for kind, keys in (("weights", ("qk_sigma1",)), ("gradients", ("grad_norm_q", "grad_norm_k", "grad_norm_v"))):
+                if all(k in metrics for k in keys):
+                    bad = not all(np.isfinite(metrics[k]).all() for k in keys)
+                    seen[kind] = seen.get(kind, False) or bad
+        new = sorted(k for k, bad in seen.items() if bad and k not in self.nonfinite)
+        self.nonfinite = {k for k in self.nonfinite if k not in seen} | {k for k, bad in seen.items() if bad}
         return [Alert(obs.step, f"nonfinite_{what}", "critical", "", f"non-finite {what} at step {obs.step}")
-                for what in sorted(new)]
+                for what in new]
 
     def _spike(self, step: int, loss: float) -> list[Alert]:
         self.n_loss += 1
@@ -213,13 +226,14 @@ class Detectors:
             self.ema = loss
             return []
         std = math.sqrt(self.emvar)
-        spike = self.n_loss > self.cfg.spike_warmup and loss > self.ema + self.cfg.spike_sigma * max(std, 1e-8)
-        delta = loss - self.ema
+        mean = self.ema
+        spike = self.n_loss > self.cfg.spike_warmup and loss > mean + self.cfg.spike_sigma * max(std, 1e-8)
+        delta = loss - mean
         self.ema += 0.1 * delta
         self.emvar = 0.9 * (self.emvar + 0.1 * delta * delta)
         if spike:
             return [Alert(step, "loss_spike", "warning", "", f"loss spike at step {step}: {loss:.4g} "
-                          f"against a running mean of {self.ema:.4g}", {"loss": loss})]
+                          f"against a running mean of {mean:.4g}", {"loss": loss, "running_mean": mean})]
         return []
 
     def _plateau(self, step: int, loss: float, layers: dict) -> list[Alert]:
@@ -231,6 +245,7 @@ class Detectors:
             if loss <= self.plateau_level * (1 - self.cfg.eureka_drop):
                 level, self.plateau_level = self.plateau_level, None
                 self.losses.clear()
+                self.qk_ratios.clear()
                 return [Alert(step, "eureka_moment", "info", "", f"Eureka-moment at step {step}: loss fell "
                               f"from a plateau at {level:.4g} to {loss:.4g}", {"loss": loss, "plateau": level})]
             return []

@@ -48,6 +48,7 @@ class AttentionStats:
     rank: Tensor
     max_logit: Tensor
     rows: Tensor  # (1,): valid query rows per sequence that the rank saw (mean over sequences)
+    uniform_entropy: Tensor  # (H,): the entropy uniform attention over the same valid keys would have
 
 
 def excluded_by_additive_mask(x: Tensor) -> Tensor:
@@ -102,6 +103,7 @@ def stats_from_logits(logits: Tensor, rank_rows: int = 256) -> AttentionStats:
     n_seq, n_heads, n_q, n_k = logits.shape
     dev = logits.device
     ent_sum = torch.zeros(n_heads, dtype=torch.float64, device=dev)
+    uniform_sum = torch.zeros(n_heads, dtype=torch.float64, device=dev)
     rows = torch.zeros(n_heads, dtype=torch.float64, device=dev)
     max_logit = torch.full((n_heads,), -math.inf, dtype=torch.float64, device=dev)
     rank_sum = torch.zeros(n_heads, dtype=torch.float64, device=dev)
@@ -119,6 +121,7 @@ def stats_from_logits(logits: Tensor, rank_rows: int = 256) -> AttentionStats:
             p = logp.exp().masked_fill(~valid_row[..., None], 0.0)
             row_ent = -(p * logp.masked_fill(p == 0, 0.0)).sum(-1)  # (H, c)
             ent_sum += row_ent.sum(-1)
+            uniform_sum += (~excluded).sum(-1).clamp_min(1).double().log().sum(-1)
             rows += valid_row.sum(-1)
             max_logit = torch.maximum(max_logit, s.amax(dim=(-1, -2)))
             if start < rank_rows:
@@ -137,6 +140,7 @@ def stats_from_logits(logits: Tensor, rank_rows: int = 256) -> AttentionStats:
         rank=rank_sum / rank_seqs,
         max_logit=max_logit,
         rows=rank_rows_seen / rank_seqs,
+        uniform_entropy=uniform_sum / rows,
     )
 
 

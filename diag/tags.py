@@ -19,6 +19,7 @@ __all__ = [
     "LAYER_METRICS",
     "STATS",
     "layer_label",
+    "head_label",
     "head_tag",
     "stat_tag",
     "layer_tag",
@@ -39,6 +40,7 @@ PER_HEAD_METRICS = (
 )
 LAYER_METRICS = (
     "attn_rows",
+    "attn_entropy_uniform",
     "grad_ratio_qk_v",
     "update_ratio_q",
     "update_ratio_k",
@@ -58,8 +60,12 @@ def layer_label(index: int, n_layers: int, cross: bool = False) -> str:
     return f"L{_pad(index, n_layers)}" + (".cross" if cross else "")
 
 
+def head_label(head: int, n_heads: int) -> str:
+    return f"H{_pad(head, n_heads)}"
+
+
 def head_tag(metric: str, layer: str, head: int, n_heads: int) -> str:
-    return f"{metric}/{layer}/H{_pad(head, n_heads)}"
+    return f"{metric}/{layer}/{head_label(head, n_heads)}"
 
 
 def stat_tag(metric: str, layer: str, stat: str) -> str:

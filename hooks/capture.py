@@ -37,6 +37,10 @@ __all__ = ["AttentionCapture"]
 _MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
 
 
+class _Unsupported(Exception):
+    """The call was seen but its form is not measured; the message says which."""
+
+
 def _sdpa_args(args: tuple, kwargs: dict) -> dict:
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
     bound = dict(zip(names, args))
@@ -92,7 +96,7 @@ def _mha_mask(
 def _from_mha(args: tuple, kwargs: dict, n: int) -> tuple[Tensor, Callable[[], Tensor]] | None:
     a = _MHA_SIGNATURE.bind(*args, **kwargs).arguments
     if a.get("bias_k") is not None or a.get("add_zero_attn") or a.get("static_k") is not None:
-        return None
+        raise _Unsupported("nn.MultiheadAttention with bias_k/add_zero_attn/static_k is not measured")
     query, key = a["query"], a["key"]
     if query.dim() == 2:
         query, key = query.unsqueeze(1), key.unsqueeze(1)
@@ -220,5 +224,7 @@ class AttentionCapture:
                     )
                     return
                 self.results[layer.index] = stats_from_logits(logits(), self.rank_rows)
+        except _Unsupported as err:
+            self.problems[layer.index] = str(err)
         except Exception as err:  # noqa: BLE001 - a fault here must never reach the forward pass
             self.problems[layer.index] = f"capture failed: {err!r}"

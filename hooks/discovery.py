@@ -57,6 +57,8 @@ def module_view(name: str, module: nn.Module) -> ModuleView:
 
 
 def _spec_layout(name: str, spec: Mapping[str, QKVLayout]) -> QKVLayout | None:
+    if not name:  # the root module is never an attention layer of its own
+        return None
     for pattern, layout in spec.items():
         if fnmatch.fnmatchcase(name, pattern):
             return layout

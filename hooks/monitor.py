@@ -177,6 +177,10 @@ class Monitor:
             warnings.warn(message, RuntimeWarning, stacklevel=4)
 
     def _sample(self, step: int, loss: Tensor | float | None) -> None:
+        if "attention" in self.signals and not self.capture.armed:
+            self._warn_once("unarmed", f"diag: step {step} is sampled but step {step - 1} was not "
+                            "reported, so its attention was not captured; call monitor.step for every "
+                            "training step with consecutive step numbers")
         results, problems = self.capture.take() if "attention" in self.signals else ({}, {})
         with torch.no_grad():
             per_layer = [self._weight_side(layer) for layer in self.layers]
@@ -230,6 +234,7 @@ class Monitor:
                 attn_rank=stats.rank,
                 attn_max_logit=stats.max_logit,
                 attn_rows=stats.rows,
+                attn_entropy_uniform=stats.uniform_entropy.mean().reshape(1),
             )
 
     def _record(self, step: int, per_layer: list[dict]) -> tuple[Record, dict]:

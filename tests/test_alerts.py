@@ -13,9 +13,9 @@ from diag.errors import ConfigError
 from diag.sinks import FanOut, MemorySink
 
 
-def attn(entropy, rank, rows=64.0):
+def attn(entropy, rank, rows=64.0, uniform=3.5):
     return {"attn_entropy": np.array(entropy, float), "attn_rank": np.array(rank, float),
-            "attn_rows": np.array([rows])}
+            "attn_rows": np.array([rows]), "attn_entropy_uniform": np.array([uniform])}
 
 
 def kinds(alerts):
@@ -26,8 +26,10 @@ def test_attention_states():
     cfg = AlertConfig()
     assert attention_state(0.1, 2.0, 64, cfg) == "malignant"
     assert attention_state(0.1, 50.0, 64, cfg) == "benign"
-    assert attention_state(3.0, 1.5, 64, cfg) == "uniform"
-    assert attention_state(3.0, 40.0, 64, cfg) == "normal"
+    assert attention_state(3.0, 1.5, 64, cfg, uniform_entropy=3.5) == "uniform"
+    assert attention_state(1.0, 1.5, 64, cfg, uniform_entropy=3.5) == "normal"  # a shared sink key, not flat
+    assert attention_state(3.0, 1.5, 64, cfg) == "normal"  # without the uniform reference: never "uniform"
+    assert attention_state(3.0, 40.0, 64, cfg, uniform_entropy=3.5) == "normal"
 
 
 def test_malignant_collapse_fires_once_after_persisting():
@@ -102,6 +104,9 @@ def test_nonfinite_fires_on_entry_only():
     assert kinds(out) == [(1, "nonfinite_loss", ""), (4, "nonfinite_loss", "")]
     out = det.observe(Observation(5, 1.0, {"L00": {"qk_sigma1": np.array([np.nan])}}))
     assert kinds(out) == [(5, "nonfinite_weights", "")]
+    # an observation that shows neither loss nor weights (the update ratios) changes nothing
+    assert det.observe(Observation(5, None, {"L00": {"update_ratio_q": np.array([0.1])}})) == []
+    assert det.observe(Observation(6, 1.0, {"L00": {"qk_sigma1": np.array([np.nan])}})) == []
 
 
 def test_loss_spike():
@@ -170,3 +175,44 @@ def test_failing_callback_does_not_propagate(tmp_path):
 
     sink = AlertSink(FanOut([]), None, boom)
     sink.emit(Detectors(AlertConfig(collapse_persist=1)).observe(Observation(0, None, {"L00": attn([0.1], [1.0])})))
+
+
+def test_monitor_raises_nonfinite_alert_once_per_episode():
+    import torch
+    import zoo
+
+    from hooks import Monitor
+
+    case = zoo.nanogpt()
+    seen = []
+    monitor = Monitor(case.model, every=1, sinks=[MemorySink()], on_alert=seen.append)
+    gen = torch.Generator().manual_seed(0)
+    with pytest.warns(RuntimeWarning, match="non-finite"):
+        for step in range(4):
+            loss = case.loss(case.model, case.make_batch(gen))
+            loss.backward()
+            monitor.step(step, loss=float("nan"))
+            case.model.zero_grad()
+    monitor.close()
+    assert [(a.step, a.kind) for a in seen if a.kind.startswith("nonfinite")] == [(0, "nonfinite_loss")]
+
+
+def test_skipped_step_numbers_warn_that_attention_was_not_captured():
+    import torch
+    import zoo
+
+    from hooks import Monitor
+
+    case = zoo.nanogpt()
+    mem = MemorySink()
+    monitor = Monitor(case.model, every=10, sinks=[mem])
+    gen = torch.Generator().manual_seed(0)
+    with pytest.warns(RuntimeWarning, match="not captured"):
+        for step in (0, 4, 8, 12, 16, 20):
+            case.loss(case.model, case.make_batch(gen)).backward()
+            monitor.step(step)
+            case.model.zero_grad()
+    monitor.close()
+    assert any(t.startswith("attn_entropy") for t in mem.records[0].scalars)
+    step20 = [r for r in mem.records if r.step == 20 and "qk_sigma1/L00/max" in r.scalars][0]
+    assert not any(t.startswith("attn_entropy") for t in step20.scalars)
