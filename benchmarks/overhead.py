@@ -42,7 +42,7 @@ def build(size: str):
 
 def spectra(model, reps: int) -> None:
     layers = discover(model)
-    qs, ks = zip(*(split_qkv({n: p.detach() for n, p in l.params().items()}, l.layout)[:2] for l in layers))
+    qs, ks = zip(*(split_qkv({n: p.detach() for n, p in a.params().items()}, a.layout)[:2] for a in layers))
     wq, wk = torch.cat(qs), torch.cat(ks)
     fast, slow = [], []
     for _ in range(reps):
@@ -80,7 +80,7 @@ def overhead(model, reps: int, steps: int) -> float:
     configs = {"none": None, "every=1": 1, "every=10": 10, "every=100": 100}
     totals: dict[str, list[float]] = {k: [] for k in configs}
     train_steps(model, None, 2, 0)  # warm up
-    for rep in range(reps):
+    for _ in range(reps):
         for name, every in configs.items():
             monitor = None if every is None else Monitor(model, every=every, sinks=[MemorySink()])
             totals[name].append(sum(train_steps(model, monitor, steps, 1)))
@@ -135,7 +135,7 @@ def families(model, base: float, reps: int) -> None:
               f"(min {min(costs) / base * 100:.2f}, max {max(costs) / base * 100:.2f})")
     monitor = Monitor(model, every=1, signals=("attention",), sinks=[MemorySink()])
     costs = []
-    for rep in range(reps):
+    for _ in range(reps):
         monitor.capture.arm()
         armed = _fwd_bwd(model, ids)
         monitor.capture.take()

@@ -211,7 +211,8 @@ class Detectors:
         if obs.loss is not None:
             seen["loss"] = not math.isfinite(obs.loss)
         for metrics in obs.layers.values():
-            for kind, keys in (("weights", ("qk_sigma1",)), ("gradients", ("grad_norm_q", "grad_norm_k", "grad_norm_v"))):
+            checks = (("weights", ("qk_sigma1",)), ("gradients", ("grad_norm_q", "grad_norm_k", "grad_norm_v")))
+            for kind, keys in checks:
                 if all(k in metrics for k in keys):
                     bad = not all(np.isfinite(metrics[k]).all() for k in keys)
                     seen[kind] = seen.get(kind, False) or bad

@@ -102,7 +102,7 @@ def test_spectrum_metrics_stacked_layers_equal_one_at_a_time():
 def test_fused_transposed_and_separate_packings_agree():
     h, g, d, e = 4, 2, 3, 12
     gen = torch.Generator().manual_seed(5)
-    q, k, v = torch.randn(h * d, e, generator=gen), torch.randn(g * d, e, generator=gen), torch.randn(g * d, e, generator=gen)
+    q, k, v = (torch.randn(rows, e, generator=gen) for rows in (h * d, g * d, g * d))
     separate = split_qkv({"q": q, "k": k, "v": v}, QKVLayout(h, d, q="q", k="k", v="v", n_kv_heads=g))
     fused = split_qkv({"w": torch.cat([q, k, v])}, QKVLayout(h, d, q="w", packing="fused", n_kv_heads=g))
     conv1d = split_qkv({"w": torch.cat([q, k, v]).T.contiguous()},

@@ -23,10 +23,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import zoo
 from tensorboard.backend.event_processing import event_accumulator
 from torch import nn
 
-import zoo
 from diag.errors import ConfigError, SinkError, SpecError
 from diag.layouts import ADAPTERS, QKVLayout
 from diag.sinks import MemorySink, Record

@@ -56,7 +56,9 @@ def attention_modules(case: zoo.Case) -> list[torch.nn.Module]:
 
 def hand_sliced(case: zoo.Case, module: torch.nn.Module, attr: str) -> tuple:
     """(Wq, Wk, Wv) as (out, in) matrices, H, G, D: written out per family, independently of diag."""
-    get = (lambda p: getattr(p, attr))
+    def get(p: torch.nn.Parameter) -> torch.Tensor:
+        return getattr(p, attr)
+
     if case.name == "nanogpt":
         w = get(module.c_attn.weight)
         e = w.shape[1]
@@ -132,11 +134,14 @@ def test_spectra_match_full_svd(ran):
             ref = torch.linalg.svdvals(product).numpy()[:d]
             got_sigma = record.scalars[f"qk_sigma1/{layer.label}/H{h:02d}"]
             assert got_sigma == pytest.approx(ref[0], rel=REL)
-            energy = ref**2
-            assert record.scalars[f"qk_sec/{layer.label}/H{h:02d}"] == pytest.approx(energy[:4].sum() / energy.sum(), rel=REL)
-            assert record.scalars[f"qk_stable_rank/{layer.label}/H{h:02d}"] == pytest.approx(energy.sum() / energy[0], rel=REL)
-            p = ref / ref.sum()
-            assert record.scalars[f"qk_erank/{layer.label}/H{h:02d}"] == pytest.approx(math.exp(-(p * np.log(p)).sum()), rel=REL)
+            energy, p = ref**2, ref / ref.sum()
+            expected = {
+                "qk_sec": energy[:4].sum() / energy.sum(),
+                "qk_stable_rank": energy.sum() / energy[0],
+                "qk_erank": math.exp(-(p * np.log(p)).sum()),
+            }
+            for metric, value in expected.items():
+                assert record.scalars[f"{metric}/{layer.label}/H{h:02d}"] == pytest.approx(value, rel=REL)
         spectrum = record.histograms[f"qk_spectrum/{layer.label}"]
         assert spectrum.shape == (n_heads * d,)
 

@@ -18,9 +18,9 @@ import weakref
 import pytest
 import torch
 import torch.nn.modules.module as module_globals
+import zoo
 from torch import nn
 
-import zoo
 from diag.errors import SinkError, SpecError
 from diag.sinks import MemorySink
 from hooks import Monitor
@@ -310,9 +310,8 @@ def test_context_manager_form(name, tmp_path):
 def test_context_manager_exits_cleanly_on_exception(tmp_path):
     model = zoo.nanogpt().model
     before_hooks = hook_state(model)
-    with pytest.raises(KeyError, match="boom"):
-        with Monitor(model, every=1, logdir=tmp_path):
-            raise KeyError("boom")  # not swallowed by __exit__
+    with pytest.raises(KeyError, match="boom"), Monitor(model, every=1, logdir=tmp_path):
+        raise KeyError("boom")  # not swallowed by __exit__
     assert hook_state(model) == before_hooks
     assert_no_function_mode()
 
