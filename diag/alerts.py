@@ -71,7 +71,7 @@ class AlertConfig:
     low_rank_frac: float = 0.1  # attention effective rank below 10% of its rows is low-rank
     uniform_frac: float = 0.8  # entropy at 80% of uniform attention's over the same keys is "uniform"
     collapse_persist: int = 2  # consecutive samples in the malignant state -> critical
-    sigma_growth: float = 2.0  # sigma_1 grown this many times over its first value ...
+    sigma_growth: float = 4.0  # sigma_1 growing this many times per 10 steps (between samples) ...
     sec_warn: float = 0.5  # ... with SEC_s at or above this -> early warning
     tau_warn: float = 0.01  # ... or an update ratio sigma1(dW)/sigma1(W) above this
     plateau_window: int = 20  # samples of loss in the plateau test
@@ -112,7 +112,7 @@ class Detectors:
 
     def __init__(self, cfg: AlertConfig | None = None) -> None:
         self.cfg = cfg or AlertConfig()
-        self.sigma_base: dict[str, list[float]] = {}
+        self.sigma_prev: dict[str, tuple[int, list[float]]] = {}  # layer -> (step, sigma_1 per head)
         self.update_ratio: dict[str, float] = {}
         self.malignant_run: dict[str, int] = {}
         self.head_state: dict[str, str] = {}
@@ -155,8 +155,10 @@ class Detectors:
         if ratios:
             self.update_ratio[label] = max(ratios)
         if "qk_sigma1" in m:
-            base = self.sigma_base.setdefault(label, [float(v) for v in m["qk_sigma1"]])
-            alerts += self._early_warning(step, label, m, base)
+            previous = self.sigma_prev.get(label)
+            self.sigma_prev[label] = (step, [float(v) for v in m["qk_sigma1"]])
+            if previous is not None and step > previous[0]:
+                alerts += self._early_warning(step, label, m, previous)
         if "attn_entropy" in m and "attn_rows" in m:
             rows = float(m["attn_rows"][0])
             uniform = float(m["attn_entropy_uniform"][0]) if "attn_entropy_uniform" in m else math.inf
@@ -166,10 +168,13 @@ class Detectors:
                 alerts += self._head_state(step, where, float(e), float(r), rows, uniform)
         return alerts
 
-    def _early_warning(self, step: int, label: str, m: dict, base: list[float]) -> list[Alert]:
+    def _early_warning(self, step: int, label: str, m: dict, previous: tuple[int, list[float]]) -> list[Alert]:
+        """sigma_1 growth per 10 steps, (now / before) ** (10 / steps between the samples)."""
         if label in self.warned_layers:
             return []
-        growth = np.asarray(m["qk_sigma1"]) / np.maximum(np.asarray(base), 1e-12)
+        with np.errstate(all="ignore"):
+            ratio = np.asarray(m["qk_sigma1"]) / np.maximum(np.asarray(previous[1]), 1e-12)
+            growth = ratio ** (10.0 / (step - previous[0]))
         h = int(np.nanargmax(growth)) if np.isfinite(growth).any() else 0
         concentrated = float(m["qk_sec"][h]) >= self.cfg.sec_warn if "qk_sec" in m else False
         fast_steps = self.update_ratio.get(label, 0.0) >= self.cfg.tau_warn
@@ -180,7 +185,7 @@ class Detectors:
                 values["qk_sec"] = float(m["qk_sec"][h])
             why = "a concentrated spectrum" if concentrated else "large update ratios in the layer"
             return [Alert(step, "collapse_warning", "warning", f"{label}/{head_label(h, len(growth))}",
-                          f"{label} head {h}: sigma_1(Wq^T Wk) grew {growth[h]:.1f}x with {why}; "
+                          f"{label} head {h}: sigma_1(Wq^T Wk) grows {growth[h]:.1f}x per 10 steps with {why}; "
                           "malignant entropy collapse may follow (consider warmup or a lower "
                           "learning rate)", values)]
         return []

@@ -53,24 +53,38 @@ def test_benign_and_uniform_are_reported_as_info_on_entry():
     assert {a.level for a in out} == {"info"}
 
 
-def test_early_warning_needs_growth_and_concentration():
-    det = Detectors(AlertConfig(sigma_growth=2.0, sec_warn=0.5))
-    seq = [([1.0, 1.0], [0.2, 0.2]), ([1.5, 1.0], [0.3, 0.2]), ([2.5, 1.0], [0.3, 0.2]),
-           ([3.0, 1.0], [0.6, 0.2]), ([5.0, 1.0], [0.9, 0.2])]
+def test_early_warning_needs_fast_growth_and_concentration():
+    det = Detectors(AlertConfig(sigma_growth=4.0, sec_warn=0.5))
+    # (step, sigma_1 per head, SEC per head); growth is per 10 steps between samples
+    seq = [(0, [1.0, 1.0], [0.2, 0.2]),
+           (10, [5.0, 1.0], [0.3, 0.2]),  # fast but not concentrated
+           (20, [9.0, 1.0], [0.9, 0.2]),  # concentrated but 1.8x: slow
+           (40, [150.0, 1.0], [0.9, 0.2]),  # 16.7x over 20 steps = 4.1x per 10 steps
+           (50, [1e4, 1.0], [0.9, 0.2])]  # already warned for this layer
     out = []
-    for i, (sigma, sec) in enumerate(seq):
+    for step, sigma, sec in seq:
         m = {"qk_sigma1": np.array(sigma), "qk_sec": np.array(sec)}
-        out += det.observe(Observation(i, None, {"L00": m}))
-    assert kinds(out) == [(3, "collapse_warning", "L00/H00")]
-    assert out[0].values["sigma1_growth"] == pytest.approx(3.0)
+        out += det.observe(Observation(step, None, {"L00": m}))
+    assert kinds(out) == [(40, "collapse_warning", "L00/H00")]
+    assert out[0].values["sigma1_growth"] == pytest.approx((150 / 9) ** 0.5)
+
+
+def test_steady_growth_does_not_warn():
+    det = Detectors()
+    out = []
+    for i in range(30):  # 1.5x per 10 steps for 300 steps: a healthy run's steady growth
+        m = {"qk_sigma1": np.array([0.1 * 1.5**i]), "qk_sec": np.array([0.99])}
+        out += det.observe(Observation(10 * i, None, {"L00": m}))
+    assert out == []
 
 
 def test_early_warning_from_large_update_ratio():
-    det = Detectors(AlertConfig(sigma_growth=2.0, tau_warn=0.01))
+    det = Detectors(AlertConfig(sigma_growth=4.0, tau_warn=0.01))
     det.observe(Observation(0, None, {"L00": {"qk_sigma1": np.array([1.0]), "qk_sec": np.array([0.1])}}))
     det.observe(Observation(0, None, {"L00": {"update_ratio_q": np.array([0.05])}}))
-    out = det.observe(Observation(10, None, {"L00": {"qk_sigma1": np.array([2.5]), "qk_sec": np.array([0.1])}}))
+    out = det.observe(Observation(10, None, {"L00": {"qk_sigma1": np.array([5.0]), "qk_sec": np.array([0.1])}}))
     assert kinds(out) == [(10, "collapse_warning", "L00/H00")]
+    assert "update ratios" in out[0].message
 
 
 def _plateau_run(det, losses, ratio):
