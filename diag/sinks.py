@@ -96,26 +96,33 @@ def _json_value(value: float) -> float | None:
 
 
 class JsonlSink:
-    """``metrics.jsonl``: one ``{"step", "tag", "value"}`` object per scalar (null if not finite)."""
+    """``metrics.jsonl``: one ``{"step", "tag", "value"}`` object per scalar (null if not finite).
+
+    Each step goes out as one ``os.write`` on a file opened with ``O_APPEND``, with
+    no user-space buffer in between, so a killed process leaves whole lines only.
+    """
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def write(self, record: Record) -> None:
         lines = [
             json.dumps({"step": record.step, "tag": tag, "value": _json_value(float(value))})
             for tag, value in record.scalars.items()
         ]
-        if lines:
-            self._file.write("\n".join(lines) + "\n")
-            self._file.flush()
+        if lines and self._fd is not None:
+            data = ("\n".join(lines) + "\n").encode("utf-8")
+            while data:
+                data = data[os.write(self._fd, data) :]
 
     def flush(self) -> None:
-        self._file.flush()
+        pass  # nothing is buffered
 
     def close(self) -> None:
-        self._file.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 class MemorySink:
