@@ -5,9 +5,13 @@ The live capture lives in the sibling package ``hooks`` (``from hooks import Mon
 
 from diag.alerts import Alert, AlertConfig, Detectors, Observation, TrainingHalted, attention_state
 from diag.attention import AttentionStats, attention_logits, stats_from_logits
+from diag.checkpoint import Checkpoint, CheckpointError, open_checkpoint
 from diag.errors import ConfigError, DiagError, SinkError, SpecError
 from diag.layouts import ADAPTERS, ModuleView, QKVLayout, find_layout, split_qkv
 from diag.metrics import grad_metrics, spectrum_metrics, update_metrics
+from diag.offline import Analysis, analyze_checkpoints
+from diag.records import build_record
+from diag.report import write_report
 from diag.sinks import FanOut, JsonlSink, MemorySink, Record, Sink, TensorBoardSink
 from diag.spectral import (
     effective_rank,
@@ -23,7 +27,10 @@ __all__ = [
     "ADAPTERS",
     "Alert",
     "AlertConfig",
+    "Analysis",
     "AttentionStats",
+    "Checkpoint",
+    "CheckpointError",
     "ConfigError",
     "Detectors",
     "DiagError",
@@ -39,11 +46,14 @@ __all__ = [
     "SpecError",
     "TensorBoardSink",
     "TrainingHalted",
+    "analyze_checkpoints",
     "attention_logits",
     "attention_state",
+    "build_record",
     "effective_rank",
     "find_layout",
     "grad_metrics",
+    "open_checkpoint",
     "qk_singular_values",
     "qk_singular_values_reference",
     "spectral_energy_concentration",
@@ -52,4 +62,5 @@ __all__ = [
     "stable_rank",
     "stats_from_logits",
     "update_metrics",
+    "write_report",
 ]

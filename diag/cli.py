@@ -3,7 +3,15 @@
 argparse from the standard library: no extra dependency, and ``--help`` is
 generated from the same definitions that parse the arguments.
 
-Exit codes: 0 success; 1 a run failed (the message says why); 2 bad usage.
+Exit codes:
+
+* 0: success;
+* 1: ``demo``: the run failed (the message says why); ``analyze``: some checkpoints
+  (or ``--probe`` on some) failed, one ``error:`` line each on stderr, and the others
+  were analysed;
+* 2: bad usage (argparse's message), or ``analyze`` found nothing it could analyse
+  (every path missing, corrupt, refused or of an unknown layout), or its ``--out``
+  folder already holds a run (pass ``--overwrite``), or its ``--probe`` file is missing.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ import logging
 import sys
 
 from diag.errors import DiagError
+from diag.metrics import DEFAULT_SEC_TOP
 
 __all__ = ["main", "build_parser"]
 
@@ -37,7 +46,46 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--warmup", type=int, default=0, help="linear warmup steps (default: 0, no warmup)")
     demo.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     demo.add_argument("--quiet", action="store_true", help="no progress output")
+    _add_analyze(sub)
     return parser
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def _add_analyze(sub: argparse._SubParsersAction) -> None:
+    analyze = sub.add_parser(
+        "analyze",
+        help="weight-side diagnostics of checkpoints (one, or a series in step order)",
+        description="Analyse checkpoints after the fact: sigma_1, spectrum, SEC, effective and stable rank of "
+        "every head's Wq^T Wk, and update ratios between consecutive checkpoints, with the live Monitor's "
+        "tags, to a TensorBoard run, metrics.jsonl, alerts.jsonl and a report folder. Nothing in a checkpoint "
+        "is executed: PyTorch files are loaded with weights_only=True.",
+    )
+    analyze.add_argument("paths", nargs="+", metavar="PATH",
+                         help="checkpoint files (.pt .pth .bin .ckpt .safetensors, *.index.json), model folders "
+                         "(config.json + weights), folders of checkpoints, or quoted globs")
+    analyze.add_argument("--out", default="runs/analyze", metavar="DIR",
+                         help="output folder: TensorBoard run, metrics.jsonl, alerts.jsonl, report/ "
+                         "(default: runs/analyze)")
+    analyze.add_argument("--heads", type=_positive, metavar="N", help="attention heads per layer, when the checkpoint "
+                         "does not say (overrides the config)")
+    analyze.add_argument("--kv-heads", type=_positive, metavar="G", help="key/value heads (grouped-query attention)")
+    analyze.add_argument("--sec-top", type=_positive, default=DEFAULT_SEC_TOP, metavar="S",
+                         help=f"s of the spectral energy concentration SEC_s (default: {DEFAULT_SEC_TOP})")
+    analyze.add_argument("--json", action="store_true", help="print a JSON summary on stdout (for scripts)")
+    analyze.add_argument("--no-report", action="store_true", help="no figures and no index.html")
+    analyze.add_argument("--overwrite", action="store_true", help="replace the outputs of an earlier run in --out")
+    analyze.add_argument("--quiet", action="store_true", help="no progress bar and no summary table")
+    analyze.add_argument("--probe", metavar="FILE", help="also measure attention: run the model built from a "
+                         "Hugging Face config.json on these inputs (token ids, or text with the folder's tokenizer)")
 
 
 def _show_diag_log() -> None:
@@ -57,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     _show_diag_log()
+    if args.command == "analyze":
+        from diag.analyze_cli import run_analyze
+
+        return run_analyze(args)
     try:
         if args.command == "demo":
             # The demo is a live training loop, which lives in ``hooks``; imported

@@ -7,6 +7,8 @@ the same functions, so their numbers agree.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -18,7 +20,14 @@ from diag.spectral import (
     top_singular_value,
 )
 
-__all__ = ["spectrum_metrics", "grad_metrics", "update_metrics", "DEFAULT_SEC_TOP"]
+__all__ = [
+    "spectrum_metrics",
+    "layer_spectra",
+    "grad_metrics",
+    "update_metrics",
+    "qkv_update_metrics",
+    "DEFAULT_SEC_TOP",
+]
 
 # SEC_s with s = 4: with d_head = 64 a random-init head has SEC_4 of about 0.2;
 # a head whose energy sits in a handful of directions approaches 1.
@@ -42,6 +51,24 @@ def spectrum_metrics(wq: Tensor, wk: Tensor, sec_top: int = DEFAULT_SEC_TOP) -> 
         "qk_stable_rank": stable_rank(sv),
         "qk_spectrum": sv,
     }
+
+
+def layer_spectra(qk: Sequence[tuple[Tensor, Tensor]], sec_top: int = DEFAULT_SEC_TOP) -> list[dict[str, Tensor]]:
+    """:func:`spectrum_metrics` of many layers: one batched call per group of equal shapes.
+
+    qk: per layer, the per-head (wq, wk) of :func:`diag.layouts.split_qkv`. Returns the
+    metrics of each layer, in the order given.
+    """
+    groups: dict[tuple, list[int]] = {}
+    for i, (wq, wk) in enumerate(qk):
+        groups.setdefault((tuple(wq.shape), tuple(wk.shape), wq.dtype), []).append(i)
+    out: list[dict[str, Tensor]] = [{} for _ in qk]
+    for members in groups.values():
+        qs, ks = zip(*(qk[i] for i in members))
+        batched = spectrum_metrics(torch.stack(qs), torch.stack(ks), sec_top)
+        for j, i in enumerate(members):
+            out[i] = {name: t[j] for name, t in batched.items()}
+    return out
 
 
 def grad_metrics(gq: Tensor, gk: Tensor, gv: Tensor) -> dict[str, Tensor]:
@@ -72,3 +99,11 @@ def update_metrics(before: Tensor, after: Tensor, name: str) -> dict[str, Tensor
         f"update_ratio_{name}": top_singular_value(delta) / top_singular_value(w),
         f"update_fro_{name}": torch.linalg.matrix_norm(delta) / torch.linalg.matrix_norm(w),
     }
+
+
+def qkv_update_metrics(before: Sequence[Tensor], after: Sequence[Tensor]) -> dict[str, Tensor]:
+    """:func:`update_metrics` of Q, K and V of one layer, from per-head (heads, D, E) tensors."""
+    out: dict[str, Tensor] = {}
+    for name, b, a in zip("qkv", before, after):
+        out.update(update_metrics(b.flatten(0, 1), a.flatten(0, 1), name))
+    return out

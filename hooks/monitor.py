@@ -28,9 +28,10 @@ from torch import Tensor, nn
 from diag.alerts import Alert, AlertConfig, AlertSink, Detectors, Observation, TrainingHalted
 from diag.errors import ConfigError
 from diag.layouts import QKVLayout, split_qkv
-from diag.metrics import DEFAULT_SEC_TOP, grad_metrics, spectrum_metrics, update_metrics
+from diag.metrics import DEFAULT_SEC_TOP, grad_metrics, layer_spectra, qkv_update_metrics
+from diag.records import attention_metrics, build_record, host_arrays, per_head_default
 from diag.sinks import FanOut, JsonlSink, Record, Sink, TensorBoardSink, check_logdir
-from diag.tags import LAYER_METRICS, STATS, head_tag, histogram_tag, layer_tag, stat_tag
+from diag.tags import layer_tag
 from hooks.capture import AttentionCapture
 from hooks.discovery import AttentionLayer, discover
 
@@ -39,9 +40,6 @@ __all__ = ["Monitor", "SIGNALS"]
 log = logging.getLogger("diag")
 
 SIGNALS = ("spectra", "attention", "grads", "updates")
-# Above this many heads in the whole model, per-head scalars are off by default
-# (per-layer max/min/mean and the across-head histograms are always written).
-PER_HEAD_LIMIT = 256
 
 
 class Monitor:
@@ -97,7 +95,7 @@ class Monitor:
         self.model, self.every, self.sec_top = model, every, sec_top
         self.layers: list[AttentionLayer] = discover(model, spec)
         total_heads = sum(layer.layout.n_heads for layer in self.layers)
-        self.per_head = total_heads <= PER_HEAD_LIMIT if per_head is None else per_head
+        self.per_head = per_head_default(total_heads) if per_head is None else per_head
         sink_list = list(sinks)
         self.logdir = None if logdir is None else check_logdir(logdir)
         if self.logdir is not None:
@@ -213,15 +211,9 @@ class Monitor:
         return values
 
     def _spectra(self, per_layer: list[dict]) -> None:
-        groups: dict[tuple, list[int]] = {}
-        for i, values in enumerate(per_layer):
-            wq, wk, _ = values["_qkv"]
-            groups.setdefault((tuple(wq.shape), tuple(wk.shape), wq.dtype), []).append(i)
-        for members in groups.values():
-            qs, ks = zip(*(per_layer[i]["_qkv"][:2] for i in members))
-            out = spectrum_metrics(torch.stack(qs), torch.stack(ks), self.sec_top)
-            for j, i in enumerate(members):
-                per_layer[i].update({name: t[j] for name, t in out.items()})
+        out = layer_spectra([values["_qkv"][:2] for values in per_layer], self.sec_top)
+        for values, metrics in zip(per_layer, out):
+            values.update(metrics)
 
     def _attention(self, layer, values: dict, results: dict, problems: dict) -> None:
         if layer.index in problems:
@@ -229,46 +221,13 @@ class Monitor:
                             f"{problems[layer.index]}")
         stats = results.get(layer.index)
         if stats is not None:
-            values.update(
-                attn_entropy=stats.entropy,
-                attn_rank=stats.rank,
-                attn_max_logit=stats.max_logit,
-                attn_rows=stats.rows,
-                attn_entropy_uniform=stats.uniform_entropy.mean().reshape(1),
-            )
+            values.update(attention_metrics(stats))
 
     def _record(self, step: int, per_layer: list[dict]) -> tuple[Record, dict]:
-        names, tensors = [], []
-        for layer, values in zip(self.layers, per_layer):
-            for metric, t in values.items():
-                if not metric.startswith("_"):
-                    names.append((layer, metric))
-                    tensors.append(t.reshape(-1).double())
         if "updates" in self.signals:
             self._snapshot = (step, [tuple(x.clone() for x in v["_qkv"]) for v in per_layer])
-        flat = torch.cat(tensors).cpu().numpy() if tensors else np.zeros(0)  # one host sync
-        record, offset, arrays = Record(step), 0, {}
-        for (layer, metric), t in zip(names, tensors):
-            chunk = flat[offset : offset + t.numel()]
-            offset += t.numel()
-            self._add(record, layer.label, metric, chunk)
-            arrays.setdefault(layer.label, {})[metric] = chunk
-        return record, arrays
-
-    def _add(self, record: Record, label: str, metric: str, values: np.ndarray) -> None:
-        if metric == "qk_spectrum":
-            record.histograms[f"{metric}/{label}"] = values
-            return
-        if metric in LAYER_METRICS:
-            record.scalars[layer_tag(metric, label)] = float(values[0])
-            return
-        if self.per_head:
-            for h, v in enumerate(values):
-                record.scalars[head_tag(metric, label, h, values.size)] = float(v)
-        with np.errstate(all="ignore"):
-            for stat, fn in zip(STATS, (np.max, np.min, np.mean)):
-                record.scalars[stat_tag(metric, label, stat)] = float(fn(values))
-        record.histograms[histogram_tag(metric, label)] = values
+        arrays = host_arrays([(layer.label, values) for layer, values in zip(self.layers, per_layer)])
+        return build_record(step, arrays, self.per_head), arrays
 
     def _finish_updates(self) -> None:
         step, snapshot = self._snapshot
@@ -278,11 +237,9 @@ class Monitor:
         with torch.no_grad():
             for layer, before in zip(self.layers, snapshot):
                 after = split_qkv({n: p.detach() for n, p in layer.params().items()}, layer.layout)
-                for name, b, a in zip("qkv", before, after):
-                    out = update_metrics(b.flatten(0, 1), a.flatten(0, 1), name)
-                    for metric, value in out.items():
-                        scalars[layer_tag(metric, layer.label)] = float(value)
-                        arrays.setdefault(layer.label, {})[metric] = np.array([float(value)])
+                for metric, value in qkv_update_metrics(before, after).items():
+                    scalars[layer_tag(metric, layer.label)] = float(value)
+                    arrays.setdefault(layer.label, {})[metric] = np.array([float(value)])
         self.last.update(scalars)
         self.sinks.write(Record(step, scalars))
         self.alert_sink.emit(self.detectors.observe(Observation(step, None, arrays)))

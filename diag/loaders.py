@@ -1,0 +1,162 @@
+"""Reading tensors from checkpoint files lazily, without ever running code from them.
+
+* PyTorch ``.pt``/``.pth``/``.bin``/``.ckpt``: ``torch.load(weights_only=True, mmap=True)``
+  (tensors stay on disk until read; files in the legacy non-zip format are read
+  whole). A pickle that names anything but tensors and plain containers is
+  refused by PyTorch's weights-only unpickler before any of it runs.
+* ``.safetensors``: ``safetensors.safe_open``: shapes from the header, a tensor is
+  read (memory-mapped) only when asked for.
+
+A :class:`TensorSource` maps clean names (``module.`` and ``_orig_mod.`` removed)
+to shapes and tensors, whatever the file format.
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from diag.errors import DiagError
+
+__all__ = ["CheckpointError", "TensorSource", "clean_key", "load_torch", "open_safetensors", "unwrap_state_dict"]
+
+# Containers that wrap a state dict, in the order they are tried.
+STATE_KEYS = ("state_dict", "model_state_dict", "model", "module", "net", "network")
+_PREFIX = re.compile(r"^(?:module\.|_orig_mod\.)+")
+
+
+class CheckpointError(DiagError):
+    """A checkpoint is missing, unreadable, unsafe, or holds no recognisable attention."""
+
+
+def clean_key(key: str) -> str:
+    """Drop DDP's ``module.`` and torch.compile's ``_orig_mod.`` wherever they sit."""
+    return _PREFIX.sub("", key).replace("._orig_mod.", ".")
+
+
+class TensorSource:
+    """Names -> (shape, reader); tensors are read only when :meth:`get` asks for them."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], read: Callable[[str], Tensor]) -> None:
+        self.shapes, self._read = shapes, read
+
+    @classmethod
+    def from_dict(cls, tensors: Mapping[str, Tensor]) -> TensorSource:
+        table = {clean_key(k): v for k, v in tensors.items() if isinstance(v, Tensor)}
+        return cls({k: tuple(v.shape) for k, v in table.items()}, table.__getitem__)
+
+    def merged(self, other: TensorSource) -> TensorSource:
+        shapes = {**self.shapes, **other.shapes}
+        return TensorSource(shapes, lambda k: (self if k in self.shapes else other).get(k))
+
+    def get(self, name: str) -> Tensor:
+        return self._read(name)
+
+
+def _refused(path: Path) -> CheckpointError:
+    return CheckpointError(
+        f"refused: {path} holds pickled code or objects that are not plain tensors; only weights-only "
+        "checkpoints are loaded, and none of its code was run. Re-save it as a plain state dict "
+        "(torch.save(model.state_dict(), ...)) or as .safetensors"
+    )
+
+
+def _unsafe(message: str, path: Path) -> bool:
+    """The weights-only unpickler stopped at a global (code or an object) or at a real pickle it cannot read.
+
+    Garbage bytes also stop it ("Unsupported operand"); a pickle starts with the PROTO opcode.
+    """
+    if "Weights only load failed" not in message:
+        return False
+    if "global" in message.lower():
+        return True
+    with open(path, "rb") as f:
+        head = f.read(2)
+    return len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5
+
+
+def load_torch(path: Path) -> Any:
+    """``torch.load`` with ``weights_only=True``; mmap when the file's format allows it."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")  # a plain pickle.dump file
+            try:
+                return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as err:
+                if "mmap can only be used" not in str(err):
+                    raise
+                return torch.load(path, map_location="cpu", weights_only=True)  # legacy format: read whole
+    except pickle.UnpicklingError as err:
+        if _unsafe(str(err), path):
+            raise _refused(path) from None
+        raise _corrupt(path, err) from None
+    except Exception as err:  # noqa: BLE001 - garbage bytes raise anything (struct.error, EOFError, ...)
+        raise _corrupt(path, err) from None
+
+
+def _corrupt(path: Path, err: BaseException) -> CheckpointError:
+    why = str(err).splitlines()[0][:160] if str(err) else type(err).__name__
+    return CheckpointError(
+        f"{path}: cannot be read as a PyTorch checkpoint ({why}); the file is truncated or corrupt, "
+        "or not a checkpoint: re-copy or re-save it"
+    )
+
+
+def _has_tensors(obj: Any) -> bool:
+    return isinstance(obj, Mapping) and any(isinstance(v, Tensor) for v in obj.values())
+
+
+def unwrap_state_dict(obj: Any, path: Path) -> tuple[Mapping[str, Tensor], dict[str, Any]]:
+    """The state dict inside a loaded checkpoint, and the container's other entries.
+
+    Accepts a bare state dict, ``{"model": sd}``, ``{"state_dict": sd}``,
+    ``{"model_state_dict": sd}`` (one level of nesting more is also looked into),
+    and nanoGPT's ``{"model": sd, "model_args": {...}, "iter_num": N}``.
+    """
+    if not isinstance(obj, Mapping):
+        raise CheckpointError(
+            f"{path}: holds a {type(obj).__name__}, not a state dict; save model.state_dict() instead "
+            "of the model object"
+        )
+    for key in STATE_KEYS:
+        inner = obj.get(key)
+        if _has_tensors(inner):
+            return inner, {k: v for k, v in obj.items() if k != key}
+        if isinstance(inner, Mapping):
+            for key2 in STATE_KEYS:
+                if _has_tensors(inner.get(key2)):
+                    return inner[key2], {k: v for k, v in obj.items() if k != key}
+    tensors = sum(isinstance(v, Tensor) for v in obj.values())
+    if tensors and tensors * 2 >= len(obj):
+        return obj, {}
+    raise CheckpointError(
+        f"{path}: no state dict found; top-level keys {sorted(map(str, obj))[:8]}; expected tensors, or "
+        f"one of {list(STATE_KEYS)} holding them"
+    )
+
+
+def open_safetensors(path: Path) -> tuple[TensorSource, dict[str, str]]:
+    """Shapes from the header now, tensors memory-mapped on demand; and the file's metadata."""
+    try:
+        from safetensors import SafetensorError, safe_open
+    except ImportError as err:  # pragma: no cover - an optional dependency
+        raise CheckpointError(f"{path}: reading .safetensors needs `pip install safetensors`") from err
+    try:
+        handle = safe_open(str(path), framework="pt", device="cpu")
+        names = list(handle.keys())
+        shapes = {clean_key(n): tuple(handle.get_slice(n).get_shape()) for n in names}
+        meta = dict(handle.metadata() or {})
+    except (SafetensorError, OSError, ValueError) as err:
+        raise CheckpointError(
+            f"{path}: cannot be read as safetensors ({str(err)[:160]}); the file is truncated or corrupt: "
+            "re-copy or re-save it"
+        ) from None
+    raw = {clean_key(n): n for n in names}
+    return TensorSource(shapes, lambda k: handle.get_tensor(raw[k])), meta

@@ -1,0 +1,126 @@
+"""Attention layers of a state dict: the live discovery's adapters, applied to names and shapes.
+
+Keys are grouped by module prefix into :class:`~diag.layouts.ModuleView` objects
+holding, like a live module's view, the module's own parameters and its direct
+children's (``c_attn.weight``, ``q_proj.weight``), with the head counts of the
+config (``config.json``, nanoGPT's ``model_args``) or of ``--heads`` as
+attributes. :func:`~diag.layouts.find_layout` then picks the layout, exactly as
+:func:`hooks.discovery.discover` does for a live model. Layers are numbered in
+state-dict order, which is registration order for every supported family.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from diag.errors import SpecError
+from diag.layouts import ADAPTERS, ModuleView, QKVLayout, find_layout
+from diag.tags import layer_label
+
+__all__ = ["HEAD_ATTRS", "Heads", "StateDictLayer", "head_attrs", "module_views", "find_layers"]
+
+# The attributes that live discovery reads from a module or its config.
+HEAD_ATTRS = (
+    "num_heads",
+    "num_attention_heads",
+    "n_head",
+    "n_heads",
+    "head_dim",
+    "num_key_value_heads",
+    "n_kv_heads",
+    "embed_dim",
+)
+
+
+# Adapters that need the attention class (GPT-2's Conv1D, GPT-NeoX's interleaving) get it
+# offline from a Hugging Face config's model_type; other views carry no class name.
+MODEL_TYPE_CLASSES = {"gpt2": "GPT2Attention", "gpt_neox": "GPTNeoXAttention"}
+
+
+@dataclass(frozen=True)
+class Heads:
+    """Head-count attributes for every view, and a sentence saying where they came from."""
+
+    attrs: dict[str, int]
+    source: str  # "config.json", "model_args", "--heads", or "assumed"
+    note: str
+    cls: str = ""  # the attention class name the config implies, if any
+
+
+@dataclass(frozen=True)
+class StateDictLayer:
+    index: int
+    label: str  # "L03", as in every tag
+    name: str  # module prefix in the state dict, e.g. "transformer.h.3.attn"
+    layout: QKVLayout
+
+    def keys(self) -> dict[str, str]:
+        """The layout's parameter names -> full state-dict keys."""
+        prefix = f"{self.name}." if self.name else ""
+        return {n: prefix + n for n in self.layout.param_names}
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def head_attrs(config: Mapping[str, Any], config_source: str, heads: int | None, kv_heads: int | None) -> Heads:
+    """The head counts to analyse with: ``--heads``/``--kv-heads``, else the config, else one head."""
+    attrs = {k: v for k in HEAD_ATTRS if (v := _int(config.get(k))) is not None}
+    if heads is not None:
+        attrs = {k: v for k, v in attrs.items() if k in ("embed_dim", "num_key_value_heads", "n_kv_heads")}
+        attrs["num_heads"] = heads
+        source, note = "--heads", f"{heads} heads per layer (--heads)"
+    elif any(k in attrs for k in HEAD_ATTRS[:4]):
+        source, note = config_source, f"head counts from {config_source}"
+    else:
+        attrs["num_heads"] = 1
+        source = "assumed"
+        note = ("the checkpoint does not tell the head count: each layer's whole Wq^T Wk is analysed as one "
+                "head; pass --heads N for per-head metrics")
+    if kv_heads is not None:
+        attrs.pop("n_kv_heads", None)
+        attrs["num_key_value_heads"] = kv_heads
+    return Heads(attrs, source, note, MODEL_TYPE_CLASSES.get(str(config.get("model_type", "")), ""))
+
+
+def module_views(shapes: Mapping[str, tuple[int, ...]], attrs: Mapping[str, int], cls: str = "") -> list[ModuleView]:
+    """One view per module prefix, in order of first appearance: own and direct children's params."""
+    params: dict[str, dict[str, tuple[int, ...]]] = {}
+    for key, shape in shapes.items():
+        parts = key.split(".")
+        for depth in range(len(parts)):
+            params.setdefault(".".join(parts[:depth]), {})
+        params[".".join(parts[:-1])][parts[-1]] = shape
+        if len(parts) >= 2:
+            params[".".join(parts[:-2])][".".join(parts[-2:])] = shape
+    return [ModuleView(name, cls, p, dict(attrs)) for name, p in params.items()]
+
+
+def find_layers(shapes: Mapping[str, tuple[int, ...]], heads: Heads) -> list[StateDictLayer]:
+    """Attention layers in state-dict order; modules inside a found one are not searched again."""
+    found: list[tuple[str, QKVLayout]] = []
+    for view in module_views(shapes, heads.attrs, heads.cls):
+        if any(view.name.startswith(f"{name}.") for name, _ in found):
+            continue
+        layout = find_layout(view)
+        if layout is not None:
+            found.append((view.name, layout))
+    if not found:
+        raise SpecError(_nothing_found(shapes, heads))
+    return [StateDictLayer(i, layer_label(i, len(found), getattr(layout, "cross", False)), name, layout)
+            for i, (name, layout) in enumerate(found)]
+
+
+def _nothing_found(shapes: Mapping[str, tuple[int, ...]], heads: Heads) -> str:
+    suspects = [f"{k} {tuple(s)}" for k, s in shapes.items()
+                if any(w in k.lower() for w in ("attn", "attention", "q_proj", "in_proj"))][:4]
+    count = heads.attrs.get("num_heads") or heads.attrs.get("num_attention_heads") or heads.attrs.get("n_head")
+    tried = "; ".join(a.describes for a in ADAPTERS)
+    return (
+        f"unknown layout: no attention weights recognised with {count} head(s) ({heads.source}) among "
+        f"{len(shapes)} tensors. Tried {tried}. Attention-like tensors: {suspects or 'none'}. The shapes must "
+        "fit the head count (rows a multiple of it); pass --heads N (and --kv-heads G for grouped-query)"
+    )
