@@ -19,9 +19,21 @@ from torch import Tensor
 
 from diag.errors import SpecError
 
-__all__ = ["QKVLayout", "ModuleView", "Adapter", "ADAPTERS", "find_layout", "split_qkv"]
+__all__ = [
+    "QKVLayout",
+    "ModuleView",
+    "Adapter",
+    "ADAPTERS",
+    "CROSS_NAMES",
+    "find_layout",
+    "is_cross",
+    "split_qkv",
+    "split_qkv_bias",
+    "bias_names",
+    "shape_problem",
+]
 
-PACKINGS = ("separate", "fused", "fused_per_head")
+PACKINGS = ("separate", "fused", "fused_per_head", "q_kv")
 
 
 @dataclass(frozen=True)
@@ -33,9 +45,17 @@ class QKVLayout:
       * ``fused``: ``q`` names one weight whose rows are [all Q | all K | all V].
       * ``fused_per_head``: one weight whose rows are, per head, [Q_h | K_h | V_h]
         (GPT-NeoX). Needs n_kv_heads == n_heads.
-    transposed: the weight is stored (E, rows), as GPT-2's Conv1D does.
+      * ``q_kv``: ``q`` names the query weight, ``k`` one weight whose rows are
+        [all K | all V] (GPT-2 cross-attention: ``q_attn`` and ``c_attn``).
+    transposed: the weights are stored (E, rows), as GPT-2's Conv1D does.
     n_kv_heads: key/value heads (grouped-query attention); query head h pairs
     with key head h // (n_heads // n_kv_heads).
+    cross: queries and keys come from different sequences (encoder-decoder
+    cross-attention); the layer's tag label gets the suffix ``.cross``.
+    verify: at the first captured forward, check the per-head norms of the q (and
+    k) the attention kernel receives against the module input projected with this
+    layout; set False only for a module that transforms its input before the
+    projection (its packing then is your responsibility).
     """
 
     n_heads: int
@@ -46,6 +66,8 @@ class QKVLayout:
     packing: str = "separate"
     n_kv_heads: int | None = None
     transposed: bool = False
+    cross: bool = False
+    verify: bool = True
     adapter: str = "spec"
 
     def __post_init__(self) -> None:
@@ -57,6 +79,8 @@ class QKVLayout:
             )
         if self.packing == "separate" and (self.k is None or self.v is None):
             raise SpecError("QKVLayout(packing='separate') needs the names q=, k= and v=")
+        if self.packing == "q_kv" and self.k is None:
+            raise SpecError("QKVLayout(packing='q_kv') needs q= (queries) and k= (the fused [K | V] weight)")
         if self.n_heads % self.kv_heads:
             raise SpecError(
                 f"QKVLayout: n_heads={self.n_heads} is not a multiple of n_kv_heads={self.kv_heads}"
@@ -70,8 +94,21 @@ class QKVLayout:
 
     @property
     def param_names(self) -> tuple[str, ...]:
-        names = (self.q,) if self.packing != "separate" else (self.q, self.k, self.v)
+        names = {"separate": (self.q, self.k, self.v), "q_kv": (self.q, self.k)}.get(self.packing, (self.q,))
         return tuple(n for n in names if n is not None)
+
+    def describe(self) -> str:
+        """The layout as the ``QKVLayout(...)`` call that builds it (for messages)."""
+        args = [f"n_heads={self.n_heads}", f"head_dim={self.head_dim}", f"q={self.q!r}"]
+        args += [f"{n}={getattr(self, n)!r}" for n in ("k", "v") if getattr(self, n) is not None]
+        if self.packing != "separate":
+            args.append(f"packing={self.packing!r}")
+        if self.n_kv_heads not in (None, self.n_heads):
+            args.append(f"n_kv_heads={self.n_kv_heads}")
+        args += [f"{n}=True" for n in ("transposed", "cross") if getattr(self, n)]
+        if not self.verify:
+            args.append("verify=False")
+        return f"QKVLayout({', '.join(args)})"
 
 
 def _rows(w: Tensor, transposed: bool) -> Tensor:
@@ -87,6 +124,9 @@ def split_qkv(tensors: Mapping[str, Tensor], layout: QKVLayout) -> tuple[Tensor,
     h, g, d = layout.n_heads, layout.kv_heads, layout.head_dim
     if layout.packing == "separate":
         parts = [_rows(tensors[name], layout.transposed) for name in (layout.q, layout.k, layout.v)]
+    elif layout.packing == "q_kv":
+        kv = _rows(tensors[layout.k], layout.transposed)
+        parts = [_rows(tensors[layout.q], layout.transposed), *kv.split([g * d, kv.shape[0] - g * d], dim=0)]
     else:
         fused = _rows(tensors[layout.q], layout.transposed)
         if layout.packing == "fused":
@@ -100,6 +140,57 @@ def split_qkv(tensors: Mapping[str, Tensor], layout: QKVLayout) -> tuple[Tensor,
         k.reshape(g, d, k.shape[-1]),
         v.reshape(g, v.shape[0] // g, v.shape[-1]),
     )
+
+
+def shape_problem(layout: QKVLayout, shapes: Mapping[str, tuple[int, ...]]) -> str | None:
+    """Why the named weights cannot hold this layout's heads, or None when their shapes fit."""
+    h, g, d = layout.n_heads, layout.kv_heads, layout.head_dim
+    need = {
+        "separate": {layout.q: h * d, layout.k: g * d},
+        "fused": {layout.q: (h + 2 * g) * d},
+        "fused_per_head": {layout.q: 3 * h * d},
+        "q_kv": {layout.q: h * d, layout.k: 2 * g * d},
+    }[layout.packing]
+    for name in layout.param_names:
+        shape = tuple(shapes[name])
+        if len(shape) != 2:
+            return f"{name!r} has shape {shape}; a projection weight is 2-D"
+        rows = shape[1] if layout.transposed else shape[0]
+        if name in need and rows != need[name]:
+            axis = "columns (transposed)" if layout.transposed else "rows"
+            return (f"{name!r} has shape {shape}: {rows} {axis}, but {layout.describe()} needs {need[name]} "
+                    f"(n_heads={h}, n_kv_heads={g}, head_dim={d})")
+    return None
+
+
+def bias_names(weight: str) -> tuple[str, ...]:
+    """Names the bias of a weight may have, most likely first.
+
+    ``q_proj.weight`` -> ``q_proj.bias``; ``in_proj_weight`` -> ``in_proj_bias``; ``qkv`` -> ``qkv_bias``.
+    """
+    if weight.endswith("weight"):
+        return (weight.removesuffix("weight") + "bias",)
+    return (weight + "_bias", weight + ".bias")
+
+
+def split_qkv_bias(biases: Mapping[str, Tensor], layout: QKVLayout) -> tuple[Tensor | None, Tensor | None]:
+    """Per-head query and key biases (H, D), (G, D), sliced like :func:`split_qkv`; None where absent.
+
+    ``biases`` maps the layout's weight names to their biases (or omits them).
+    """
+    h, g, d = layout.n_heads, layout.kv_heads, layout.head_dim
+    if layout.packing in ("separate", "q_kv"):
+        bq, bk = biases.get(layout.q), biases.get(layout.k)
+        bq = None if bq is None else bq.reshape(h, d)
+        bk = None if bk is None else bk[: g * d].reshape(g, d)
+        return bq, bk
+    fused = biases.get(layout.q)
+    if fused is None:
+        return None, None
+    if layout.packing == "fused":
+        return fused[: h * d].reshape(h, d), fused[h * d : h * d + g * d].reshape(g, d)
+    per_head = fused.reshape(h, 3, d)
+    return per_head[:, 0], per_head[:, 1]
 
 
 @dataclass
@@ -132,8 +223,26 @@ class Adapter:
     describes: str
 
 
+# Dotted name components (or attributes) that mark cross-attention: BART/Marian/Whisper
+# `encoder_attn`, GPT-2/BERT `crossattention`, T5 `EncDecAttention`, nn.TransformerDecoderLayer
+# `multihead_attn`, and common spellings.
+CROSS_NAMES = ("encoder_attn", "crossattention", "EncDecAttention", "multihead_attn", "cross_attn",
+               "cross_attention", "src_attn")
+HEAD_DIM_KEYS = ("head_dim", "attention_head_size", "key_value_proj_dim", "head_size", "d_kv")
+# Children that normalise q or k after the projection (QK-norm: Qwen3, OLMo2, Gemma3, ...): the
+# kernel's per-head norms then no longer follow x @ Wq_h^T, so the capture checks shapes only.
+QK_NORMS = ("q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_layernorm", "key_layernorm")
+
+
 def _heads(view: ModuleView) -> int | None:
     return view.first("num_heads", "num_attention_heads", "n_head", "n_heads")
+
+
+def is_cross(view: ModuleView) -> bool:
+    """Cross-attention by name or attribute (see ``CROSS_NAMES``); checked again at capture."""
+    if view.attrs.get("is_cross_attention"):
+        return True
+    return any(part in CROSS_NAMES for part in view.name.split("."))
 
 
 def _fused(view: ModuleView, param: str, adapter: str) -> QKVLayout | None:
@@ -159,6 +268,27 @@ def _gpt2(view: ModuleView) -> QKVLayout | None:
     return _fused(view, "c_attn.weight", "hf-gpt2")
 
 
+def _gpt2_cross(view: ModuleView) -> QKVLayout | None:
+    """GPT-2 cross-attention: Conv1D q_attn (E, E) and c_attn (E, 2E) = [K | V], both transposed."""
+    q, kv, heads = view.params.get("q_attn.weight"), view.params.get("c_attn.weight"), _heads(view)
+    if view.cls != "GPT2Attention" or q is None or kv is None or heads is None:
+        return None
+    e = q[1]
+    if q != (q[0], e) or kv != (q[0], 2 * e) or e % heads:
+        return None
+    return QKVLayout(heads, e // heads, q="q_attn.weight", k="c_attn.weight", packing="q_kv", transposed=True,
+                     cross=True, adapter="hf-gpt2-cross")
+
+
+def _neox(view: ModuleView) -> QKVLayout | None:
+    """GPT-NeoX / Pythia: query_key_value (3E, E), rows per head [Q_h | K_h | V_h]."""
+    shape, heads = view.params.get("query_key_value.weight"), _heads(view)
+    if view.cls != "GPTNeoXAttention" or shape is None or heads is None or shape[0] % (3 * heads):
+        return None
+    return QKVLayout(heads, shape[0] // 3 // heads, q="query_key_value.weight", packing="fused_per_head",
+                     cross=is_cross(view), adapter="hf-gpt-neox")
+
+
 def _nanogpt(view: ModuleView) -> QKVLayout | None:
     return _fused(view, "c_attn.weight", "nanogpt-c_attn")
 
@@ -171,34 +301,60 @@ def _mha(view: ModuleView) -> QKVLayout | None:
         rows, cols = view.params["in_proj_weight"]
         if rows % 3 or (rows // 3) % heads:
             return None
-        return QKVLayout(heads, rows // 3 // heads, q="in_proj_weight", packing="fused", adapter="torch-mha")
+        return QKVLayout(heads, rows // 3 // heads, q="in_proj_weight", packing="fused", cross=is_cross(view),
+                         adapter="torch-mha")
     names = ("q_proj_weight", "k_proj_weight", "v_proj_weight")
     if all(n in view.params for n in names):
         rows = view.params["q_proj_weight"][0]
-        return QKVLayout(heads, rows // heads, *names, adapter="torch-mha")
+        return QKVLayout(heads, rows // heads, *names, cross=is_cross(view), adapter="torch-mha")
     return None
 
 
-def _separate(view: ModuleView) -> QKVLayout | None:
-    names = ("q_proj.weight", "k_proj.weight", "v_proj.weight")
+def _separate_named(view: ModuleView, stems: tuple[str, str, str], adapter: str) -> QKVLayout | None:
+    """Three Linear children (rows, E); heads are contiguous row blocks; G from k rows / head_dim."""
+    names = tuple(f"{stem}.weight" for stem in stems)
     heads = _heads(view)
-    if heads is None or not all(n in view.params for n in names):
+    if heads is None or not all(n in view.params and len(view.params[n]) == 2 for n in names):
         return None
     q_rows, k_rows = view.params[names[0]][0], view.params[names[1]][0]
-    head_dim = view.first("head_dim") or q_rows // heads
+    head_dim = view.first(*HEAD_DIM_KEYS) or q_rows // heads
     if q_rows != heads * head_dim or k_rows % head_dim:
         return None
     kv = view.first("num_key_value_heads", "n_kv_heads") or k_rows // head_dim
-    if kv * head_dim != k_rows:
+    if kv * head_dim != k_rows or heads % kv:
         return None
-    return QKVLayout(heads, head_dim, *names, n_kv_heads=kv, adapter="separate-q_proj")
+    qk_norm = any(name.split(".")[0] in QK_NORMS for name in view.params)
+    return QKVLayout(heads, head_dim, *names, n_kv_heads=kv, cross=is_cross(view), verify=not qk_norm,
+                     adapter=adapter)
+
+
+# Structural discovery: other spellings of three separate projections (LLaMA-original wq/wk/wv,
+# diffusers to_q/to_k/to_v, DistilBERT q_lin/k_lin/v_lin). The head split of separate projections is
+# unambiguous given the head count; capture checks it (and the GQA pairing) against the kernel's q/k.
+STRUCTURAL_STEMS = (("wq", "wk", "wv"), ("to_q", "to_k", "to_v"), ("q_lin", "k_lin", "v_lin"))
+
+
+def _structural(view: ModuleView) -> QKVLayout | None:
+    for stems in STRUCTURAL_STEMS:
+        layout = _separate_named(view, stems, "structural-separate")
+        if layout is not None:
+            return layout
+    return None
 
 
 ADAPTERS: list[Adapter] = [
     Adapter("hf-gpt2", _gpt2, "Hugging Face GPT2Attention: Conv1D c_attn (E, 3E), transposed"),
+    Adapter("hf-gpt2-cross", _gpt2_cross, "GPT2Attention cross-attention: Conv1D q_attn (E, E) + c_attn (E, 2E)"),
+    Adapter("hf-gpt-neox", _neox, "GPTNeoXAttention: query_key_value (3E, E), interleaved per head"),
     Adapter("torch-mha", _mha, "nn.MultiheadAttention: in_proj_weight (3E, E) or q/k/v_proj_weight"),
-    Adapter("separate-q_proj", _separate, "q_proj/k_proj/v_proj Linear layers (LLaMA, Mistral, ...)"),
+    Adapter("separate-q_proj", lambda v: _separate_named(v, ("q_proj", "k_proj", "v_proj"), "separate-q_proj"),
+            "q_proj/k_proj/v_proj Linear layers (LLaMA, Mistral, BART, ViT, ...)"),
+    Adapter("hf-bert", lambda v: _separate_named(v, ("query", "key", "value"), "hf-bert"),
+            "query/key/value Linear layers (BERT, RoBERTa self-attention)"),
+    Adapter("hf-t5", lambda v: _separate_named(v, ("q", "k", "v"), "hf-t5"),
+            "q/k/v Linear layers without bias (T5Attention)"),
     Adapter("nanogpt-c_attn", _nanogpt, "nanoGPT CausalSelfAttention: Linear c_attn (3E, E) and n_head"),
+    Adapter("structural-separate", _structural, "three projections wq/wk/wv, to_q/to_k/to_v or q_lin/k_lin/v_lin"),
 ]
 
 

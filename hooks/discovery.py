@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import fnmatch
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from torch import nn
 
 from diag.errors import SpecError
-from diag.layouts import ADAPTERS, ModuleView, QKVLayout, find_layout
+from diag.layouts import ADAPTERS, ModuleView, QKVLayout, find_layout, shape_problem
 from diag.tags import layer_label
 
-__all__ = ["AttentionLayer", "discover", "module_view"]
+__all__ = ["AttentionLayer", "discover", "layer_labels", "module_view"]
 
 _INT_ATTRS = (
     "num_heads",
@@ -23,7 +24,12 @@ _INT_ATTRS = (
     "num_key_value_heads",
     "n_kv_heads",
     "embed_dim",
+    "attention_head_size",
+    "key_value_proj_dim",
+    "head_size",
+    "d_kv",
 )
+_FLAG_ATTRS = ("is_cross_attention",)  # booleans, stored as 0/1
 
 
 @dataclass
@@ -35,6 +41,10 @@ class AttentionLayer:
     name: str  # module path in the model, e.g. "transformer.h.3.attn"
     module: nn.Module
     layout: QKVLayout
+
+    @property
+    def cross(self) -> bool:
+        return self.layout.cross
 
     def params(self) -> dict[str, nn.Parameter]:
         """The parameters that the layout names, by their names relative to the module."""
@@ -53,6 +63,9 @@ def module_view(name: str, module: nn.Module) -> ModuleView:
             value = getattr(source, key, None)
             if isinstance(value, int) and not isinstance(value, bool):
                 attrs[key] = value
+        for key in _FLAG_ATTRS:
+            if isinstance(getattr(source, key, None), bool):
+                attrs[key] = int(getattr(source, key))
     return ModuleView(name=name, cls=type(module).__name__, params=params, attrs=attrs)
 
 
@@ -73,6 +86,10 @@ def _check_params(name: str, module: nn.Module, layout: QKVLayout) -> None:
             f"module {name!r} ({type(module).__name__}) has no parameter {missing[0]!r} named by "
             f"its layout; it has {sorted(params)[:8]}. Fix the spec's q=/k=/v= names."
         )
+    problem = shape_problem(layout, {n: tuple(params[n].shape) for n in layout.param_names})
+    if problem:
+        raise SpecError(f"module {name!r} ({type(module).__name__}): {problem}. Fix the spec's n_heads=, "
+                        "head_dim=, n_kv_heads=, packing= or transposed=")
 
 
 def discover(model: nn.Module, spec: Mapping[str, QKVLayout] | None = None) -> list[AttentionLayer]:
@@ -95,10 +112,29 @@ def discover(model: nn.Module, spec: Mapping[str, QKVLayout] | None = None) -> l
         inside += (name,)
     if not found:
         raise SpecError(_nothing_found(model, spec))
+    labels = layer_labels([layout.cross for _, _, layout in found])
     return [
-        AttentionLayer(i, layer_label(i, len(found)), name, module, layout)
-        for i, (name, module, layout) in enumerate(found)
+        AttentionLayer(i, label, name, module, layout)
+        for i, (label, (name, module, layout)) in enumerate(zip(labels, found))
     ]
+
+
+def layer_labels(cross: list[bool]) -> list[str]:
+    """Tag labels in registration order: a cross-attention layer shares the index of its block.
+
+    Each self-attention layer opens the next index; a cross-attention layer takes the
+    index of the self-attention layer just before it (``L02``, ``L02.cross``), or opens
+    the next index itself when there is none or that index already has a cross layer.
+    """
+    indices, last, taken = [], -1, set()
+    for is_cross in cross:
+        if not is_cross or last < 0 or last in taken:
+            last += 1
+        if is_cross:
+            taken.add(last)
+        indices.append(last)
+    count = last + 1
+    return [layer_label(i, count, c) for i, c in zip(indices, cross)]
 
 
 def _nothing_found(model: nn.Module, spec: Mapping[str, QKVLayout] | None) -> str:
@@ -108,14 +144,33 @@ def _nothing_found(model: nn.Module, spec: Mapping[str, QKVLayout] | None) -> st
             "patterns match module names as model.named_modules() prints them, e.g. 'blocks.*.attn'"
         )
     suspects = [
-        f"{n} ({type(m).__name__})"
+        (n, m)
         for n, m in model.named_modules()
         if n and any(w in n.lower() or w in type(m).__name__.lower() for w in ("attn", "attention"))
     ][:6]
+    seen = "; ".join(_suspect(n, m) for n, m in suspects) or "none"
     tried = "; ".join(f"{a.name}: {a.describes}" for a in ADAPTERS)
     return (
         f"no attention layer recognised in {type(model).__name__}. Tried {tried}. "
-        f"Attention-like modules seen: {suspects or 'none'}. Pass an explicit spec, e.g. "
+        f"Attention-like modules seen: {seen}. Pass an explicit spec, e.g. "
         "Monitor(model, spec={'blocks.*.attn': QKVLayout(n_heads=8, head_dim=64, "
         "q='qkv.weight', packing='fused')})"
     )
+
+
+def _suspect(name: str, module: nn.Module) -> str:
+    """A suspect module, with the spec to pass when it holds one fused (3E, E) or (E, 3E) weight."""
+    text = f"{name} ({type(module).__name__})"
+    view = module_view(name, module)
+    for param, shape in view.params.items():
+        if len(shape) != 2 or 3 * min(shape) != max(shape):
+            continue
+        e, transposed = min(shape), shape[0] < shape[1]
+        pattern = re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)", "*", name)
+        extra = ", transposed=True" if transposed else ""
+        return (
+            f"{text} holds a fused weight {param!r} {shape}: pass spec={{{pattern!r}: QKVLayout(n_heads=H, "
+            f"head_dim={e}//H, q={param!r}, packing='fused'{extra})}} if its rows are [all Q | all K | all V], "
+            f"or packing='fused_per_head' if they are [Q_h | K_h | V_h] per head"
+        )
+    return text

@@ -177,3 +177,163 @@ CASES: dict[str, Callable[[], Case]] = {
     "llama-sdpa": lambda: llama("sdpa"),
     "torch-encoder": torch_encoder,
 }
+
+
+# ---------------------------------------------------------------- more families (tests/test_families.py)
+
+HF_SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+
+
+def _hf(model_cls, cfg, attn: str) -> nn.Module:
+    torch.manual_seed(0)
+    return model_cls._from_config(cfg, attn_implementation=attn)
+
+
+def _mlm_loss(m: nn.Module, b: dict) -> torch.Tensor:
+    return m(**b, labels=b["input_ids"]).loss
+
+
+def bert(attn: str = "eager", dropout: float = 0.1) -> Case:
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(**HF_SMALL, max_position_embeddings=64, initializer_range=0.2, hidden_dropout_prob=dropout,
+                     attention_probs_dropout_prob=dropout)
+    return Case(f"bert-{attn}", _hf(BertForMaskedLM, cfg, attn), _padded_tokens, _mlm_loss)
+
+
+def roberta(attn: str = "eager", dropout: float = 0.1) -> Case:
+    from transformers import RobertaConfig, RobertaForMaskedLM
+
+    cfg = RobertaConfig(**HF_SMALL, max_position_embeddings=64, pad_token_id=1, initializer_range=0.2,
+                        hidden_dropout_prob=dropout,
+                        attention_probs_dropout_prob=dropout)
+    return Case(f"roberta-{attn}", _hf(RobertaForMaskedLM, cfg, attn), _padded_tokens, _mlm_loss)
+
+
+def _images(gen: torch.Generator) -> dict:
+    return {"pixel_values": torch.randn(BATCH, 3, 16, 16, generator=gen),
+            "labels": torch.randint(0, 5, (BATCH,), generator=gen)}
+
+
+def vit(attn: str = "eager", dropout: float = 0.1) -> Case:
+    from transformers import ViTConfig, ViTForImageClassification
+
+    cfg = ViTConfig(**{k: v for k, v in HF_SMALL.items() if k != "vocab_size"}, image_size=16, patch_size=4,
+                    num_labels=5, initializer_range=0.2, hidden_dropout_prob=dropout,
+                    attention_probs_dropout_prob=dropout)
+    return Case(f"vit-{attn}", _hf(ViTForImageClassification, cfg, attn), _images, lambda m, b: m(**b).loss)
+
+
+def mistral(attn: str = "eager", kv_heads: int = 2, dropout: float = 0.1) -> Case:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(**HF_SMALL, num_key_value_heads=kv_heads, max_position_embeddings=64,
+                        attention_dropout=dropout, initializer_range=0.2, sliding_window=None)
+    return Case(f"mistral-{attn}", _hf(MistralForCausalLM, cfg, attn), _padded_tokens, _hf_lm_loss)
+
+
+def qwen3(attn: str = "eager", kv_heads: int = 2, dropout: float = 0.1) -> Case:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(**HF_SMALL, num_key_value_heads=kv_heads, head_dim=8, max_position_embeddings=64,
+                      attention_dropout=dropout, initializer_range=0.2)
+    return Case(f"qwen3-{attn}", _hf(Qwen3ForCausalLM, cfg, attn), _padded_tokens, _hf_lm_loss)
+
+
+def gpt_neox(attn: str = "eager", dropout: float = 0.1) -> Case:
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    cfg = GPTNeoXConfig(**HF_SMALL, max_position_embeddings=64, rotary_pct=0.5, attention_dropout=dropout,
+                        hidden_dropout=dropout, initializer_range=0.2)
+    return Case(f"gpt-neox-{attn}", _hf(GPTNeoXForCausalLM, cfg, attn), _padded_tokens, _hf_lm_loss)
+
+
+def _seq2seq_batch(gen: torch.Generator) -> dict:
+    batch = _padded_tokens(gen)  # source: right padding in the second sequence
+    batch["labels"] = torch.randint(3, VOCAB, (BATCH, SEQ - 3), generator=gen)  # a shorter target
+    return batch
+
+
+def t5(attn: str = "eager", dropout: float = 0.1) -> Case:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                   dropout_rate=dropout, decoder_start_token_id=0, initializer_factor=1.0)
+    return Case(f"t5-{attn}", _hf(T5ForConditionalGeneration, cfg, attn), _seq2seq_batch, lambda m, b: m(**b).loss)
+
+
+def bart(attn: str = "eager", dropout: float = 0.1) -> Case:
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    cfg = BartConfig(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                     decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+                     dropout=dropout, attention_dropout=dropout, init_std=0.2)
+    return Case(f"bart-{attn}", _hf(BartForConditionalGeneration, cfg, attn), _seq2seq_batch,
+                lambda m, b: m(**b).loss)
+
+
+def _cross_tokens(gen: torch.Generator) -> dict:
+    batch = _padded_tokens(gen)
+    batch["encoder_hidden_states"] = torch.randn(BATCH, SEQ - 5, 32, generator=gen)  # another, shorter sequence
+    enc_mask = torch.ones(BATCH, SEQ - 5, dtype=torch.long)
+    enc_mask[1, -2:] = 0
+    batch["encoder_attention_mask"] = enc_mask
+    return batch
+
+
+def gpt2_cross(attn: str = "eager", dropout: float = 0.1) -> Case:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4, add_cross_attention=True,
+                     attn_pdrop=dropout, resid_pdrop=dropout, embd_pdrop=dropout)
+    return Case(f"gpt2-cross-{attn}", _hf(GPT2LMHeadModel, cfg, attn), _cross_tokens, _hf_lm_loss)
+
+
+class Seq2Seq(nn.Module):
+    """nn.TransformerEncoder + nn.TransformerDecoder: decoder self-attention and cross-attention (multihead_attn)."""
+
+    def __init__(self, d=32, heads=4, layers=2, dropout=0.1) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, d)
+        enc = nn.TransformerEncoderLayer(d, heads, dim_feedforward=64, dropout=dropout, batch_first=True)
+        dec = nn.TransformerDecoderLayer(d, heads, dim_feedforward=64, dropout=dropout, batch_first=True)
+        self.encoder = nn.TransformerEncoder(enc, layers, enable_nested_tensor=False)
+        self.decoder = nn.TransformerDecoder(dec, layers)
+        self.head = nn.Linear(d, VOCAB)
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor, src_pad: torch.Tensor) -> torch.Tensor:
+        memory = self.encoder(self.emb(src), src_key_padding_mask=src_pad)
+        causal = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1])
+        out = self.decoder(self.emb(tgt), memory, tgt_mask=causal, memory_key_padding_mask=src_pad,
+                           tgt_is_causal=True)
+        return self.head(out)
+
+
+def _torch_seq2seq_batch(gen: torch.Generator) -> dict:
+    batch = _encoder_batch(gen)
+    batch["tgt"] = torch.randint(0, VOCAB, (BATCH, SEQ - 4), generator=gen)
+    return batch
+
+
+def torch_seq2seq(dropout: float = 0.1) -> Case:
+    torch.manual_seed(0)
+    model = Seq2Seq(dropout=dropout)
+
+    def loss(m: nn.Module, b: dict) -> torch.Tensor:
+        logits = m(b["input_ids"], b["tgt"], b["pad"])
+        return F.cross_entropy(logits.reshape(-1, VOCAB), b["tgt"].reshape(-1))
+
+    return Case("torch-seq2seq", model, _torch_seq2seq_batch, loss)
+
+
+FAMILY_BUILDERS: dict[str, Callable[..., Case]] = {
+    "bert": bert,
+    "roberta": roberta,
+    "vit": vit,
+    "mistral": mistral,
+    "qwen3": qwen3,
+    "gpt-neox": gpt_neox,
+    "t5": t5,
+    "bart": bart,
+    "gpt2-cross": gpt2_cross,
+}
