@@ -5,8 +5,13 @@ holding, like a live module's view, the module's own parameters and its direct
 children's (``c_attn.weight``, ``q_proj.weight``), with the head counts of the
 config (``config.json``, nanoGPT's ``model_args``) or of ``--heads`` as
 attributes. :func:`~diag.layouts.find_layout` then picks the layout, exactly as
-:func:`hooks.discovery.discover` does for a live model. Layers are numbered in
-state-dict order, which is registration order for every supported family.
+:func:`hooks.discovery.discover` does for a live model.
+
+Layers are numbered in a canonical order, not in file order: safetensors stores
+keys sorted as strings (``h.10`` before ``h.2``, ``decoder`` before ``encoder``).
+Canonical: numeric parts compare as numbers, ``encoder`` before ``decoder``,
+cross-attention after its block's self-attention. For every supported family
+that is the registration order the live Monitor numbers by.
 """
 
 from __future__ import annotations
@@ -16,8 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from diag.errors import SpecError
-from diag.layouts import ADAPTERS, ModuleView, QKVLayout, find_layout
-from diag.tags import layer_label
+from diag.layouts import ADAPTERS, CROSS_NAMES, ModuleView, QKVLayout, find_layout
+from diag.tags import layer_labels
 
 __all__ = ["HEAD_ATTRS", "Heads", "StateDictLayer", "head_attrs", "module_views", "find_layers"]
 
@@ -66,9 +71,25 @@ def _int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
+# Config keys of other families that mean the same: BART/Marian/Whisper, T5.
+CONFIG_ALIASES = {"encoder_attention_heads": "num_attention_heads", "d_kv": "head_dim"}
+
+
+def _config_attrs(config: Mapping[str, Any]) -> dict[str, int]:
+    attrs = {k: v for k in HEAD_ATTRS if (v := _int(config.get(k))) is not None}
+    for alias, name in CONFIG_ALIASES.items():
+        value = _int(config.get(alias))
+        if value is not None and name not in attrs:
+            attrs[name] = value
+    decoder = _int(config.get("decoder_attention_heads"))
+    if decoder is not None and decoder != attrs.get("num_attention_heads"):
+        attrs.pop("num_attention_heads", None)  # encoder and decoder differ: no single count to use
+    return attrs
+
+
 def head_attrs(config: Mapping[str, Any], config_source: str, heads: int | None, kv_heads: int | None) -> Heads:
     """The head counts to analyse with: ``--heads``/``--kv-heads``, else the config, else one head."""
-    attrs = {k: v for k in HEAD_ATTRS if (v := _int(config.get(k))) is not None}
+    attrs = _config_attrs(config)
     if heads is not None:
         attrs = {k: v for k, v in attrs.items() if k in ("embed_dim", "num_key_value_heads", "n_kv_heads")}
         attrs["num_heads"] = heads
@@ -99,8 +120,25 @@ def module_views(shapes: Mapping[str, tuple[int, ...]], attrs: Mapping[str, int]
     return [ModuleView(name, cls, p, dict(attrs)) for name, p in params.items()]
 
 
+_RANK = {"encoder": 0, "decoder": 1}
+
+
+def canonical_key(name: str, cross: bool) -> tuple:
+    """Sort key of a module path: numbers as numbers, encoder < decoder, self < cross attention."""
+    parts = name.split(".")
+    key: list[tuple] = []
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            key.append((0, int(part), ""))
+        else:
+            last_cross = cross and i == len(parts) - 1
+            rank = 2 if part in CROSS_NAMES or last_cross else _RANK.get(part, 0)
+            key.append((1, rank, part))
+    return tuple(key)
+
+
 def find_layers(shapes: Mapping[str, tuple[int, ...]], heads: Heads) -> list[StateDictLayer]:
-    """Attention layers in state-dict order; modules inside a found one are not searched again."""
+    """Attention layers in canonical order; modules inside a found one are not searched again."""
     found: list[tuple[str, QKVLayout]] = []
     for view in module_views(shapes, heads.attrs, heads.cls):
         if any(view.name.startswith(f"{name}.") for name, _ in found):
@@ -110,8 +148,9 @@ def find_layers(shapes: Mapping[str, tuple[int, ...]], heads: Heads) -> list[Sta
             found.append((view.name, layout))
     if not found:
         raise SpecError(_nothing_found(shapes, heads))
-    return [StateDictLayer(i, layer_label(i, len(found), getattr(layout, "cross", False)), name, layout)
-            for i, (name, layout) in enumerate(found)]
+    found.sort(key=lambda item: canonical_key(item[0], item[1].cross))
+    labels = layer_labels([layout.cross for _, layout in found])
+    return [StateDictLayer(i, label, name, layout) for i, (label, (name, layout)) in enumerate(zip(labels, found))]
 
 
 def _nothing_found(shapes: Mapping[str, tuple[int, ...]], heads: Heads) -> str:

@@ -19,6 +19,7 @@ __all__ = [
     "LAYER_METRICS",
     "STATS",
     "layer_label",
+    "layer_labels",
     "head_label",
     "head_tag",
     "stat_tag",
@@ -78,3 +79,21 @@ def layer_tag(metric: str, layer: str) -> str:
 
 def histogram_tag(metric: str, layer: str) -> str:
     return f"{metric}/{layer}/heads"
+
+
+def layer_labels(cross: list[bool]) -> list[str]:
+    """Tag labels in registration order: a cross-attention layer shares the index of its block.
+
+    Each self-attention layer opens the next index; a cross-attention layer takes the
+    index of the self-attention layer just before it (``L02``, ``L02.cross``), or opens
+    the next index itself when there is none or that index already has a cross layer.
+    """
+    indices, last, taken = [], -1, set()
+    for is_cross in cross:
+        if not is_cross or last < 0 or last in taken:
+            last += 1
+        if is_cross:
+            taken.add(last)
+        indices.append(last)
+    count = last + 1
+    return [layer_label(i, count, c) for i, c in zip(indices, cross)]

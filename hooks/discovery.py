@@ -11,9 +11,9 @@ from torch import nn
 
 from diag.errors import SpecError
 from diag.layouts import ADAPTERS, ModuleView, QKVLayout, find_layout, shape_problem
-from diag.tags import layer_label
+from diag.tags import layer_labels
 
-__all__ = ["AttentionLayer", "discover", "layer_labels", "module_view"]
+__all__ = ["AttentionLayer", "discover", "module_view"]
 
 _INT_ATTRS = (
     "num_heads",
@@ -117,24 +117,6 @@ def discover(model: nn.Module, spec: Mapping[str, QKVLayout] | None = None) -> l
         AttentionLayer(i, label, name, module, layout)
         for i, (label, (name, module, layout)) in enumerate(zip(labels, found))
     ]
-
-
-def layer_labels(cross: list[bool]) -> list[str]:
-    """Tag labels in registration order: a cross-attention layer shares the index of its block.
-
-    Each self-attention layer opens the next index; a cross-attention layer takes the
-    index of the self-attention layer just before it (``L02``, ``L02.cross``), or opens
-    the next index itself when there is none or that index already has a cross layer.
-    """
-    indices, last, taken = [], -1, set()
-    for is_cross in cross:
-        if not is_cross or last < 0 or last in taken:
-            last += 1
-        if is_cross:
-            taken.add(last)
-        indices.append(last)
-    count = last + 1
-    return [layer_label(i, count, c) for i, c in zip(indices, cross)]
 
 
 def _nothing_found(model: nn.Module, spec: Mapping[str, QKVLayout] | None) -> str:

@@ -108,6 +108,9 @@ class Monitor:
         self.last: dict[str, float] = {}
         self._snapshot: tuple[int, list[tuple[Tensor, Tensor, Tensor]]] | None = None
         self._warned: set[str] = set()
+        # Layers whose captured attention disagreed with their layout: every metric of theirs is
+        # suspect (the head split may be wrong), so none is logged from then on.
+        self.refused: dict[int, str] = {}
         self._closed = False
         if "attention" in self.signals:
             self.capture.arm()  # the first forward; discarded if its step is not sampled
@@ -179,6 +182,7 @@ class Monitor:
             self._warn_once("unarmed", f"diag: step {step} is sampled but step {step - 1} was not "
                             "reported, so its attention was not captured; call monitor.step for every "
                             "training step with consecutive step numbers")
+        self.refused.update(self.capture.layout_refused)
         results, problems = self.capture.take() if "attention" in self.signals else ({}, {})
         with torch.no_grad():
             per_layer = [self._weight_side(layer) for layer in self.layers]
@@ -186,6 +190,9 @@ class Monitor:
                 self._spectra(per_layer)
             for layer, values in zip(self.layers, per_layer):
                 self._attention(layer, values, results, problems)
+                if layer.index in self.refused:
+                    for metric in [m for m in values if not m.startswith("_")]:
+                        del values[metric]
             record, arrays = self._record(step, per_layer)
         loss_value = None
         if loss is not None:
@@ -236,6 +243,8 @@ class Monitor:
         arrays: dict[str, dict[str, np.ndarray]] = {}
         with torch.no_grad():
             for layer, before in zip(self.layers, snapshot):
+                if layer.index in self.refused:
+                    continue
                 after = split_qkv({n: p.detach() for n, p in layer.params().items()}, layer.layout)
                 for metric, value in qkv_update_metrics(before, after).items():
                     scalars[layer_tag(metric, layer.label)] = float(value)

@@ -136,6 +136,8 @@ def _check_norms(layer: AttentionLayer, q: Tensor, k: Tensor, x: Tensor, kv: Ten
     bq, bk = split_qkv_bias(biases, lay)
     if x.shape[-1] != wq.shape[-1] or x.shape[0] != q.shape[0] or x.shape[1] != q.shape[2]:
         return Verdict(checked="shapes")  # the first input is not what the projections read
+    if not all(bool(torch.isfinite(t).all()) for t in (q, k, x, wq, wk)):
+        return Verdict(checked="shapes")  # non-finite values cannot confirm or refute a layout
     tol = _tolerance(q)
     dev = _deviation(q.norm(dim=-1), _projected_norms(x, wq, bq))
     if not dev <= tol:

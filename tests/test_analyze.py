@@ -117,6 +117,17 @@ FORMATS = {
 }
 
 
+@pytest.mark.parametrize("family", ["bart", "t5", "bert", "gpt-neox", "mistral"])
+def test_hf_families_offline_match_live_tags_and_values(family, tmp_path):
+    """Encoder-decoder labels (L02.cross) and per-head packings agree between live and offline."""
+    case = zoo.FAMILY_BUILDERS[family]()
+    path, kwargs = _hf_folder(case, tmp_path)
+    live = _live_scalars(case.model)
+    if family in ("bart", "t5"):
+        assert any(".cross/" in tag for tag in live)
+    _assert_same(live, _offline_scalars([path], **kwargs))
+
+
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_every_format_gives_the_live_monitors_spectra(fmt, tmp_path):
     model_name, write = FORMATS[fmt]
@@ -331,3 +342,25 @@ def test_tensorboard_steps_are_the_checkpoint_steps(tmp_path, capsys):
                  "--overwrite", "--no-report"]) == 0
     assert {s for s, _ in _jsonl(out / "metrics.jsonl")} == {5}
     assert math.isfinite(jsonl[(5, "update_ratio_q/L00")])
+
+
+def test_canonical_order_undoes_sorted_safetensors_keys():
+    from diag.statedict import canonical_key
+
+    names = ["model.decoder.layers.0.encoder_attn", "model.decoder.layers.0.self_attn", "model.encoder.layers.10.self_attn",
+             "model.encoder.layers.2.self_attn", "h.0.crossattention", "h.0.attn"]
+    cross = {"model.decoder.layers.0.encoder_attn", "h.0.crossattention"}
+    ordered = sorted(names, key=lambda n: canonical_key(n, n in cross))
+    assert ordered == ["h.0.attn", "h.0.crossattention", "model.encoder.layers.2.self_attn",
+                       "model.encoder.layers.10.self_attn", "model.decoder.layers.0.self_attn",
+                       "model.decoder.layers.0.encoder_attn"]
+
+
+def test_twelve_layers_from_safetensors_keep_their_numbers(tmp_path):
+    """safetensors sorts keys as strings (h.10 before h.2): layer numbers must not follow that."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=12, n_head=2, n_embd=16, vocab_size=20, n_positions=8))
+    save_file(_plain(model), tmp_path / "m.safetensors")
+    _assert_same(_live_scalars(model), _offline_scalars([tmp_path / "m.safetensors"], heads=2))
