@@ -347,8 +347,8 @@ def test_tensorboard_steps_are_the_checkpoint_steps(tmp_path, capsys):
 def test_canonical_order_undoes_sorted_safetensors_keys():
     from diag.statedict import canonical_key
 
-    names = ["model.decoder.layers.0.encoder_attn", "model.decoder.layers.0.self_attn", "model.encoder.layers.10.self_attn",
-             "model.encoder.layers.2.self_attn", "h.0.crossattention", "h.0.attn"]
+    names = ["model.decoder.layers.0.encoder_attn", "model.decoder.layers.0.self_attn",
+             "model.encoder.layers.10.self_attn", "model.encoder.layers.2.self_attn", "h.0.crossattention", "h.0.attn"]
     cross = {"model.decoder.layers.0.encoder_attn", "h.0.crossattention"}
     ordered = sorted(names, key=lambda n: canonical_key(n, n in cross))
     assert ordered == ["h.0.attn", "h.0.crossattention", "model.encoder.layers.2.self_attn",
