@@ -289,6 +289,25 @@ def _neox(view: ModuleView) -> QKVLayout | None:
                      cross=is_cross(view), adapter="hf-gpt-neox")
 
 
+# timm's Attention (timm.layers.Attention: ViT, DeiT, ...) holds these children and nothing else. Other timm
+# classes named Attention pack qkv per head or add biases and position tables (LeViT, BEiT, SAM): not these.
+TIMM_CHILDREN = ("qkv", "q_norm", "k_norm", "norm", "gate", "proj")
+
+
+def _timm(view: ModuleView) -> QKVLayout | None:
+    """timm Attention: Linear qkv (3·H·D, E), rows [all Q | all K | all V], num_heads and head_dim."""
+    shape, heads = view.params.get("qkv.weight"), _heads(view)
+    if view.cls != "Attention" or shape is None or len(shape) != 2 or heads is None:
+        return None
+    if any("." not in name or name.split(".")[0] not in TIMM_CHILDREN for name in view.params):
+        return None
+    head_dim = view.first("head_dim") or shape[1] // heads
+    if shape[0] != 3 * heads * head_dim:
+        return None
+    qk_norm = any(name.split(".")[0] in QK_NORMS for name in view.params)  # LayerNorm per head (qk_norm=True)
+    return QKVLayout(heads, head_dim, q="qkv.weight", packing="fused", verify=not qk_norm, adapter="timm")
+
+
 def _nanogpt(view: ModuleView) -> QKVLayout | None:
     return _fused(view, "c_attn.weight", "nanogpt-c_attn")
 
@@ -353,6 +372,7 @@ ADAPTERS: list[Adapter] = [
             "query/key/value Linear layers (BERT, RoBERTa self-attention)"),
     Adapter("hf-t5", lambda v: _separate_named(v, ("q", "k", "v"), "hf-t5"),
             "q/k/v Linear layers without bias (T5Attention)"),
+    Adapter("timm", _timm, "timm Attention (ViT, DeiT, ...): Linear qkv (3E, E), num_heads, optional q_norm/k_norm"),
     Adapter("nanogpt-c_attn", _nanogpt, "nanoGPT CausalSelfAttention: Linear c_attn (3E, E) and n_head"),
     Adapter("structural-separate", _structural, "three projections wq/wk/wv, to_q/to_k/to_v or q_lin/k_lin/v_lin"),
 ]
