@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -282,6 +283,7 @@ class AlertSink:
     ) -> None:
         self.sinks, self.path, self.callback, self.stop = sinks, path, callback, stop_on_critical
         self.history: list[Alert] = []
+        self._append_failed = False
 
     def emit(self, alerts: list[Alert]) -> None:
         if not alerts:
@@ -305,11 +307,20 @@ class AlertSink:
     def _append_jsonl(self, alerts: list[Alert]) -> None:
         if self.path is None:
             return
+        # One os.write on an O_APPEND descriptor, no user-space buffer (as diag.sinks.JsonlSink):
+        # a process killed at any moment leaves whole lines only.
+        data = "".join(json.dumps(asdict(a)) + "\n" for a in alerts).encode("utf-8")
         try:
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.write("".join(json.dumps(asdict(a)) + "\n" for a in alerts))
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                while data:
+                    data = data[os.write(fd, data) :]
+            finally:
+                os.close(fd)
         except OSError as err:
-            log.error("diag: cannot append to %s (%s); alerts still go to the other channels", self.path, err)
+            if not self._append_failed:  # reported once; the other channels go on
+                self._append_failed = True
+                log.error("diag: cannot append to %s (%s); alerts still go to the other channels", self.path, err)
 
     def _call_back(self, alerts: list[Alert]) -> None:
         if self.callback is None:

@@ -111,8 +111,10 @@ def step_of(path: Path) -> int | None:
 def _int_value(value: Any) -> int | None:
     if hasattr(value, "item") and getattr(value, "numel", lambda: 0)() == 1:
         value = value.item()
-    if isinstance(value, str) and value.strip().isdigit():
-        return int(value)
+    if isinstance(value, str):
+        text = value.strip()
+        # ASCII digits only ("²".isdigit() is True but int() refuses it), and not beyond int()'s digit limit
+        return int(text) if text.isascii() and text.isdigit() and len(text) <= 18 else None
     return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
 
 
@@ -165,6 +167,10 @@ def _open_sharded(index: Path) -> tuple[TensorSource, dict[str, Any]]:
     weight_map = _read_json(index).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(f"{index}: no 'weight_map' in the index; expected {{tensor name: shard file}}")
+    odd = [v for v in weight_map.values() if not isinstance(v, str) or not v]
+    if odd:
+        raise CheckpointError(f"{index}: the 'weight_map' names a shard {odd[0]!r}, not a file name; expected "
+                              "{tensor name: shard file name}: re-write the index")
     source: TensorSource | None = None
     meta: dict[str, Any] = {}
     for shard in dict.fromkeys(weight_map.values()):

@@ -49,7 +49,7 @@ class TensorSource:
 
     @classmethod
     def from_dict(cls, tensors: Mapping[str, Tensor]) -> TensorSource:
-        table = {clean_key(k): v for k, v in tensors.items() if isinstance(v, Tensor)}
+        table = {clean_key(str(k)): v for k, v in tensors.items() if isinstance(v, Tensor)}  # pickles allow int keys
         return cls({k: tuple(v.shape) for k, v in table.items()}, table.__getitem__)
 
     def merged(self, other: TensorSource) -> TensorSource:

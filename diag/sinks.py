@@ -112,6 +112,9 @@ class JsonlSink:
             for tag, value in record.scalars.items()
         ]
         if lines and self._fd is not None:
+            if os.fstat(self._fd).st_nlink == 0:  # deleted (e.g. the logdir removed mid-run): say so
+                raise SinkError(f"{self.path} was deleted while the run was writing it; later steps are "
+                                "not in any metrics.jsonl (the other sinks go on)")
             data = ("\n".join(lines) + "\n").encode("utf-8")
             while data:
                 data = data[os.write(self._fd, data) :]

@@ -83,20 +83,29 @@ def qk_singular_values_reference(wq_h: Tensor, wk_h: Tensor) -> Tensor:
 
 
 def spectral_energy_concentration(sv: Tensor, top: int) -> Tensor:
-    """SEC_s = (s_1^2 + ... + s_s^2) / sum_i s_i^2 over the last dimension (Qi et al., 2025)."""
+    """SEC_s = (s_1^2 + ... + s_s^2) / sum_i s_i^2 over the last dimension (Qi et al., 2025); 0 if all s_i = 0."""
     energy = sv.square()
-    return energy[..., :top].sum(-1) / energy.sum(-1)
+    total = energy.sum(-1)
+    return _zero_if_no_energy(energy[..., :top].sum(-1) / total, total)
 
 
 def effective_rank(sv: Tensor) -> Tensor:
-    """exp(-sum p_i log p_i) with p_i = s_i / sum_j s_j (Roy & Vetterli, 2007)."""
-    p = sv / sv.sum(-1, keepdim=True)
-    return torch.exp(-torch.special.xlogy(p, p).sum(-1))
+    """exp(-sum p_i log p_i) with p_i = s_i / sum_j s_j (Roy & Vetterli, 2007); 0 if all s_i = 0."""
+    total = sv.sum(-1, keepdim=True)
+    p = sv / total
+    return _zero_if_no_energy(torch.exp(-torch.special.xlogy(p, p).sum(-1)), total[..., 0])
 
 
 def stable_rank(sv: Tensor) -> Tensor:
-    """||W||_F^2 / sigma_1^2."""
-    return sv.square().sum(-1) / sv[..., 0].square()
+    """||W||_F^2 / sigma_1^2; 0 if W = 0."""
+    total = sv.square().sum(-1)
+    return _zero_if_no_energy(total / sv[..., 0].square(), total)
+
+
+def _zero_if_no_energy(value: Tensor, total: Tensor) -> Tensor:
+    """A dead head (all singular values exactly 0, e.g. all-zero Wq rows) has rank 0 and no
+    concentrated energy: 0 rather than 0/0 = NaN. NaN totals (non-finite weights) stay NaN."""
+    return torch.where(total == 0, torch.zeros_like(value), value)
 
 
 def top_singular_value(w: Tensor, exact_below: int = 128, block: int = 8, rtol: float = 1e-6) -> Tensor:

@@ -40,6 +40,7 @@ __all__ = ["Monitor", "SIGNALS"]
 log = logging.getLogger("diag")
 
 SIGNALS = ("spectra", "attention", "grads", "updates")
+SPECTRAL_METRICS = ("qk_sigma1", "qk_sec", "qk_erank", "qk_stable_rank", "qk_spectrum")
 
 
 class Monitor:
@@ -184,10 +185,11 @@ class Monitor:
                             "training step with consecutive step numbers")
         self.refused.update(self.capture.layout_refused)
         results, problems = self.capture.take() if "attention" in self.signals else ({}, {})
+        spectra_failed = False
         with torch.no_grad():
             per_layer = [self._weight_side(layer) for layer in self.layers]
             if "spectra" in self.signals:
-                self._spectra(per_layer)
+                spectra_failed = not self._spectra(step, per_layer)
             for layer, values in zip(self.layers, per_layer):
                 self._attention(layer, values, results, problems)
                 if layer.index in self.refused:
@@ -198,7 +200,10 @@ class Monitor:
         if loss is not None:
             loss_value = float(loss.detach()) if isinstance(loss, Tensor) else float(loss)
             record.scalars["loss"] = loss_value
-        self._check_finite(record)
+        if spectra_failed:  # NaN from a failed solver, already reported: not a sign of NaN weights
+            arrays = {label: {m: v for m, v in metrics.items() if m not in SPECTRAL_METRICS}
+                      for label, metrics in arrays.items()}
+        self._check_finite(record, skip=SPECTRAL_METRICS if spectra_failed else ())
         self.last = dict(record.scalars)
         self.sinks.write(record)
         self.alert_sink.emit(self.detectors.observe(Observation(step, loss_value, arrays)))
@@ -217,10 +222,21 @@ class Monitor:
         values["_qkv"] = split_qkv(weights, layer.layout)
         return values
 
-    def _spectra(self, per_layer: list[dict]) -> None:
-        out = layer_spectra([values["_qkv"][:2] for values in per_layer], self.sec_top)
+    def _spectra(self, step: int, per_layer: list[dict]) -> bool:
+        """The spectra of every layer; if the linear algebra fails (an eigensolver or SVD that does
+        not converge raises), they are NaN at this step and the other families are still logged."""
+        qk = [values["_qkv"][:2] for values in per_layer]
+        try:
+            out = layer_spectra(qk, self.sec_top)
+        except Exception as err:  # noqa: BLE001 - e.g. torch.linalg.LinAlgError
+            self._warn_once("spectra", f"diag: spectra failed at step {step} ({err!r}); logged as NaN, "
+                            "the other signals are kept, training continues")
+            for values, (wq, _) in zip(per_layer, qk):
+                values.update(_nan_spectra(wq))
+            return False
         for values, metrics in zip(per_layer, out):
             values.update(metrics)
+        return True
 
     def _attention(self, layer, values: dict, results: dict, problems: dict) -> None:
         if layer.index in problems:
@@ -253,9 +269,17 @@ class Monitor:
         self.sinks.write(Record(step, scalars))
         self.alert_sink.emit(self.detectors.observe(Observation(step, None, arrays)))
 
-    def _check_finite(self, record: Record) -> None:
-        bad = [tag for tag, v in record.scalars.items() if not math.isfinite(v)]
+    def _check_finite(self, record: Record, skip: Iterable[str] = ()) -> None:
+        skip = tuple(f"{metric}/" for metric in skip)
+        bad = [tag for tag, v in record.scalars.items() if not math.isfinite(v) and not tag.startswith(skip)]
         if bad:
             self._warn_once("nonfinite", f"diag: non-finite values at step {record.step} "
                             f"(e.g. {bad[:3]}); logged as NaN, training continues")
 
+
+def _nan_spectra(wq: Tensor) -> dict[str, Tensor]:
+    """The spectral metrics of one layer (per-head wq: (H, D, E)) as NaN, in their usual shapes."""
+    heads, dim = wq.shape[0], wq.shape[1]
+    nan = torch.full((heads,), torch.nan, dtype=torch.float64, device=wq.device)
+    return {"qk_sigma1": nan, "qk_sec": nan, "qk_erank": nan, "qk_stable_rank": nan,
+            "qk_spectrum": torch.full((heads, dim), torch.nan, dtype=torch.float64, device=wq.device)}

@@ -62,7 +62,8 @@ def _read_ids(path: Path, folder: Path) -> Tensor:
         try:
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(str(folder))
+            # never code from the folder (auto_map), never the network, never an interactive prompt
+            tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False, local_files_only=True)
         except (OSError, ValueError) as err:
             raise ProbeError(f"--probe {path} holds text but {folder} has no usable tokenizer ({err}); "
                              "write whitespace-separated token ids instead") from None
@@ -84,6 +85,17 @@ class Probe:
         self.ids: Tensor | None = None
 
     def __call__(self, ckpt: Checkpoint, layers: list[StateDictLayer]) -> LayerArrays:
+        try:
+            return self._measure(ckpt, layers)
+        except DiagError:
+            raise
+        except Exception as err:  # noqa: BLE001 - a config or inputs the model cannot take: only the probe fails
+            why = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
+            raise ProbeError(f"{ckpt.path}: the model built from its config.json cannot run the probe inputs "
+                             f"({type(err).__name__}: {why}); check config.json and the token ids, or drop "
+                             "--probe") from None
+
+    def _measure(self, ckpt: Checkpoint, layers: list[StateDictLayer]) -> LayerArrays:
         if self.model is None:
             self.model = _build(ckpt)
             self.layers = discover(self.model)

@@ -60,6 +60,11 @@ def test_killed_process_leaves_only_complete_lines(tmp_path):
     # of a step arrive with the next call and may be missing for the very last step
     full = max(per_step.values())
     assert all(per_step[s] == full for s in steps[:-1])
+    alerts = logdir / "alerts.jsonl"  # written the same way (one os.write per emit; see test_faults.py)
+    if alerts.exists():
+        text = alerts.read_text()
+        assert text.endswith("\n")
+        assert all(json.loads(line)["kind"] for line in text.splitlines())
 
 
 def test_resume_with_purge_step_does_not_duplicate_tensorboard_steps(tmp_path):

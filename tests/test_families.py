@@ -633,3 +633,35 @@ def test_layer_labels_share_the_block_index_and_never_collide():
     assert layer_labels([True, True, False]) == ["L00.cross", "L01.cross", "L02"]  # no self-attention before
     assert layer_labels([False, True, True]) == ["L00", "L00.cross", "L01.cross"]  # a second cross layer
     assert layer_labels([False] * 11 + [True])[-2:] == ["L10", "L10.cross"]
+
+
+# Every builder of zoo.FAMILY_BUILDERS over a few dozen steps (long enough for AdamW to move every weight far
+# from init), dropout on throughout; the families of the 3-step test above with their other implementation.
+LONG_STEPS = 24
+LONG_CASES = ["bert-sdpa", "roberta-eager", "vit-sdpa", "mistral-eager", "qwen3-sdpa",
+              "bart-eager", "t5-sdpa", "gpt-neox-sdpa", "gpt2-cross-eager"]
+
+
+def test_the_long_bit_identity_test_covers_every_builder():
+    assert {name.rsplit("-", 1)[0] for name in LONG_CASES} == set(zoo.FAMILY_BUILDERS)
+
+
+@pytest.mark.parametrize("name", LONG_CASES)
+def test_training_is_bit_identical_with_monitor_over_many_steps(name, tmp_path):
+    from test_safety import assert_no_function_mode, assert_no_hooks, assert_states_equal, train
+
+    family_name, impl = name.rsplit("-", 1)
+    losses_plain, state_plain = train(zoo.FAMILY_BUILDERS[family_name](impl), steps=LONG_STEPS)
+    case = zoo.FAMILY_BUILDERS[family_name](impl)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no refusal, no fault of the monitor
+        losses_mon, state_mon = train(case, steps=LONG_STEPS, monitor_kwargs={"every": 1}, tmp_path=tmp_path)
+    assert len(losses_plain) == len(losses_mon) == LONG_STEPS
+    for step, (a, b) in enumerate(zip(losses_plain, losses_mon)):
+        assert torch.equal(a, b), f"loss differs at step {step}: {a.item()!r} vs {b.item()!r}"
+    assert_states_equal(state_plain, state_mon)
+    assert not torch.equal(losses_plain[0], losses_plain[-1])  # it trained
+    text = (tmp_path / "metrics.jsonl").read_text()  # and the monitor measured every step, attention included
+    assert '"tag": "attn_entropy/L00/H00"' in text and f'"step": {LONG_STEPS - 1}, "tag": "loss"' in text
+    assert_no_hooks(case.model)
+    assert_no_function_mode()
