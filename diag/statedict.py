@@ -16,6 +16,7 @@ that is the registration order the live Monitor numbers by.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -120,6 +121,16 @@ def module_views(shapes: Mapping[str, tuple[int, ...]], attrs: Mapping[str, int]
     return [ModuleView(name, cls, p, dict(attrs)) for name, p in params.items()]
 
 
+_TIMM_QKV = re.compile(r"blocks\.\d+\.attn\.qkv\.weight")
+
+
+def signature_class(shapes: Mapping[str, tuple[int, ...]]) -> str:
+    """The attention class a whole model's key pattern implies when no config names one."""
+    if "patch_embed.proj.weight" in shapes and any(_TIMM_QKV.fullmatch(key) for key in shapes):
+        return "Attention"  # a timm VisionTransformer state dict (timm saves no config beside it)
+    return ""
+
+
 _RANK = {"encoder": 0, "decoder": 1}
 
 
@@ -140,7 +151,7 @@ def canonical_key(name: str, cross: bool) -> tuple:
 def find_layers(shapes: Mapping[str, tuple[int, ...]], heads: Heads) -> list[StateDictLayer]:
     """Attention layers in canonical order; modules inside a found one are not searched again."""
     found: list[tuple[str, QKVLayout]] = []
-    for view in module_views(shapes, heads.attrs, heads.cls):
+    for view in module_views(shapes, heads.attrs, heads.cls or signature_class(shapes)):
         if any(view.name.startswith(f"{name}.") for name, _ in found):
             continue
         layout = find_layout(view)

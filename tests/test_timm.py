@@ -323,3 +323,23 @@ def test_the_monitor_leaves_the_model_as_it_found_it():
     monitor.close()
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(not block.attn._forward_pre_hooks and not block.attn._forward_hooks for block in model.blocks)
+
+
+def test_timm_checkpoint_analysed_offline_like_live(tmp_path):
+    """A timm state dict (no config beside it) with --heads: the same per-head spectra as the Monitor."""
+    from safetensors.torch import save_file
+
+    from diag.offline import analyze_checkpoints
+
+    model = build(fused=True, qk_norm=False)
+    mem = MemorySink()
+    with Monitor(model, every=1, sinks=[mem], signals=("spectra",)) as monitor:
+        monitor.step(0)
+    live = {t: v for t, v in mem.records[0].scalars.items() if t.startswith("qk_")}
+    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, tmp_path / "vit.safetensors")
+    analysis = analyze_checkpoints([tmp_path / "vit.safetensors"], heads=H)
+    assert not analysis.failures, analysis.failures
+    offline = {t: v for t, v in analysis.records[0].scalars.items() if t.startswith("qk_")}
+    assert sorted(offline) == sorted(live) and any("/H03" in t for t in live)
+    for tag, value in live.items():
+        assert offline[tag] == pytest.approx(value, rel=1e-9, abs=1e-12), tag
