@@ -25,6 +25,7 @@ __all__ = [
     "Adapter",
     "ADAPTERS",
     "CROSS_NAMES",
+    "HEAD_ATTRS",
     "find_layout",
     "is_cross",
     "split_qkv",
@@ -226,6 +227,17 @@ class Adapter:
 # Dotted name components (or attributes) that mark cross-attention: BART/Marian/Whisper
 # `encoder_attn`, GPT-2/BERT `crossattention`, T5 `EncDecAttention`, nn.TransformerDecoderLayer
 # `multihead_attn`, and common spellings.
+# Head-count attributes that a module or its config may carry (live and offline alike).
+HEAD_ATTRS = (
+    "num_heads",
+    "num_attention_heads",
+    "n_head",
+    "n_heads",
+    "head_dim",
+    "num_key_value_heads",
+    "n_kv_heads",
+    "embed_dim",
+)
 CROSS_NAMES = ("encoder_attn", "crossattention", "EncDecAttention", "multihead_attn", "cross_attn",
                "cross_attention", "src_attn")
 HEAD_DIM_KEYS = ("head_dim", "attention_head_size", "key_value_proj_dim", "head_size", "d_kv")

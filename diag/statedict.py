@@ -22,22 +22,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from diag.errors import SpecError
-from diag.layouts import ADAPTERS, CROSS_NAMES, ModuleView, QKVLayout, find_layout
+from diag.layouts import ADAPTERS, CROSS_NAMES, HEAD_ATTRS, ModuleView, QKVLayout, find_layout
 from diag.tags import layer_labels
 
-__all__ = ["HEAD_ATTRS", "Heads", "StateDictLayer", "head_attrs", "module_views", "find_layers"]
+__all__ = ["Heads", "StateDictLayer", "head_attrs", "module_views", "find_layers"]
 
-# The attributes that live discovery reads from a module or its config.
-HEAD_ATTRS = (
-    "num_heads",
-    "num_attention_heads",
-    "n_head",
-    "n_heads",
-    "head_dim",
-    "num_key_value_heads",
-    "n_kv_heads",
-    "embed_dim",
-)
 
 
 # Adapters that need the attention class (GPT-2's Conv1D, GPT-NeoX's interleaving) get it

@@ -10,20 +10,12 @@ from dataclasses import dataclass
 from torch import nn
 
 from diag.errors import SpecError
-from diag.layouts import ADAPTERS, ModuleView, QKVLayout, find_layout, shape_problem
+from diag.layouts import ADAPTERS, HEAD_ATTRS, ModuleView, QKVLayout, find_layout, shape_problem
 from diag.tags import layer_labels
 
 __all__ = ["AttentionLayer", "discover", "module_view"]
 
-_INT_ATTRS = (
-    "num_heads",
-    "num_attention_heads",
-    "n_head",
-    "n_heads",
-    "head_dim",
-    "num_key_value_heads",
-    "n_kv_heads",
-    "embed_dim",
+_INT_ATTRS = HEAD_ATTRS + (  # module attributes of some families on top of the config names
     "attention_head_size",
     "key_value_proj_dim",
     "head_size",
