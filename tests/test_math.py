@@ -230,4 +230,4 @@ def test_top_singular_value_krylov_path_matches_full_svd(kind):
     assert torch.equal(before, torch.get_rng_state())  # a private generator: global RNG untouched
     ref = torch.linalg.matrix_norm(w.double(), ord=2)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=0)
-    assert (got <= ref * (1 + 1e-12)).all()  # a Ritz value never overshoots
+    assert (got <= ref * (1 + 1e-6)).all()  # a Ritz value does not overshoot (beyond float32 rounding)
