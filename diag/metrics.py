@@ -93,11 +93,10 @@ def update_metrics(before: Tensor, after: Tensor, name: str) -> dict[str, Tensor
     before, after: (..., rows, E), the whole projection of a layer (all heads).
     W is the matrix the update was applied to (``before``).
     """
-    delta = after.double() - before.double()
-    w = before.double()
+    delta = after.double() - before.double()  # exact for float32 weights
     return {
-        f"update_ratio_{name}": top_singular_value(delta) / top_singular_value(w),
-        f"update_fro_{name}": torch.linalg.matrix_norm(delta) / torch.linalg.matrix_norm(w),
+        f"update_ratio_{name}": top_singular_value(delta) / top_singular_value(before),
+        f"update_fro_{name}": torch.linalg.matrix_norm(delta) / torch.linalg.matrix_norm(before, dtype=torch.float64),
     }
 
 

@@ -205,6 +205,9 @@ class AttentionCapture:
         self.problems: dict[int, str] = {}
         self.checked: dict[int, str] = {}  # layer index -> what the layout check compared
         self.layout_refused: dict[int, str] = {}  # layer index -> why its layout disagrees with the model
+        # Layers whose layout a capture confirmed: the packing cannot change, so the (costly, float64)
+        # projection check runs once per layer, not at every sampled step.
+        self._confirmed: dict[int, str] = {}
         self._handles: list[RemovableHandle] = []
         self._active: AttentionLayer | None = None
         self._inputs: Inputs | None = None
@@ -283,11 +286,16 @@ class AttentionCapture:
                     return
                 if seen.logits is not None and scores is not None and scores[2] == seen.logits.shape:
                     seen.q, seen.k = scores[0], scores[1].transpose(-1, -2)  # the q @ k^T before this softmax
-                verdict = check_call(layer, seen, self._inputs, self.n_seqs)
-                if verdict.problem is not None:
-                    self.problems[layer.index] = self.layout_refused[layer.index] = verdict.problem
-                    return
-                self.checked[layer.index] = verdict.checked
+                confirmed = self._confirmed.get(layer.index)
+                if confirmed is None:
+                    verdict = check_call(layer, seen, self._inputs, self.n_seqs)
+                    if verdict.problem is not None:
+                        self.problems[layer.index] = self.layout_refused[layer.index] = verdict.problem
+                        return
+                    confirmed = verdict.checked
+                    if confirmed in ("q,k", "exact"):  # q and k compared with values: settled for good
+                        self._confirmed[layer.index] = confirmed
+                self.checked[layer.index] = confirmed
                 self.results[layer.index] = stats_from_logits(seen.stats_logits(), self.rank_rows)
         except _Unsupported as err:
             self.problems[layer.index] = str(err)

@@ -665,3 +665,28 @@ def test_training_is_bit_identical_with_monitor_over_many_steps(name, tmp_path):
     assert '"tag": "attn_entropy/L00/H00"' in text and f'"step": {LONG_STEPS - 1}, "tag": "loss"' in text
     assert_no_hooks(case.model)
     assert_no_function_mode()
+
+
+def test_layout_check_runs_once_per_layer(monkeypatch):
+    """The float64 projection check settles a layer's layout once; later sampled steps skip it."""
+    import hooks.capture as capture_module
+
+    calls = []
+    real = capture_module.check_call
+
+    def counting(layer, *args, **kwargs):
+        calls.append(layer.index)
+        return real(layer, *args, **kwargs)
+
+    monkeypatch.setattr(capture_module, "check_call", counting)
+    case = zoo.nanogpt()
+    mem = MemorySink()
+    monitor = Monitor(case.model, every=1, sinks=[mem], signals=("attention",))
+    gen = torch.Generator().manual_seed(0)
+    for step in range(3):
+        case.loss(case.model, case.make_batch(gen)).backward()
+        monitor.step(step)
+        case.model.zero_grad()
+    monitor.close()
+    assert sorted(calls) == [0, 1]
+    assert all(any(t.startswith("attn_entropy/L01") for t in r.scalars) for r in mem.records)
