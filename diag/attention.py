@@ -49,6 +49,13 @@ class AttentionStats:
     max_logit: Tensor
     rows: Tensor  # (1,): valid query rows per sequence that the rank saw (mean over sequences)
     uniform_entropy: Tensor  # (H,): the entropy uniform attention over the same valid keys would have
+    # (H, R, C) float32: the attention probabilities of the first sampled sequence, its first
+    # R <= MAP_SIZE query rows over its first C <= MAP_SIZE keys (for images of flagged heads).
+    maps: Tensor | None = None
+
+
+# Query rows and keys of the first sequence kept in AttentionStats.maps.
+MAP_SIZE = 128
 
 
 def excluded_by_additive_mask(x: Tensor) -> Tensor:
@@ -110,6 +117,7 @@ def stats_from_logits(logits: Tensor, rank_rows: int = 256) -> AttentionStats:
     rank_rows_seen = torch.zeros(1, dtype=torch.float64, device=dev)
     rank_seqs = torch.zeros(1, dtype=torch.float64, device=dev)
     step = _row_chunks(n_q, n_heads, n_k)
+    map_block: list[Tensor] = []
     for i in range(n_seq):
         rank_block = []
         for start in range(0, n_q, step):
@@ -126,6 +134,8 @@ def stats_from_logits(logits: Tensor, rank_rows: int = 256) -> AttentionStats:
             max_logit = torch.maximum(max_logit, s.amax(dim=(-1, -2)))
             if start < rank_rows:
                 rank_block.append(p[:, : rank_rows - start])
+            if i == 0 and start < MAP_SIZE:
+                map_block.append(p[:, : MAP_SIZE - start, :MAP_SIZE].float())
         block = torch.cat(rank_block, dim=1)  # (H, R, K)
         seen = (block[0] > 0).any(-1).sum()
         has_rows = seen > 0  # a sequence with no valid row in the block has no rank
@@ -141,6 +151,7 @@ def stats_from_logits(logits: Tensor, rank_rows: int = 256) -> AttentionStats:
         max_logit=max_logit,
         rows=rank_rows_seen / rank_seqs,
         uniform_entropy=uniform_sum / rows,
+        maps=torch.cat(map_block, dim=1) if map_block else None,
     )
 
 

@@ -134,6 +134,13 @@ class Monitor:
         if "attention" in self.signals and (step + 1) % self.every == 0:
             self.capture.arm()
 
+    def log_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
+        """Write extra scalars (tag -> value) through the Monitor's sinks, e.g. from
+        :class:`diag.SpectralStepLimit`. Never raises into training."""
+        if self._closed:
+            return
+        self._guard("log_scalars", lambda: self.sinks.write(Record(step, {t: float(v) for t, v in scalars.items()})))
+
     def close(self) -> None:
         """Write what is pending, remove every hook, close the sinks. Idempotent."""
         if self._closed:
