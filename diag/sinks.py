@@ -5,6 +5,10 @@ A :class:`Record` holds everything measured at one step. Sinks write records;
 warning and the ``diag`` logger) while the others go on. Nothing here raises into
 the training loop after construction.
 
+A sink may also have ``write_layout(layout)``: the custom-scalars layout of the run
+(``{category: {chart: ["Multiline", [tag regex, ...]]}}``, see :mod:`diag.tb_layout`),
+which :class:`FanOut` passes only to the sinks that have it.
+
 Chosen libraries: ``torch.utils.tensorboard.SummaryWriter`` (the official
 writer, from the ``tensorboard`` package) for event files; the standard
 library's ``json`` for JSONL, one whole step per ``write`` call and a flush, so a
@@ -33,12 +37,14 @@ log = logging.getLogger("diag")
 
 @dataclass
 class Record:
-    """What one step produced. Scalars may be NaN; histograms are 1-D arrays."""
+    """What one step produced. Scalars may be NaN; histograms are 1-D arrays; images are
+    (height, width, 3) uint8 RGB arrays (see :mod:`diag.images`)."""
 
     step: int
     scalars: dict[str, float] = field(default_factory=dict)
     histograms: dict[str, np.ndarray] = field(default_factory=dict)
     texts: dict[str, str] = field(default_factory=dict)
+    images: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 @runtime_checkable
@@ -83,6 +89,12 @@ class TensorBoardSink:
                 self.writer.add_histogram(tag, finite, record.step)
         for tag, text in record.texts.items():
             self.writer.add_text(tag, text, record.step)
+        for tag, image in record.images.items():
+            self.writer.add_image(tag, image, record.step, dataformats="HWC")
+
+    def write_layout(self, layout: dict) -> None:
+        """The custom-scalars layout; TensorBoard shows the newest one of the run."""
+        self.writer.add_custom_scalars(layout)
 
     def flush(self) -> None:
         self.writer.flush()
@@ -133,9 +145,13 @@ class MemorySink:
 
     def __init__(self) -> None:
         self.records: list[Record] = []
+        self.layouts: list[dict] = []
 
     def write(self, record: Record) -> None:
         self.records.append(record)
+
+    def write_layout(self, layout: dict) -> None:
+        self.layouts.append(layout)
 
     def flush(self) -> None:
         pass
@@ -154,8 +170,13 @@ class FanOut:
         self.sinks = list(sinks)
         self._reported: set[int] = set()
 
-    def _call(self, method: str, *args: object) -> None:
+    def add(self, sink: Sink) -> None:
+        self.sinks.append(sink)
+
+    def _call(self, method: str, *args: object, optional: bool = False) -> None:
         for sink in self.sinks:
+            if optional and not hasattr(sink, method):
+                continue
             try:
                 getattr(sink, method)(*args)
             except Exception as err:  # a sink must never kill training
@@ -167,6 +188,9 @@ class FanOut:
 
     def write(self, record: Record) -> None:
         self._call("write", record)
+
+    def write_layout(self, layout: dict) -> None:
+        self._call("write_layout", layout, optional=True)  # only sinks that have it
 
     def flush(self) -> None:
         self._call("flush")
