@@ -32,6 +32,7 @@ __all__ = [
     "AttentionStats",
     "excluded_by_additive_mask",
     "attention_logits",
+    "LazyLogits",
     "stats_from_logits",
     "stats_from_probabilities_reference",
 ]
@@ -97,18 +98,64 @@ def attention_logits(
     return logits
 
 
+class LazyLogits:
+    """The logits of :func:`attention_logits`, computed a block of query rows at a time.
+
+    Same arguments and the same float64 numbers, but nothing of size Q x K per head is
+    ever held whole: :func:`stats_from_logits` asks for (H, rows, K) blocks of one
+    sequence at a time, so memory stays O(rows x K) however long the sequence. Masks:
+    each of ``masks`` is boolean (True = attend) or additive, broadcastable to
+    (N, H, Q, K).
+    """
+
+    def __init__(
+        self,
+        q: Tensor,
+        k: Tensor,
+        scale: float | None = None,
+        masks: tuple[Tensor | None, ...] = (),
+        is_causal: bool = False,
+    ) -> None:
+        self.q, self.k, self.is_causal = q, k, is_causal
+        self.scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        self.masks = [m for m in masks if m is not None]
+        self.shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        self._keys: tuple[int, Tensor] | None = None
+
+    def rows(self, i: int, start: int, stop: int) -> Tensor:
+        """Float64 logits (H, stop - start, K) of sequence i; excluded entries are -inf."""
+        n_heads, n_kv = self.shape[1], self.k.shape[1]
+        if self._keys is None or self._keys[0] != i:
+            k = self.k[i].double()
+            self._keys = (i, k.repeat_interleave(n_heads // n_kv, dim=0) if n_kv != n_heads else k)
+        logits = (self.q[i, :, start:stop].double() @ self._keys[1].transpose(-1, -2)) * self.scale
+        if self.is_causal:
+            row = torch.arange(start, start + logits.shape[1], device=logits.device)[:, None]
+            logits = logits.masked_fill(torch.arange(self.shape[3], device=logits.device) > row, -math.inf)
+        for mask in self.masks:
+            m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+            m = m[i if m.shape[0] > 1 else 0, :, slice(start, stop) if m.shape[2] > 1 else slice(None)]
+            if m.dtype == torch.bool:
+                logits = logits.masked_fill(~m, -math.inf)
+            else:
+                logits = (logits + m.double()).masked_fill(excluded_by_additive_mask(m), -math.inf)
+        return logits
+
+
 def _row_chunks(n_rows: int, n_heads: int, n_keys: int) -> int:
     return max(1, min(n_rows, _CHUNK_BYTES // max(1, 8 * n_heads * n_keys)))
 
 
-def stats_from_logits(logits: Tensor, rank_rows: int = 256) -> AttentionStats:
+def stats_from_logits(logits: Tensor | LazyLogits, rank_rows: int = 256) -> AttentionStats:
     """Entropy (nats, mean over valid rows), effective rank and max logit per head.
 
     logits: (N, H, Q, K) as fed to the softmax; excluded keys are -inf or carry a
-    large negative additive mask (see :func:`excluded_by_additive_mask`).
+    large negative additive mask (see :func:`excluded_by_additive_mask`); or a
+    :class:`LazyLogits`, read a block of rows at a time (the same numbers).
     """
     n_seq, n_heads, n_q, n_k = logits.shape
-    dev = logits.device
+    dev = logits.q.device if isinstance(logits, LazyLogits) else logits.device
+    rows_of = logits.rows if isinstance(logits, LazyLogits) else (lambda i, a, b: logits[i, :, a:b])
     ent_sum = torch.zeros(n_heads, dtype=torch.float64, device=dev)
     uniform_sum = torch.zeros(n_heads, dtype=torch.float64, device=dev)
     rows = torch.zeros(n_heads, dtype=torch.float64, device=dev)
@@ -121,7 +168,7 @@ def stats_from_logits(logits: Tensor, rank_rows: int = 256) -> AttentionStats:
     for i in range(n_seq):
         rank_block = []
         for start in range(0, n_q, step):
-            chunk = logits[i, :, start : start + step]  # (H, c, K)
+            chunk = rows_of(i, start, start + step)  # (H, c, K)
             excluded = excluded_by_additive_mask(chunk)
             s = chunk.double().masked_fill(excluded, -math.inf)
             valid_row = (~excluded).any(-1)  # (H, c)

@@ -8,11 +8,13 @@ the same functions, so their numbers agree.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from diag.spectral import (
+    Sigma1,
     effective_rank,
     qk_singular_values,
     spectral_energy_concentration,
@@ -26,6 +28,7 @@ __all__ = [
     "grad_metrics",
     "update_metrics",
     "qkv_update_metrics",
+    "UpdateTracker",
     "DEFAULT_SEC_TOP",
 ]
 
@@ -106,3 +109,69 @@ def qkv_update_metrics(before: Sequence[Tensor], after: Sequence[Tensor]) -> dic
     for name, b, a in zip("qkv", before, after):
         out.update(update_metrics(b.flatten(0, 1), a.flatten(0, 1), name))
     return out
+
+
+# Bytes of one stacked group of matrices in the update-ratio computation: bounds the
+# temporaries (the stacked weights after the step and their difference from before).
+UPDATE_CHUNK_BYTES = 32 * 2**20
+
+
+@dataclass
+class _Chunk:
+    members: list[tuple[int, str]]  # (layer position, "q" | "k" | "v") of each stacked matrix
+    before: Tensor  # (c, rows, E) copies of the matrices before the optimizer step
+
+
+class UpdateTracker:
+    """Update ratios of the Q, K, V projections of many layers, batched across layers.
+
+    ``snap = tracker.snapshot(qkv)`` before the optimizer step (a copy of the matrices,
+    stacked in groups of equal shape of at most ``chunk_bytes``); after it,
+    ``tracker.measure(snap, qkv_after)`` gives, per layer, the same metrics as
+    :func:`qkv_update_metrics`: ``update_ratio_{q,k,v}`` = sigma_1(dW)/sigma_1(W) and
+    ``update_fro_{q,k,v}`` = ||dW||_F/||W||_F, with W the matrix before the step. sigma_1
+    comes from :class:`diag.spectral.Sigma1`, warm-started across calls per group (so
+    keep one tracker per run and feed it the layers in the same order).
+    qkv: per layer, the per-head (wq, wk, wv) of :func:`diag.layouts.split_qkv`.
+    """
+
+    def __init__(self, rtol: float = 1e-3, chunk_bytes: int = UPDATE_CHUNK_BYTES) -> None:
+        self.sigma_w, self.sigma_d = Sigma1(rtol=rtol), Sigma1(rtol=rtol)
+        self.chunk_bytes = chunk_bytes
+
+    def snapshot(self, qkv: Sequence[Sequence[Tensor]]) -> list[_Chunk]:
+        groups: dict[tuple, list[tuple[int, str, Tensor]]] = {}
+        for i, mats in enumerate(qkv):
+            for name, w in zip("qkv", mats):
+                flat = w.flatten(0, 1)
+                groups.setdefault((tuple(flat.shape), flat.dtype, flat.device), []).append((i, name, flat))
+        chunks = []
+        for members in groups.values():
+            size = members[0][2].numel() * 4
+            per_chunk = max(1, self.chunk_bytes // max(1, size))
+            for start in range(0, len(members), per_chunk):
+                part = members[start : start + per_chunk]
+                before = torch.stack([w for _, _, w in part]).to(_work_dtype(part[0][2]))
+                chunks.append(_Chunk([(i, name) for i, name, _ in part], before))
+        return chunks
+
+    def measure(self, snapshot: list[_Chunk], qkv: Sequence[Sequence[Tensor]]) -> list[dict[str, Tensor]]:
+        out: list[dict[str, Tensor]] = [{} for _ in qkv]
+        mats = {(i, name): w for i, ws in enumerate(qkv) for name, w in zip("qkv", ws)}
+        for c, chunk in enumerate(snapshot):
+            delta = torch.stack([mats[m].flatten(0, 1) for m in chunk.members]).to(chunk.before.dtype)
+            delta -= chunk.before  # in place: the stacked copy after the step becomes dW
+            key = (c, tuple(chunk.before.shape))
+            ratio = self.sigma_d(delta, key) / self.sigma_w(chunk.before, key)
+            fro = torch.linalg.vector_norm(delta, dim=(-2, -1), dtype=torch.float64) / torch.linalg.vector_norm(
+                chunk.before, dim=(-2, -1), dtype=torch.float64
+            )
+            for j, (i, name) in enumerate(chunk.members):
+                out[i][f"update_ratio_{name}"] = ratio[j]
+                out[i][f"update_fro_{name}"] = fro[j]
+        return out
+
+
+def _work_dtype(w: Tensor) -> torch.dtype:
+    """float32 holds the difference of two float32/bf16/fp16 weights exactly (Sterbenz); float64 stays."""
+    return torch.float64 if w.dtype == torch.float64 else torch.float32

@@ -29,7 +29,7 @@ from diag.alerts import Alert, AlertConfig, AlertSink, Detectors, Observation
 from diag.checkpoint import Checkpoint, find_checkpoints, open_checkpoint, step_of
 from diag.errors import DiagError, SpecError
 from diag.layouts import split_qkv
-from diag.metrics import DEFAULT_SEC_TOP, layer_spectra, qkv_update_metrics
+from diag.metrics import DEFAULT_SEC_TOP, UpdateTracker, layer_spectra
 from diag.records import LayerArrays, build_record, host_arrays, per_head_default
 from diag.sinks import FanOut, Record, Sink
 from diag.statedict import Heads, StateDictLayer, find_layers, head_attrs
@@ -110,6 +110,7 @@ class _Series:
         self.probe = probe
         self.sinks, self.alert_sink, self.detectors = sinks, alert_sink, detectors
         self.previous: tuple[int, list[QKV]] | None = None
+        self.update_tracker = UpdateTracker()  # the live Monitor's computation, warm across the series
         self.per_head = True
 
     def add(self, path: Path, step: int) -> None:
@@ -160,7 +161,8 @@ class _Series:
     def _updates(self, qkv: list[QKV]) -> list[dict[str, Tensor]] | None:
         if self.previous is None:
             return None
-        return [qkv_update_metrics(before, after) for before, after in zip(self.previous[1], qkv)]
+        tracker = self.update_tracker
+        return tracker.measure(tracker.snapshot(self.previous[1]), qkv)
 
     def _emit(self, step: int, arrays: LayerArrays, update: bool) -> None:
         (self.out.updates if update else self.out.spectra)[step] = arrays

@@ -39,7 +39,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from diag.attention import AttentionStats, attention_logits, stats_from_logits
+from diag.attention import AttentionStats, LazyLogits, stats_from_logits
 from hooks.discovery import AttentionLayer
 from hooks.verify import Inputs, check_call, module_inputs
 
@@ -62,7 +62,7 @@ class Seen:
     """
 
     heads: int
-    stats_logits: Callable[[], Tensor]
+    stats_logits: Callable[[], Tensor | LazyLogits]
     logits: Tensor | None = None
     q: Tensor | None = None
     k: Tensor | None = None
@@ -91,8 +91,8 @@ def _from_sdpa(args: tuple, kwargs: dict, n: int) -> Seen:
         raise _Unsupported(f"SDPA with {q.dim()}-D query {tuple(q.shape)} is not measured")
     batch = q.shape[0]
     mask = _slice_mask(a.get("attn_mask"), batch, n)
-    return Seen(q.shape[1], lambda: attention_logits(
-        q[:n], k[:n], a.get("scale"), mask, bool(a.get("is_causal", False))
+    return Seen(q.shape[1], lambda: LazyLogits(
+        q[:n], k[:n], a.get("scale"), (mask,), bool(a.get("is_causal", False))
     ), q=q, k=k)
 
 
@@ -104,23 +104,22 @@ def _from_softmax(args: tuple, kwargs: dict, n: int) -> Seen | None:
     return Seen(x.shape[1], lambda: x[:n], logits=x)
 
 
-def _mha_mask(
-    attn_mask: Tensor | None, kpm: Tensor | None, shape: tuple[int, ...], n: int, device: torch.device
-) -> Tensor:
-    """Additive float64 mask (n, H, L, S) from nn.MultiheadAttention's two masks."""
+def _mha_masks(
+    attn_mask: Tensor | None, kpm: Tensor | None, shape: tuple[int, ...], n: int
+) -> tuple[Tensor, ...]:
+    """nn.MultiheadAttention's two masks as additive masks broadcastable to (n, H, L, S), each no
+    larger than the mask it comes from (its boolean masks mark excluded keys: the opposite of SDPA's)."""
     batch, heads, n_q, n_k = shape
-    mask = torch.zeros(n, heads, n_q, n_k, dtype=torch.float64, device=device)
+    out = []
     for m, view in ((attn_mask, "attn"), (kpm, "kpm")):
         if m is None:
             continue
         if view == "attn":
-            m = m.reshape(batch, heads, n_q, n_k)[:n] if m.dim() == 3 else m[None, None]
+            m = m.reshape(batch, heads, n_q, n_k)[:n] if m.dim() == 3 else m
         else:
             m = m[:n, None, None, :]
-        add = m.to(mask.device)
-        add = add.double().masked_fill(add, -math.inf) if add.dtype == torch.bool else add.double()
-        mask = mask + add
-    return mask
+        out.append(m.double().masked_fill(m, -math.inf) if m.dtype == torch.bool else m)
+    return tuple(out)
 
 
 def _from_mha(args: tuple, kwargs: dict, n: int) -> Seen:
@@ -142,8 +141,8 @@ def _from_mha(args: tuple, kwargs: dict, n: int) -> Seen:
     q = F.linear(query[:, :n], w_q, b_q).reshape(n_q, -1, heads, d).permute(1, 2, 0, 3)  # (n, H, L, D)
     k = F.linear(key[:, :n], w_k, b_k).reshape(key.shape[0], -1, heads, d).permute(1, 2, 0, 3)
     shape = (batch, heads, n_q, key.shape[0])
-    mask = _mha_mask(a.get("attn_mask"), a.get("key_padding_mask"), shape, q.shape[0], q.device)
-    return Seen(heads, lambda: attention_logits(q, k, None, mask), q=q, k=k, exact=True)
+    masks = _mha_masks(a.get("attn_mask"), a.get("key_padding_mask"), shape, q.shape[0])
+    return Seen(heads, lambda: LazyLogits(q, k, None, masks), q=q, k=k, exact=True)
 
 
 _HANDLERS: dict[Callable, Callable] = {
