@@ -15,6 +15,8 @@ numbers and only reads parameters and gradients.
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import logging
 import math
 import os
@@ -27,13 +29,16 @@ from torch import Tensor, nn
 
 from diag.alerts import Alert, AlertConfig, AlertSink, Detectors, Observation, TrainingHalted
 from diag.errors import ConfigError
+from diag.images import UpdateRatioHistory, attention_map_image, flagged_heads, layer_head_heatmaps
 from diag.layouts import QKVLayout, split_qkv
-from diag.metrics import DEFAULT_SEC_TOP, grad_metrics, layer_spectra, qkv_update_metrics
+from diag.metrics import DEFAULT_SEC_TOP, UpdateTracker, grad_metrics, layer_spectra
 from diag.records import attention_metrics, build_record, host_arrays, per_head_default
 from diag.sinks import FanOut, JsonlSink, Record, Sink, TensorBoardSink, check_logdir
 from diag.tags import layer_tag
-from hooks.capture import AttentionCapture
+from diag.tb_layout import build_layout
+from hooks.compiled import EagerCapture
 from hooks.discovery import AttentionLayer, discover
+from hooks.distributed import QKVReader, SharedDetectors, rank, world_size
 
 __all__ = ["Monitor", "SIGNALS"]
 
@@ -62,6 +67,10 @@ class Monitor:
         alerts: detector thresholds; ``on_alert``: called with each Alert.
         stop_on_critical: raise ``TrainingHalted`` from ``step`` on a critical alert.
         purge_step: on resume, TensorBoard discards events at or after this step.
+        images: write TensorBoard images (layer x head heatmaps, update ratios over time,
+            attention maps of heads an alert names); default: when ``logdir`` is set.
+        image_every: heatmaps and update-ratio images every this many steps (a multiple of
+            ``every``); default ``10 * every``. Attention maps go out at every alert.
     """
 
     def __init__(
@@ -81,6 +90,8 @@ class Monitor:
         on_alert: Callable[[Alert], None] | None = None,
         stop_on_critical: bool = False,
         purge_step: int | None = None,
+        images: bool | None = None,
+        image_every: int | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ConfigError(f"Monitor(model=...) needs an nn.Module, got {type(model).__name__}")
@@ -98,21 +109,29 @@ class Monitor:
         total_heads = sum(layer.layout.n_heads for layer in self.layers)
         self.per_head = per_head_default(total_heads) if per_head is None else per_head
         sink_list = list(sinks)
-        self.logdir = None if logdir is None else check_logdir(logdir)
+        # Distributed (docs/distributed.md): only rank 0 has the logdir files and the alert callback;
+        # every rank computes the metrics, and the detectors agree across ranks.
+        main = rank() == 0
+        self.logdir = None if logdir is None or not main else check_logdir(logdir)
         if self.logdir is not None:
             sink_list += [TensorBoardSink(self.logdir, purge_step), JsonlSink(self.logdir / "metrics.jsonl")]
         self.sinks = FanOut(sink_list)
         alert_path = None if self.logdir is None else self.logdir / "alerts.jsonl"
-        self.alert_sink = AlertSink(self.sinks, alert_path, on_alert, stop_on_critical)
+        self.alert_sink = AlertSink(self.sinks, alert_path, on_alert if main else None, stop_on_critical)
         self.detectors = Detectors(alerts or AlertConfig())
-        self.capture = AttentionCapture(self.layers, attn_seqs, attn_rank_rows)
+        if world_size() > 1:
+            self.detectors = SharedDetectors(self.detectors, stop_on_critical)
+        self._reader = QKVReader(self.layers, grads="grads" in self.signals)  # FSDP2: gathers on sampled steps
+        self.capture = EagerCapture(self.layers, attn_seqs, attn_rank_rows)
         self.last: dict[str, float] = {}
-        self._snapshot: tuple[int, list[tuple[Tensor, Tensor, Tensor]]] | None = None
+        self.updates = UpdateTracker()
+        self._snapshot: tuple[int, list] | None = None
         self._warned: set[str] = set()
         # Layers whose captured attention disagreed with their layout: every metric of theirs is
         # suspect (the head split may be wrong), so none is logged from then on.
         self.refused: dict[int, str] = {}
         self._closed = False
+        self._init_tensorboard(images, image_every)
         if "attention" in self.signals:
             self.capture.arm()  # the first forward; discarded if its step is not sampled
 
@@ -160,7 +179,8 @@ class Monitor:
     def __del__(self) -> None:
         capture = getattr(self, "capture", None)
         if capture is not None:
-            capture.disarm()
+            with contextlib.suppress(Exception):  # at interpreter shutdown modules may already be gone
+                capture.disarm()
 
     def state_dict(self) -> dict:
         return {"detectors": self.detectors.state_dict()}
@@ -213,15 +233,15 @@ class Monitor:
         self._check_finite(record, skip=SPECTRAL_METRICS if spectra_failed else ())
         self.last = dict(record.scalars)
         self.sinks.write(record)
-        self.alert_sink.emit(self.detectors.observe(Observation(step, loss_value, arrays)))
+        alerts = self.detectors.observe(Observation(step, loss_value, arrays))
+        self._guard("tensorboard", self._tensorboard, record, arrays, results, alerts)
+        self.alert_sink.emit(alerts)
 
     def _weight_side(self, layer: AttentionLayer) -> dict[str, Tensor]:
-        params = layer.params()
         values: dict[str, Tensor] = {}
-        weights = {n: p.detach() for n, p in params.items()}
+        weights, grads = self._reader.weights_and_grads(layer)  # whole tensors, float32 or better
         if "grads" in self.signals:
-            grads = {n: p.grad for n, p in params.items()}
-            if all(g is not None for g in grads.values()):
+            if grads is not None:
                 values.update(grad_metrics(*split_qkv(grads, layer.layout)))
             else:
                 self._warn_once("no-grad", f"diag: {layer.name} has no .grad at a sampled step; "
@@ -255,7 +275,7 @@ class Monitor:
 
     def _record(self, step: int, per_layer: list[dict]) -> tuple[Record, dict]:
         if "updates" in self.signals:
-            self._snapshot = (step, [tuple(x.clone() for x in v["_qkv"]) for v in per_layer])
+            self._snapshot = (step, self.updates.snapshot([v["_qkv"] for v in per_layer]))
         arrays = host_arrays([(layer.label, values) for layer, values in zip(self.layers, per_layer)])
         return build_record(step, arrays, self.per_head), arrays
 
@@ -265,13 +285,14 @@ class Monitor:
         scalars: dict[str, float] = {}
         arrays: dict[str, dict[str, np.ndarray]] = {}
         with torch.no_grad():
-            for layer, before in zip(self.layers, snapshot):
-                if layer.index in self.refused:
-                    continue
-                after = split_qkv({n: p.detach() for n, p in layer.params().items()}, layer.layout)
-                for metric, value in qkv_update_metrics(before, after).items():
-                    scalars[layer_tag(metric, layer.label)] = float(value)
-                    arrays.setdefault(layer.label, {})[metric] = np.array([float(value)])
+            after = [split_qkv(self._reader.weights(layer), layer.layout) for layer in self.layers]
+            measured = self.updates.measure(snapshot, after)
+        kept = [(layer, m) for layer, m in zip(self.layers, measured) if layer.index not in self.refused]
+        names = [(layer.label, metric) for layer, m in kept for metric in m]
+        values = torch.stack([v.double() for _, m in kept for v in m.values()]).tolist() if names else []  # one sync
+        for (label, metric), value in zip(names, values):
+            scalars[layer_tag(metric, label)] = value
+            arrays.setdefault(label, {})[metric] = np.array([value])
         self.last.update(scalars)
         self.sinks.write(Record(step, scalars))
         self.alert_sink.emit(self.detectors.observe(Observation(step, None, arrays)))
@@ -282,6 +303,54 @@ class Monitor:
         if bad:
             self._warn_once("nonfinite", f"diag: non-finite values at step {record.step} "
                             f"(e.g. {bad[:3]}); logged as NaN, training continues")
+
+    # ------------------------------------------------- TensorBoard layout and images
+
+    def _init_tensorboard(self, images: bool | None, image_every: int | None) -> None:
+        """The image options (docs/tensorboard.md); the update-ratio history rides along as a sink."""
+        if image_every is None:
+            image_every = 10 * self.every
+        problem = None
+        if isinstance(image_every, bool) or not isinstance(image_every, int) or image_every < 1 \
+                or image_every % self.every:
+            problem = (f"Monitor(image_every={image_every!r}): expected a positive multiple of every={self.every} "
+                       f"(images are drawn at sampled steps), e.g. image_every={10 * self.every}")
+        elif images is not None and not isinstance(images, bool):
+            problem = f"Monitor(images={images!r}): expected True, False or None (None: when logdir is set)"
+        elif images and importlib.util.find_spec("PIL") is None:  # SummaryWriter.add_image encodes with Pillow
+            problem = "Monitor(images=True) needs Pillow to encode PNGs: pip install pillow (or images=False)"
+        if problem is not None:
+            self.sinks.close()  # opened above: no file left open behind the error
+            raise ConfigError(problem)
+        if images is None:
+            images = self.logdir is not None and importlib.util.find_spec("PIL") is not None
+        self.images = images
+        self.image_every = image_every
+        self._layout_written = False
+        self._update_history = UpdateRatioHistory()
+        if self.images and "updates" in self.signals:
+            self.sinks.add(self._update_history)
+
+    def _tensorboard(self, record: Record, arrays: dict, results: dict, alerts: list[Alert]) -> None:
+        """The custom-scalars layout (once, from the first sampled step's tags) and this step's images."""
+        if not self._layout_written:
+            self._layout_written = True
+            self.sinks.write_layout(build_layout(record.scalars, updates="updates" in self.signals))
+        if not self.images:
+            return
+        labels = [layer.label for layer in self.layers]
+        images: dict[str, np.ndarray] = {}
+        if record.step % self.image_every == 0:
+            images.update(layer_head_heatmaps(arrays, labels))
+            images.update(self._update_history.images(labels))
+        index = {layer.label: layer.index for layer in self.layers}
+        for where, label, head in flagged_heads(alerts):
+            stats = results.get(index.get(label, -1))
+            maps = None if stats is None else stats.maps
+            if maps is not None and head < maps.shape[0]:
+                images[f"attention_map/{where}"] = attention_map_image(maps[head].float().cpu().numpy())
+        if images:
+            self.sinks.write(Record(record.step, images=images))
 
 
 def _nan_spectra(wq: Tensor) -> dict[str, Tensor]:
