@@ -343,3 +343,29 @@ def test_timm_checkpoint_analysed_offline_like_live(tmp_path):
     assert sorted(offline) == sorted(live) and any("/H03" in t for t in live)
     for tag, value in live.items():
         assert offline[tag] == pytest.approx(value, rel=1e-9, abs=1e-12), tag
+
+
+def test_timm_vit_example_runs_and_writes_every_signal(tmp_path):
+    """examples/timm_vit.py as a script: timm's layout found, the four families and the loss at the
+    sampled steps, the alerts it printed are the alerts it wrote."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    result = subprocess.run([sys.executable, str(root / "examples" / "timm_vit.py"), "--logdir", str(tmp_path),
+                             "--steps", "11"], capture_output=True, text=True, timeout=300, cwd=root,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "L00  blocks.0.attn  adapter timm  4 heads of 16" in result.stdout
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for tag in ("qk_sigma1/L01/H03", "attn_entropy/L00/H00", "attn_rank/L01/H02", "grad_norm_v/L00/H01",
+                "update_ratio_k/L01", "loss"):
+        assert sorted(r["step"] for r in rows if r["tag"] == tag) == [0, 5, 10], tag
+    printed = sorted(tuple(line.split()[2:6]) for line in result.stdout.splitlines() if line.startswith("alert "))
+    written = sorted((str(a["step"]), a["level"], a["kind"], a["where"])
+                     for a in map(json.loads, (tmp_path / "alerts.jsonl").read_text().splitlines()))
+    assert printed == written
+    assert f"tensorboard --logdir {tmp_path}" in result.stdout

@@ -1,0 +1,173 @@
+"""The Monitor as a Hugging Face ``TrainerCallback``.
+
+    from hooks.integrations.hf import MonitorCallback
+
+    trainer = Trainer(model, args, train_dataset=ds, callbacks=[MonitorCallback(every=10)])
+    trainer.train()
+
+Step semantics (see docs/integrations.md): ``monitor.step`` runs in ``on_pre_optimizer_step``,
+after the Trainer's gradient clipping and before ``optimizer.step()``, once per optimizer step
+whatever ``gradient_accumulation_steps`` is. Its step number is ``state.global_step`` at that
+moment: the optimizer steps already taken, so values at step t describe the weights saved in
+``checkpoint-t`` (the checkpoint analysis numbers them the same way); the Trainer logs this
+step's own loss at ``global_step`` t + 1. The attention is captured from the first training
+micro-batch of a sampled step. The loss is the model's own ``outputs.loss``, summed over the
+micro-batches as the Trainer sums it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from hooks.integrations import CriticalStop, any_rank, check_monitor_kwargs
+from hooks.monitor import Monitor
+
+__all__ = ["MonitorCallback", "STATE_FILE", "default_logdir"]
+
+log = logging.getLogger("diag")
+
+STATE_FILE = "attnscope_state.json"  # the detectors' state, written into each checkpoint-N folder
+
+
+def default_logdir(args: Any) -> Path:
+    """Beside the Trainer's own TensorBoard run, so that one ``tensorboard --logdir`` shows both.
+
+    ``$TENSORBOARD_LOGGING_DIR/attnscope`` when that is set (the Trainer's TensorBoard folder in
+    transformers 5), else ``args.logging_dir/attnscope`` where the arguments still have one
+    (transformers 4), else ``args.output_dir/attnscope``.
+    """
+    base = os.getenv("TENSORBOARD_LOGGING_DIR") or getattr(args, "logging_dir", None)
+    return Path(base or args.output_dir) / "attnscope"
+
+
+class MonitorCallback(TrainerCallback):
+    """Builds a ``hooks.Monitor`` on the Trainer's model at ``on_train_begin`` and steps it once per
+    optimizer step; closes it at ``on_train_end``.
+
+    Args:
+        logdir: the Monitor's run directory; default :func:`default_logdir`.
+        every: sample optimizer steps where ``global_step % every == 0``.
+        **monitor_kwargs: passed to ``Monitor`` (``per_head``, ``spec``, ``signals``, ``alerts``,
+            ``on_alert``, ``stop_on_critical``, ``sinks``, ...).
+
+    Only the main process (``state.is_world_process_zero``) writes (logdir, ``sinks``, the state
+    file); every process steps a Monitor of its own, and with ``stop_on_critical`` all of them raise
+    ``TrainingHalted`` when any of them sees a critical alert. The detectors' state is saved as
+    ``checkpoint-N/attnscope_state.json`` and loaded when training resumes from
+    ``<output_dir>/checkpoint-N``.
+    """
+
+    def __init__(self, logdir: str | os.PathLike | None = None, every: int = 10, **monitor_kwargs: Any) -> None:
+        self.monitor_kwargs = check_monitor_kwargs("MonitorCallback", every, monitor_kwargs)
+        self.logdir, self.every = logdir, every
+        self.monitor: Monitor | None = None
+        self._stop = CriticalStop(bool(self.monitor_kwargs.pop("stop_on_critical", False)),
+                                  self.monitor_kwargs.pop("on_alert", None))
+        self._loss_hook: torch.utils.hooks.RemovableHandle | None = None
+        self._losses: list[tuple[Tensor, bool]] = []  # (micro-batch loss, normalised by the step's token count)
+        self._collect = False
+        self._loss_factor = 1.0
+        self._device: torch.device | str | None = None
+
+    # ------------------------------------------------------------------ events
+
+    def on_train_begin(self, args, state, control, model: nn.Module | None = None, **kwargs) -> None:
+        self.close()  # a second train() on the same callback starts afresh
+        if model is None:
+            raise RuntimeError("MonitorCallback: the Trainer passed no model to on_train_begin")
+        main = state.is_world_process_zero
+        kwargs_here = dict(self.monitor_kwargs)
+        if not main:
+            kwargs_here["sinks"] = ()
+        logdir = (self.logdir or default_logdir(args)) if main else None
+        self.monitor = Monitor(model, logdir, self.every, on_alert=self._stop, stop_on_critical=False,
+                               purge_step=state.global_step or None, **kwargs_here)
+        if state.global_step > 0:
+            self._load_state(Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}" / STATE_FILE)
+        self._loss_factor = args.world_size if getattr(args, "average_tokens_across_devices", False) else 1
+        self._device = args.device
+        self._loss_hook = model.register_forward_hook(self._record_loss, with_kwargs=True)
+        self._collect = self.monitor.should_sample(state.global_step)
+
+    def on_step_begin(self, args, state, control, **kwargs) -> None:
+        if self.monitor is not None:
+            self._losses.clear()
+            self._collect = self.monitor.should_sample(state.global_step)
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs) -> None:
+        if self.monitor is None:
+            return
+        step = state.global_step
+        loss = self._step_loss()
+        self._losses.clear()
+        try:
+            self.monitor.step(step, loss=loss)
+            self._stop.check(self.monitor, step, lambda flag: any_rank(flag, self._device))
+        except BaseException:
+            self.close()  # the Trainer has no exception event: leave no hook behind
+            raise
+        self._collect = self.monitor.should_sample(step + 1)
+
+    def on_save(self, args, state, control, **kwargs) -> None:
+        if self.monitor is None or not state.is_world_process_zero:
+            return
+        folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        try:
+            tmp = folder / (STATE_FILE + ".tmp")
+            tmp.write_text(json.dumps(self.monitor.state_dict()))
+            os.replace(tmp, folder / STATE_FILE)
+        except OSError as err:  # a checkpoint without our state is still a checkpoint
+            log.warning("diag: cannot write %s (%s); resuming from it starts the detectors afresh",
+                        folder / STATE_FILE, err)
+
+    def on_train_end(self, args, state, control, **kwargs) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the Monitor (pending update ratios, hooks, sinks). ``on_train_end`` does it; call it
+        yourself if ``trainer.train()`` raised."""
+        if self._loss_hook is not None:
+            self._loss_hook.remove()
+            self._loss_hook = None
+        if self.monitor is not None:
+            self.monitor.close()
+        self._losses.clear()
+
+    # --------------------------------------------------------------- internals
+
+    def _record_loss(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        """Forward hook on the model: keep the loss of each training micro-batch of a sampled step."""
+        if not (self._collect and module.training and torch.is_grad_enabled()):
+            return
+        loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+        if isinstance(loss, Tensor) and loss.numel() == 1:
+            self._losses.append((loss.detach(), kwargs.get("num_items_in_batch") is not None))
+
+    def _step_loss(self) -> Tensor | None:
+        """The Trainer's loss of this optimizer step: the micro-batch losses summed when the model
+        divided by the step's token count (``num_items_in_batch``), else averaged."""
+        if not self._losses:
+            return None
+        losses = torch.stack([loss.float().reshape(()) for loss, _ in self._losses])
+        if all(normalised for _, normalised in self._losses):
+            return losses.sum() * self._loss_factor
+        return losses.mean()
+
+    def _load_state(self, path: Path) -> None:
+        try:
+            state = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            log.warning("diag: resuming at a step with no readable detector state (%s: %s); "
+                        "the detectors start afresh", path, err)
+            return
+        self.monitor.load_state_dict(state)

@@ -1,0 +1,118 @@
+"""The Monitor as a Lightning ``Callback``.
+
+    from hooks.integrations.lightning import MonitorCallback
+
+    trainer = lightning.pytorch.Trainer(max_steps=1000, callbacks=[MonitorCallback(every=10)])
+    trainer.fit(module, loader)
+
+Step semantics (see docs/integrations.md): ``monitor.step`` runs in ``on_before_optimizer_step``,
+once per optimizer step (after ``accumulate_grad_batches`` backward passes), with the number
+``trainer.global_step`` has then: the optimizer steps already taken. Under ``16-mixed`` Lightning
+unscales the gradients before this hook, so they are the true gradients; it clips them only
+after this hook, so with ``gradient_clip_val`` the logged gradients are the unclipped ones. The
+loss is what the training steps of this optimizer step returned (the sum of the losses Lightning
+backpropagates, each divided by ``accumulate_grad_batches``, with the AMP loss scale taken out).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from torch import Tensor
+
+from hooks.integrations import CriticalStop, check_monitor_kwargs
+from hooks.monitor import Monitor
+
+__all__ = ["MonitorCallback"]
+
+
+class MonitorCallback(pl.Callback):
+    """Builds a ``hooks.Monitor`` on the LightningModule at ``on_train_start`` (after a checkpoint's
+    state is restored) and closes it at ``on_train_end``, ``on_exception`` or ``teardown``.
+
+    Args:
+        logdir: the Monitor's run directory; default ``<trainer.log_dir>/attnscope`` (inside the
+            logger's version folder, so ``tensorboard --logdir lightning_logs`` shows both).
+        every: sample optimizer steps where ``global_step % every == 0``.
+        **monitor_kwargs: passed to ``Monitor`` (``per_head``, ``spec``, ``signals``, ``alerts``,
+            ``on_alert``, ``stop_on_critical``, ``sinks``, ...).
+
+    Only global rank 0 writes (logdir and ``sinks``); every rank steps a Monitor of its own, and with
+    ``stop_on_critical`` all ranks raise ``TrainingHalted`` when any of them sees a critical alert.
+    ``state_dict``/``load_state_dict`` carry the detectors' state in Lightning checkpoints.
+    """
+
+    def __init__(self, logdir: str | os.PathLike | None = None, every: int = 10, **monitor_kwargs: Any) -> None:
+        self.monitor_kwargs = check_monitor_kwargs("MonitorCallback", every, monitor_kwargs)
+        self.logdir, self.every = logdir, every
+        self.monitor: Monitor | None = None
+        self._stop = CriticalStop(bool(self.monitor_kwargs.pop("stop_on_critical", False)),
+                                  self.monitor_kwargs.pop("on_alert", None))
+        self._pending_state: dict | None = None  # restored from a checkpoint before the Monitor exists
+        self._loss: Tensor | None = None
+
+    # ------------------------------------------------------------------ hooks
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.close()
+        # trainer.log_dir broadcasts from rank 0: every rank must ask
+        logdir = Path(self.logdir) if self.logdir is not None else Path(trainer.log_dir) / "attnscope"
+        main = trainer.is_global_zero
+        kwargs = dict(self.monitor_kwargs)
+        if not main:
+            kwargs["sinks"] = ()
+        self.monitor = Monitor(pl_module, logdir if main else None, self.every, on_alert=self._stop,
+                               stop_on_critical=False, purge_step=trainer.global_step or None, **kwargs)
+        if self._pending_state:
+            self.monitor.load_state_dict(self._pending_state)
+        self._pending_state = None
+        self._loss = None
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        if self.monitor is None or not self.monitor.should_sample(trainer.global_step):
+            return
+        value = loss.detach().float()
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None and scaler.is_enabled():  # 16-mixed scales the loss before this hook
+            value = value / scaler.get_scale()
+        self._loss = value if self._loss is None else self._loss + value
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
+        if self.monitor is None:
+            return
+        step, loss = trainer.global_step, self._loss
+        self._loss = None
+        self.monitor.step(step, loss=loss)
+        self._stop.check(self.monitor, step, lambda flag: trainer.strategy.reduce_boolean_decision(flag, all=False))
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.close()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.close()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.monitor is not None:
+            return self.monitor.state_dict()
+        return dict(self._pending_state or {})
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not state_dict:
+            return
+        if self.monitor is not None:
+            self.monitor.load_state_dict(state_dict)
+        else:
+            self._pending_state = dict(state_dict)
+
+    def close(self) -> None:
+        """Close the Monitor (pending update ratios, hooks, sinks); idempotent."""
+        if self.monitor is not None:
+            self.monitor.close()
