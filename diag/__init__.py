@@ -20,6 +20,7 @@ from diag.spectral import (
     spectral_energy_concentration,
     stable_rank,
 )
+from diag.steplimit import SpectralStepLimit
 
 __version__ = "0.1.0"
 
@@ -44,6 +45,7 @@ __all__ = [
     "Sink",
     "SinkError",
     "SpecError",
+    "SpectralStepLimit",
     "TensorBoardSink",
     "TrainingHalted",
     "analyze_checkpoints",

@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--lr", type=float, default=None, help="learning rate (default: the demo's collapse setting)")
     demo.add_argument("--warmup", type=int, default=0, help="linear warmup steps (default: 0, no warmup)")
     demo.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    demo.add_argument("--step-limit", type=float, default=None, metavar="TAU",
+                      help="bound each matrix's step: sigma_1(dW)/sigma_1(W) <= TAU (SpectralStepLimit; default: off)")
     demo.add_argument("--quiet", action="store_true", help="no progress output")
     _add_analyze(sub)
     return parser

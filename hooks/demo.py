@@ -9,7 +9,8 @@ The default is a constant learning rate of 5e-3 with no warmup: the first AdamW
 steps are as large as the initial weights, sigma_1(Wq^T Wk) runs away with its
 energy in one direction, the loss stalls near the unigram level, and heads of
 the first layer turn sparse yet low-rank (most queries point at the same few
-keys). ``--warmup 100`` is the healthy twin. Compare both in one TensorBoard::
+keys). ``--warmup 100`` is the healthy twin; ``--step-limit 0.03`` the remedy
+without warmup (:class:`diag.SpectralStepLimit`). Compare them in one TensorBoard::
 
     python -m diag demo --logdir runs/demo
     python -m diag demo --warmup 100 --logdir runs/demo-warmup
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from diag.steplimit import SpectralStepLimit
 from hooks.monitor import Monitor
 
 __all__ = ["GPTConfig", "GPT", "load_text", "run_demo"]
@@ -162,11 +164,15 @@ def train(args: Namespace, cfg: GPTConfig | None = None) -> tuple[Monitor, list[
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
     monitor = Monitor(model, logdir=args.logdir, every=args.every)
+    tau = getattr(args, "step_limit", None)
+    if tau is not None:  # the remedy (diag.SpectralStepLimit); the scheduler keeps driving the shared lr
+        optimizer = SpectralStepLimit(optimizer, tau, model=model, monitor=monitor, audit=True)
     say(f"demo: {len(text) / 1e6:.1f}M characters of stdlib source, vocabulary {cfg.vocab_size}, unigram "
         f"entropy {unigram:.2f} nats; GPT {cfg.n_layer} layers x {cfg.n_head} heads, d_model {cfg.n_embd}, "
         f"context {cfg.block_size}, batch {cfg.batch_size}, "
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; AdamW lr {lr:g}, "
-        + (f"linear warmup over {warmup} steps" if warmup else "no warmup"))
+        + (f"linear warmup over {warmup} steps" if warmup else "no warmup")
+        + ("" if tau is None else f", spectral step limit tau {tau:g}"))
     start, losses = time.perf_counter(), []
     try:
         model.train()
