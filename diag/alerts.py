@@ -76,15 +76,16 @@ class AlertConfig:
     sec_warn: float = 0.5  # ... with SEC_s at or above this -> early warning
     tau_warn: float = 0.01  # ... or an update ratio sigma1(dW)/sigma1(W) above this
     plateau_window: int = 20  # samples of loss in the plateau test
-    plateau_rel: float = 0.02  # relative change of the loss across the window
-    plateau_qk_ratio: float = 0.3  # grad_ratio_qk_v below this during a plateau
+    plateau_rel: float = 0.05  # relative change of the loss across the window
+    plateau_qk_ratio: float = 0.4  # grad_ratio_qk_v below this during a plateau
+    plateau_min_frac: float = 0.25  # a plateau sits at this fraction of the first sampled loss or above
     eureka_drop: float = 0.3  # a relative loss drop below the plateau level marks the moment
     spike_sigma: float = 6.0  # loss above EMA + spike_sigma * EMA std is a spike
     spike_warmup: int = 10  # samples before spikes are judged
 
     def __post_init__(self) -> None:
         for name in ("sparse_entropy", "low_rank_frac", "uniform_frac", "sigma_growth", "sec_warn", "tau_warn",
-                     "plateau_rel", "plateau_qk_ratio", "eureka_drop", "spike_sigma"):
+                     "plateau_rel", "plateau_qk_ratio", "plateau_min_frac", "eureka_drop", "spike_sigma"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"AlertConfig.{name}={getattr(self, name)!r}: expected a positive number")
         for name in ("collapse_persist", "plateau_window", "spike_warmup"):
@@ -121,6 +122,7 @@ class Detectors:
         self.losses: deque[float] = deque(maxlen=self.cfg.plateau_window)
         self.qk_ratios: deque[float] = deque(maxlen=self.cfg.plateau_window)
         self.plateau_level: float | None = None
+        self.first_loss: float | None = None
         self.ema: float | None = None
         self.emvar = 0.0
         self.n_loss = 0
@@ -244,6 +246,8 @@ class Detectors:
         return []
 
     def _plateau(self, step: int, loss: float, layers: dict) -> list[Alert]:
+        if self.first_loss is None:
+            self.first_loss = loss
         self.losses.append(loss)
         ratios = [float(m["grad_ratio_qk_v"][0]) for m in layers.values() if "grad_ratio_qk_v" in m]
         if ratios:
@@ -261,8 +265,9 @@ class Detectors:
             return []
         first, second = np.mean(list(self.losses)[: n // 2]), np.mean(list(self.losses)[n // 2:])
         flat = abs(first - second) <= self.cfg.plateau_rel * abs(first)
+        high = second >= self.cfg.plateau_min_frac * self.first_loss  # not a run that has converged
         ratio = float(np.mean(self.qk_ratios))
-        if flat and ratio <= self.cfg.plateau_qk_ratio:
+        if flat and high and ratio <= self.cfg.plateau_qk_ratio:
             self.plateau_level = float(second)
             return [Alert(step, "eureka_plateau", "warning", "", f"loss plateau at {second:.4g} over {n} "
                           f"samples while Q/K gradients are {ratio:.2f}x of V's: the model may be stuck "

@@ -109,6 +109,28 @@ def test_no_plateau_when_qk_gradients_are_healthy_or_loss_falls():
     assert _plateau_run(det, [3.0 * 0.9**i for i in range(12)], ratio=0.05) == []
 
 
+def test_slowly_sinking_plateau_is_flagged_with_the_defaults():
+    # the Eureka reproduction's plateau: the loss still sinks ~0.3% per sample while the indicator is not read;
+    # halves of the 20-sample window then differ by ~3% (<= plateau_rel 0.05); Q/K gradients at 0.35x of V's
+    losses = [2.3, 2.0, 1.7] + [1.4 * 0.997**i for i in range(30)] + [1.0, 0.8, 0.5]
+    assert _plateau_run(Detectors(), losses, ratio=0.45) == []  # a slow healthy run (the demo's warmup twin)
+    out = _plateau_run(Detectors(), losses, ratio=0.35)
+    assert kinds(out) == [(21, "eureka_plateau", ""), (34, "eureka_moment", "")]  # 1.0 at 33 is only 27% down
+    assert out[0].values["loss"] == pytest.approx(np.mean(losses[12:22]))
+    assert out[1].values["plateau"] == pytest.approx(np.mean(losses[12:22]))
+
+
+def test_converged_low_loss_is_not_a_plateau():
+    # flat at 0.1 after starting at 2.3: below plateau_min_frac (0.25) of the first loss, so a finished run,
+    # not a stuck one; the same flat stretch at 1.1 (48% of the start) is a plateau
+    losses = [2.3, 1.0, 0.3] + [0.1] * 30
+    assert _plateau_run(Detectors(), losses, ratio=0.05) == []
+    out = _plateau_run(Detectors(), [2.3, 1.5] + [1.1] * 30, ratio=0.05)
+    assert kinds(out) == [(20, "eureka_plateau", "")]
+    out = _plateau_run(Detectors(AlertConfig(plateau_min_frac=0.01)), losses, ratio=0.05)
+    assert kinds(out) == [(22, "eureka_plateau", "")]
+
+
 def test_nonfinite_fires_on_entry_only():
     det = Detectors()
     seq = [1.0, float("nan"), float("nan"), 1.0, float("inf")]
