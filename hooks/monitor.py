@@ -46,6 +46,7 @@ log = logging.getLogger("diag")
 
 SIGNALS = ("spectra", "attention", "grads", "updates")
 SPECTRAL_METRICS = ("qk_sigma1", "qk_sec", "qk_erank", "qk_stable_rank", "qk_spectrum")
+GRAD_METRICS = ("grad_norm_q", "grad_norm_k", "grad_norm_v", "grad_ratio_qk_v")
 
 
 class Monitor:
@@ -71,6 +72,9 @@ class Monitor:
             attention maps of heads an alert names); default: when ``logdir`` is set.
         image_every: heatmaps and update-ratio images every this many steps (a multiple of
             ``every``); default ``10 * every``. Attention maps go out at every alert.
+        grad_scaler: the fp16 ``GradScaler`` of the loop, if any: a sampled step whose
+            gradients overflowed (the scaler skips its update) then raises an info
+            ``gradient_overflow`` alert instead of a critical ``nonfinite_gradients``.
     """
 
     def __init__(
@@ -92,6 +96,7 @@ class Monitor:
         purge_step: int | None = None,
         images: bool | None = None,
         image_every: int | None = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ConfigError(f"Monitor(model=...) needs an nn.Module, got {type(model).__name__}")
@@ -104,6 +109,10 @@ class Monitor:
         for name, value in (("sec_top", sec_top), ("attn_seqs", attn_seqs), ("attn_rank_rows", attn_rank_rows)):
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"Monitor({name}={value!r}): expected an integer >= 1")
+        if grad_scaler is not None and not callable(getattr(grad_scaler, "is_enabled", None)):
+            raise ConfigError(f"Monitor(grad_scaler=...): expected a torch.amp.GradScaler, got "
+                              f"{type(grad_scaler).__name__}")
+        self.grad_scaler = grad_scaler
         self.model, self.every, self.sec_top = model, every, sec_top
         self.layers: list[AttentionLayer] = discover(model, spec)
         total_heads = sum(layer.layout.n_heads for layer in self.layers)
@@ -230,12 +239,26 @@ class Monitor:
         if spectra_failed:  # NaN from a failed solver, already reported: not a sign of NaN weights
             arrays = {label: {m: v for m, v in metrics.items() if m not in SPECTRAL_METRICS}
                       for label, metrics in arrays.items()}
-        self._check_finite(record, skip=SPECTRAL_METRICS if spectra_failed else ())
+        overflow = self._grad_overflow(arrays)
+        skip = (SPECTRAL_METRICS if spectra_failed else ()) + (GRAD_METRICS if overflow else ())
+        self._check_finite(record, skip=skip)
         self.last = dict(record.scalars)
         self.sinks.write(record)
+        if overflow:  # a routine fp16 event: the scaler skips this update; not a sign of a broken run
+            arrays = {label: {m: v for m, v in metrics.items() if not m.startswith("grad_")}
+                      for label, metrics in arrays.items()}
         alerts = self.detectors.observe(Observation(step, loss_value, arrays))
+        if overflow:
+            alerts.append(Alert(step, "gradient_overflow", "info", "", f"gradients overflowed at step {step} "
+                                "under fp16 loss scaling; the GradScaler skips this update and lowers its scale"))
         self._guard("tensorboard", self._tensorboard, record, arrays, results, alerts)
         self.alert_sink.emit(alerts)
+
+    def _grad_overflow(self, arrays: dict) -> bool:
+        if self.grad_scaler is None or not self.grad_scaler.is_enabled():
+            return False
+        return any(not np.isfinite(values).all() for metrics in arrays.values()
+                   for metric, values in metrics.items() if metric.startswith("grad_"))
 
     def _weight_side(self, layer: AttentionLayer) -> dict[str, Tensor]:
         values: dict[str, Tensor] = {}

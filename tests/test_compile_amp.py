@@ -204,3 +204,35 @@ def test_model_cast_to_bf16_metrics_in_float32_or_better():
     updates = {t: v for r in sink.records if r.step == 0 for t, v in r.scalars.items() if t.startswith("update_")}
     expected = torch.linalg.matrix_norm(weights - before, 2) / torch.linalg.matrix_norm(before, 2)
     assert updates["update_ratio_q/L01"] == pytest.approx(float(expected), rel=1e-4)
+
+
+@pytest.mark.parametrize("with_scaler", [True, False])
+def test_fp16_overflow_is_info_with_the_scaler_critical_without(with_scaler):
+    """An overflowed fp16 step (the scaler skips it) is routine when the Monitor knows the scaler."""
+    model = tiny()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sink = MemorySink()
+    monitor = Monitor(model, every=1, sinks=[sink], grad_scaler=scaler if with_scaler else None)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = lm_loss(model, ids_at(0))
+    scaler.scale(loss).backward()
+    model.h[0].attn.c_attn.weight.grad[0, 0] = math.inf  # an fp16 overflow, as the scaler sees it
+    scaler.unscale_(opt)
+    monitor.step(0, loss=loss)
+    scaler.step(opt)  # skipped: found inf
+    scaler.update()
+    monitor.close()
+    kinds = {(a.kind, a.level) for a in monitor.alert_sink.history}
+    if with_scaler:
+        assert ("gradient_overflow", "info") in kinds and not any(k == "nonfinite_gradients" for k, _ in kinds)
+    else:
+        assert ("nonfinite_gradients", "critical") in kinds
+    assert math.isinf(sink.records[0].scalars["grad_norm_q/L00/max"])  # the value itself is still logged
+
+
+def test_grad_scaler_argument_checked():
+    from diag.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="grad_scaler"):
+        Monitor(tiny(), grad_scaler=object())
