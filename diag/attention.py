@@ -126,9 +126,11 @@ class LazyLogits:
         """Float64 logits (H, stop - start, K) of sequence i; excluded entries are -inf."""
         n_heads, n_kv = self.shape[1], self.k.shape[1]
         if self._keys is None or self._keys[0] != i:
-            k = self.k[i].double()
-            self._keys = (i, k.repeat_interleave(n_heads // n_kv, dim=0) if n_kv != n_heads else k)
-        logits = (self.q[i, :, start:stop].double() @ self._keys[1].transpose(-1, -2)) * self.scale
+            self._keys = (i, self.k[i].double())  # (G, K, D): one sequence's keys, not repeated per query head
+        q = self.q[i, :, start:stop].double()  # (H, c, D); query head h pairs with key head h // (H / G)
+        rows = q.shape[1]
+        logits = q.reshape(n_kv, n_heads // n_kv, rows, q.shape[-1]) @ self._keys[1][:, None].transpose(-1, -2)
+        logits = logits.reshape(n_heads, rows, self.shape[3]) * self.scale
         if self.is_causal:
             row = torch.arange(start, start + logits.shape[1], device=logits.device)[:, None]
             logits = logits.masked_fill(torch.arange(self.shape[3], device=logits.device) > row, -math.inf)

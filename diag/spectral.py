@@ -181,7 +181,8 @@ class Sigma1:
         n = work.shape[-1]
         block = min(self.block, n)
         previous = self._starts.get(key) if key is not None else None
-        if previous is not None and previous.shape == (*work.shape[:-2], n, block):
+        if (previous is not None and previous.shape == (*work.shape[:-2], n, block)
+                and previous.device == work.device and bool(torch.isfinite(previous).all())):
             return previous
         gen = torch.Generator(device=work.device).manual_seed(0)
         start = torch.randn(n, block, generator=gen, dtype=torch.float32, device=work.device)

@@ -127,8 +127,10 @@ def _from_mha(args: tuple, kwargs: dict, n: int) -> Seen:
     if a.get("bias_k") is not None or a.get("add_zero_attn") or a.get("static_k") is not None:
         raise _Unsupported("nn.MultiheadAttention with bias_k/add_zero_attn/static_k is not measured")
     query, key = a["query"], a["key"]
-    if query.dim() == 2:
+    kpm = a.get("key_padding_mask")
+    if query.dim() == 2:  # unbatched: (L, E), key padding (S,)
         query, key = query.unsqueeze(1), key.unsqueeze(1)
+        kpm = None if kpm is None else kpm[None]
     heads = a["num_heads"]
     n_q, batch, embed = query.shape
     d = embed // heads
@@ -141,7 +143,7 @@ def _from_mha(args: tuple, kwargs: dict, n: int) -> Seen:
     q = F.linear(query[:, :n], w_q, b_q).reshape(n_q, -1, heads, d).permute(1, 2, 0, 3)  # (n, H, L, D)
     k = F.linear(key[:, :n], w_k, b_k).reshape(key.shape[0], -1, heads, d).permute(1, 2, 0, 3)
     shape = (batch, heads, n_q, key.shape[0])
-    masks = _mha_masks(a.get("attn_mask"), a.get("key_padding_mask"), shape, q.shape[0])
+    masks = _mha_masks(a.get("attn_mask"), kpm, shape, q.shape[0])
     return Seen(heads, lambda: LazyLogits(q, k, None, masks), q=q, k=k, exact=True)
 
 

@@ -9,11 +9,15 @@ step's ``monitor.step``) and restores the previous stance when disarmed. Compile
 code is not touched: no recompile, no graph break, and the cached graphs run
 again from the next step on. Without ``torch.compiler.set_stance`` (torch < 2.6)
 nothing changes.
+
+The stance is global, so it is reference-counted across captures (several
+Monitors, armed and disarmed in any order): ``force_eager`` is set when the
+first capture arms and the prior stance comes back when the last one disarms.
+A restore that dynamo refuses (inside a compiled region) is retried at the next
+disarm.
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 
@@ -21,23 +25,31 @@ from hooks.capture import AttentionCapture
 
 __all__ = ["EagerCapture"]
 
+_armed: set[int] = set()  # ids of the captures that hold force_eager now
+_restore: list = []  # the set_stance object whose __exit__ restores the stance before the first arm
+
 
 class EagerCapture(AttentionCapture):
     """:class:`~hooks.capture.AttentionCapture` that keeps ``torch.compile`` out of the armed window."""
 
-    _stance = None  # the set_stance object whose exit restores the stance before arming
-
     def arm(self) -> None:
-        if not self.armed and self._stance is None:
-            self._stance = _force_eager()
+        if not self.armed and id(self) not in _armed:
+            if not _armed and not _restore:
+                stance = _force_eager()
+                if stance is not None:
+                    _restore.append(stance)
+            _armed.add(id(self))
         super().arm()
 
     def disarm(self) -> None:
         super().disarm()
-        stance, self._stance = self._stance, None
-        if stance is not None:
-            with contextlib.suppress(RuntimeError):  # inside a compiled region dynamo refuses: it stays
-                stance.__exit__(None, None, None)
+        _armed.discard(id(self))
+        if not _armed and _restore:
+            try:
+                _restore[0].__exit__(None, None, None)
+            except RuntimeError:  # inside a compiled region dynamo refuses: retried at the next disarm
+                return
+            _restore.clear()
 
 
 def _force_eager():

@@ -196,14 +196,19 @@ class SharedDetectors:
         self.inner, self.stop = detectors, stop_on_critical
 
     def observe(self, observation: Observation) -> list[Alert]:
+        """A sampled step's observation: rank 0's, broadcast (with ``stop_on_critical``). Every rank
+        calls this at every sampled step, whatever the observation holds, so the broadcast always pairs."""
         if not self.stop:
             return self.inner.observe(observation) if rank() == 0 else []
-        if observation.loss is not None or any(
-            not metric.startswith("update_") for metrics in observation.layers.values() for metric in metrics
-        ):
-            box = [observation]
-            dist.broadcast_object_list(box, src=0)
-            observation = box[0]
+        box = [observation]
+        dist.broadcast_object_list(box, src=0)
+        return self.inner.observe(box[0])
+
+    def observe_updates(self, observation: Observation) -> list[Alert]:
+        """The update ratios of the step before: computed from the (gathered) weights, the same on
+        every rank, so no collective."""
+        if not self.stop:
+            return self.inner.observe(observation) if rank() == 0 else []
         return self.inner.observe(observation)
 
     def state_dict(self) -> dict:

@@ -318,7 +318,8 @@ class Monitor:
             arrays.setdefault(label, {})[metric] = np.array([value])
         self.last.update(scalars)
         self.sinks.write(Record(step, scalars))
-        self.alert_sink.emit(self.detectors.observe(Observation(step, None, arrays)))
+        observe = getattr(self.detectors, "observe_updates", self.detectors.observe)  # distributed: no collective
+        self.alert_sink.emit(observe(Observation(step, None, arrays)))
 
     def _check_finite(self, record: Record, skip: Iterable[str] = ()) -> None:
         skip = tuple(f"{metric}/" for metric in skip)

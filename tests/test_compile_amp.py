@@ -236,3 +236,16 @@ def test_grad_scaler_argument_checked():
 
     with pytest.raises(ConfigError, match="grad_scaler"):
         Monitor(tiny(), grad_scaler=object())
+
+
+def test_compiler_stance_restored_whatever_order_monitors_close():
+    from torch._dynamo import eval_frame
+
+    before = eval_frame._stance.stance
+    for order in ((0, 1), (1, 0)):
+        monitors = [Monitor(tiny(), every=2), Monitor(tiny(), every=2)]  # both armed for their first forward
+        assert eval_frame._stance.stance == "force_eager"
+        monitors[order[0]].close()
+        assert eval_frame._stance.stance == "force_eager"  # the other one still holds it
+        monitors[order[1]].close()
+        assert eval_frame._stance.stance == before

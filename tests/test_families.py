@@ -690,3 +690,33 @@ def test_layout_check_runs_once_per_layer(monkeypatch):
     monitor.close()
     assert sorted(calls) == [0, 1]
     assert all(any(t.startswith("attn_entropy/L01") for t in r.scalars) for r in mem.records)
+
+
+def test_unbatched_multihead_attention_with_key_padding_mask_is_measured():
+    from diag.sinks import MemorySink
+
+    torch.manual_seed(0)
+
+    class Wrap(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = nn.MultiheadAttention(16, 4)
+
+        def forward(self, x, kpm):
+            return self.attn(x, x, x, key_padding_mask=kpm, need_weights=False)[0]
+
+    model = Wrap().train()
+    x, kpm = torch.randn(7, 16), torch.tensor([False] * 5 + [True] * 2)  # unbatched: (L, E) and (S,)
+    sink = MemorySink()
+    monitor = Monitor(model, every=1, sinks=[sink], signals=("attention",))
+    model(x, kpm).sum().backward()
+    monitor.step(0)
+    monitor.close()
+    assert not monitor.refused
+    with torch.no_grad():
+        _, probs = model.attn(x, x, x, key_padding_mask=kpm, need_weights=True, average_attn_weights=False)
+    p = probs.double()  # (H, L, S)
+    entropy = -(p * torch.where(p > 0, p.log(), 0.0)).sum(-1).mean(-1)
+    scalars = sink.records[0].scalars
+    logged = [scalars[t] for t in sorted(t for t in scalars if t.startswith("attn_entropy/L00/H"))]
+    assert logged == pytest.approx(entropy.tolist(), rel=1e-5)

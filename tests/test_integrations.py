@@ -299,6 +299,12 @@ def test_hf_stop_on_critical_raises_and_cleans_up(tmp_path):
     assert callback.monitor._closed
     assert_no_hooks(model)
     assert_no_function_mode()
+    # Fixed and trained again with the same callback: the last run's alert does not halt this one.
+    with torch.no_grad():
+        model.transformer.h[0].attn.c_attn.weight[0, 0] = 0.0
+    model.zero_grad(set_to_none=True)
+    trainer.train()
+    assert callback.monitor._closed and not any(a.level == "critical" for a in callback.monitor.alert_sink.history)
 
 
 def test_hf_default_logdir_follows_the_trainers_tensorboard_folder(tmp_path, monkeypatch):

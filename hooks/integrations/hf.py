@@ -83,6 +83,7 @@ class MonitorCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model: nn.Module | None = None, **kwargs) -> None:
         self.close()  # a second train() on the same callback starts afresh
+        self._stop.critical = None  # ... without the last run's critical alert
         if model is None:
             raise RuntimeError("MonitorCallback: the Trainer passed no model to on_train_begin")
         main = state.is_world_process_zero

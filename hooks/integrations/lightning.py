@@ -58,6 +58,7 @@ class MonitorCallback(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.close()
+        self._stop.critical = None  # a new fit() does not inherit the last one's critical alert
         # trainer.log_dir broadcasts from rank 0: every rank must ask
         logdir = Path(self.logdir) if self.logdir is not None else Path(trainer.log_dir) / "attnscope"
         main = trainer.is_global_zero
