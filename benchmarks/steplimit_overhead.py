@@ -19,20 +19,10 @@ import statistics
 import time
 
 import torch
+from overhead import SHAPES, build  # the same GPT-2 shapes as the overhead benchmark (this folder)
 
 from diag import SpectralStepLimit
 from hooks.discovery import discover
-
-SHAPES = {"small": (12, 12, 768), "tiny": (2, 4, 64)}
-
-
-def build(size: str):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    layers, heads, width = SHAPES[size]
-    torch.manual_seed(0)
-    cfg = GPT2Config(n_layer=layers, n_head=heads, n_embd=width, vocab_size=8192, n_positions=256)
-    return GPT2LMHeadModel._from_config(cfg, attn_implementation="sdpa")
 
 
 def window(model, opt, batch, steps: int) -> tuple[float, float]:
