@@ -45,6 +45,8 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(SHAPES), default="small")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--modes", nargs="+", choices=["power x1", "power x2", "exact"],
+                        default=["power x1", "power x2", "exact"], help='e.g. --modes "power x1" "power x2"')
     args = parser.parse_args()
     model = build(args.model)
     batch = torch.randint(0, 8192, (4, 128), generator=torch.Generator().manual_seed(0))
@@ -53,6 +55,7 @@ def main() -> None:
     variants = {f"power x{i}": SpectralStepLimit(inner, 0.004, model=model, attention=layers, iters=i)
                 for i in (1, 2)}
     variants["exact"] = SpectralStepLimit(inner, 0.004, model=model, attention=layers, exact=True)
+    variants = {name: v for name, v in variants.items() if name in args.modes}
     n = len(next(iter(variants.values())).matrices)
     print(f"GPT-2 {args.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
           f"{n} bounded matrices, batch 4 x 128, {torch.get_num_threads()} threads")

@@ -66,6 +66,15 @@ class LimitedMatrix:
         return f"{self.label}/{self.role}" if self.label else self.role
 
 
+@dataclass
+class _Group:
+    """Matrices of one shape and compute dtype, stacked: before the step, and (after it) dW."""
+
+    idx: list[int]  # positions in SpectralStepLimit.matrices
+    before: Tensor  # (B, rows, cols)
+    delta: Tensor | None = None
+
+
 class SpectralStepLimit(torch.optim.Optimizer):
     """Wraps ``optimizer``; bounds sigma_1(dW)/sigma_1(W_prev) <= tau for each selected matrix.
 
@@ -207,10 +216,10 @@ class SpectralStepLimit(torch.optim.Optimizer):
 
     def step(self, closure: Callable[[], float] | None = None):  # noqa: ANN201 - what the inner step returns
         with torch.no_grad():
-            before = {id(p): p.detach().clone() for p in self._params()}
+            groups = self._snapshot()
         loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
         with torch.no_grad():
-            self._limit(before)
+            self._limit(groups)
         self.step_count += 1
         self._cold = False
         return loss
@@ -220,28 +229,35 @@ class SpectralStepLimit(torch.optim.Optimizer):
         return {name: {"mean_scale": t["scale"] / max(t["steps"], 1), "mean_lr": t["lr"] / max(t["steps"], 1),
                        "limited": t["limited"] / max(t["steps"], 1)} for name, t in self.totals.items()}
 
-    def _params(self) -> list[nn.Parameter]:
-        seen, out = set(), []
-        for m in self.matrices:
-            if id(m.param) not in seen:
-                seen.add(id(m.param))
-                out.append(m.param)
-        return out
+    def _snapshot(self) -> list[_Group]:
+        """The selected matrices before the inner step, stacked by shape in their compute dtype:
+        one copy, which after the step becomes the base of dW (no per-parameter clones)."""
+        keyed: dict[tuple, list[int]] = {}
+        for i, m in enumerate(self.matrices):
+            w = m.matrix(m.param.detach())
+            keyed.setdefault((tuple(w.shape), _compute_dtype(w), w.device), []).append(i)
+        groups = []
+        for (shape, dtype, device), idx in keyed.items():
+            before = torch.empty((len(idx), *shape), dtype=dtype, device=device)
+            for j, i in enumerate(idx):
+                before[j].copy_(self.matrices[i].matrix(self.matrices[i].param.detach()))
+            groups.append(_Group(idx, before))
+        return groups
 
-    def _limit(self, before: dict[int, Tensor]) -> None:
-        deltas = {pid: _delta(p, before[pid]) for p in self._params() if (pid := id(p)) in before}
-        sig_w, sig_dw = self._sigmas([(m.matrix(before[id(m.param)]), m.matrix(deltas[id(m.param)]), m)
-                                      for m in self.matrices])
+    def _limit(self, groups: list[_Group]) -> None:
+        sig_w, sig_dw = self._sigmas(groups)
         ratios = (sig_dw / sig_w.clamp_min(_TINY)).where(sig_w > 0, torch.zeros_like(sig_w))
         host = ratios.cpu().tolist()  # the one host transfer per step
+        where = {i: (g, j) for g in groups for j, i in enumerate(g.idx)}
         lrs = self._lrs()
         self.last = {}
-        for m, ratio in zip(self.matrices, host):
+        for i, (m, ratio) in enumerate(zip(self.matrices, host)):
             scale = 1.0
             if ratio == ratio and ratio != float("inf") and ratio > self.tau:  # non-finite: left as is
                 scale = self.tau / ratio
-                prev, d = m.view(before[id(m.param)]), m.view(deltas[id(m.param)])
-                m.view(m.param.data).copy_(prev + d * scale)
+                g, j = where[i]
+                target = m.view(m.param.data)
+                target.copy_(torch.add(g.before[j], g.delta[j], alpha=scale).reshape(target.shape))
             lr = lrs.get(id(m.param), float("nan")) * scale
             self.last[m.name] = {"scale": scale, "ratio": ratio * scale, "lr": lr}
             t = self.totals[m.name]
@@ -250,9 +266,9 @@ class SpectralStepLimit(torch.optim.Optimizer):
             t["scale"] += scale
             t["lr"] += lr
         if self.monitor is not None and self.monitor.should_sample(self.step_count):
-            self._report(before)
+            self._report({self.matrices[i].name: g.before[j] for i, (g, j) in where.items()})
 
-    def _report(self, before: dict[int, Tensor]) -> None:
+    def _report(self, before: dict[str, Tensor]) -> None:
         """Reporting never stops training: a failure is warned about once, the limit itself went on."""
         try:
             self.monitor.log_scalars(self.step_count, self._scalars(before))
@@ -264,17 +280,16 @@ class SpectralStepLimit(torch.optim.Optimizer):
                 log.warning(message)
                 warnings.warn(message, RuntimeWarning, stacklevel=3)
 
-    def _sigmas(self, items: list[tuple[Tensor, Tensor, LimitedMatrix]]) -> tuple[Tensor, Tensor]:
-        """sigma_1 of every W_prev and dW, batched over matrices of one shape, in the matrices' order."""
-        out_w: list[Tensor | None] = [None] * len(items)
-        out_dw: list[Tensor | None] = [None] * len(items)
-        groups: dict[tuple, list[int]] = {}
-        for i, (w, _, _) in enumerate(items):
-            groups.setdefault((tuple(w.shape), w.dtype, w.device), []).append(i)
-        for idx in groups.values():
-            w = torch.stack([items[i][0] for i in idx]).to(items[idx[0]][1].dtype)  # (B, m, n)
-            dw = torch.stack([items[i][1] for i in idx])  # (B, m, n)
-            mats = [items[i][2] for i in idx]
+    def _sigmas(self, groups: list[_Group]) -> tuple[Tensor, Tensor]:
+        """sigma_1 of every W_prev and dW (computed here, into ``group.delta``), batched per group, in
+        the matrices' order."""
+        out_w: list[Tensor | None] = [None] * len(self.matrices)
+        out_dw: list[Tensor | None] = [None] * len(self.matrices)
+        for g in groups:
+            mats = [self.matrices[i] for i in g.idx]
+            g.delta = torch.stack([m.matrix(m.param.detach()) for m in mats]).to(g.before.dtype)
+            g.delta -= g.before  # in place: the stacked weights after the step become dW
+            w, dw = g.before, g.delta
             if self.exact:
                 s_w, s_dw = (torch.linalg.matrix_norm(a, ord=2) for a in (w, dw))
             else:
@@ -283,9 +298,11 @@ class SpectralStepLimit(torch.optim.Optimizer):
                 warm = torch.stack([m.v_dw for m in mats])  # (B, n)
                 s_dw, v_dw = _power(dw, torch.stack([warm, _largest_row(dw, warm)], dim=1), iters)
                 for j, m in enumerate(mats):
-                    m.v_w.copy_(v_w[j])
-                    m.v_dw.copy_(v_dw[j])
-            for j, i in enumerate(idx):
+                    if bool(torch.isfinite(v_w[j]).all()):  # a NaN update must not poison the warm start
+                        m.v_w.copy_(v_w[j])
+                    if bool(torch.isfinite(v_dw[j]).all()):
+                        m.v_dw.copy_(v_dw[j])
+            for j, i in enumerate(g.idx):
                 out_w[i], out_dw[i] = s_w[j], s_dw[j]
         device = self.matrices[0].param.device
         return torch.stack([s.to(device, torch.float64) for s in out_w]), torch.stack(
@@ -294,14 +311,14 @@ class SpectralStepLimit(torch.optim.Optimizer):
     def _lrs(self) -> dict[int, float]:
         return {id(p): float(g.get("lr", float("nan"))) for g in self.param_groups for p in g["params"]}
 
-    def _scalars(self, before: dict[int, Tensor]) -> dict[str, float]:
+    def _scalars(self, before: dict[str, Tensor]) -> dict[str, float]:
         """The tags of one sampled step (docs/steplimit.md#tags)."""
         out: dict[str, float] = {}
         by_layer: dict[str, list[dict]] = {}
         for m in self.matrices:
             values = dict(self.last[m.name])
             if self.audit:
-                prev = m.matrix(before[id(m.param)])
+                prev = before[m.name]  # (rows, cols) in the compute dtype
                 applied = m.matrix(m.param.detach()).to(prev.dtype) - prev
                 values["ratio_exact"] = float(torch.linalg.matrix_norm(applied.double(), ord=2)
                                               / torch.linalg.matrix_norm(prev.double(), ord=2))
@@ -338,11 +355,6 @@ def _check_args(optimizer: object, tau: object, iters: object, model: object) ->
 
 def _compute_dtype(p: Tensor) -> torch.dtype:
     return torch.promote_types(p.dtype, torch.float32)
-
-
-def _delta(p: Tensor, before: Tensor) -> Tensor:
-    dtype = _compute_dtype(p)
-    return p.detach().to(dtype) - before.to(dtype)
 
 
 def _power(a: Tensor, v: Tensor, iters: int) -> tuple[Tensor, Tensor]:
