@@ -169,21 +169,27 @@ class Monitor:
             return
         self._guard("log_scalars", lambda: self.sinks.write(Record(step, {t: float(v) for t, v in scalars.items()})))
 
-    def close(self) -> None:
-        """Write what is pending, remove every hook, close the sinks. Idempotent."""
+    def close(self, measure_pending: bool = True) -> None:
+        """Write what is pending, remove every hook, close the sinks. Idempotent.
+
+        ``measure_pending=False`` drops the update ratio of the last sampled step instead of
+        measuring it: on an exception path under FSDP2 that measurement is a collective the
+        other ranks may never join (``__exit__`` with an exception in flight does this on
+        more than one process)."""
         if self._closed:
             return
         self._closed = True
         self.capture.disarm()
-        if self._snapshot is not None:
+        if self._snapshot is not None and measure_pending:
             self._guard("updates", self._finish_updates)
+        self._snapshot = None
         self.sinks.close()
 
     def __enter__(self) -> Monitor:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(measure_pending=exc_type is None or world_size() == 1)
 
     def __del__(self) -> None:
         capture = getattr(self, "capture", None)

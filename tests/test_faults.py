@@ -238,3 +238,31 @@ def test_alerts_jsonl_in_a_deleted_folder_is_reported_once(tmp_path, caplog):
             sink.emit([Alert(step, "nonfinite_loss", "critical", "", f"non-finite loss at step {step}")])
     assert len([r for r in caplog.records if "alerts.jsonl" in r.getMessage()]) == 1
     assert len(sink.history) == 3
+
+
+def _one_sampled_step(monitor: Monitor, model: torch.nn.Module) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randint(0, zoo.VOCAB, (zoo.BATCH, zoo.SEQ), generator=torch.Generator().manual_seed(0))
+    zoo._lm_loss(model(x), x).backward()
+    monitor.step(0)
+    opt.step()
+
+
+def test_close_measure_pending_false_drops_the_pending_update_ratio():
+    for measure in (True, False):
+        torch.manual_seed(0)
+        model, sink = zoo.NanoGPT(n_head=2, n_embd=16), MemorySink()
+        monitor = Monitor(model, every=1, sinks=[sink], signals=("updates",))
+        _one_sampled_step(monitor, model)
+        monitor.close(measure_pending=measure)
+        tags = {t for r in sink.records for t in r.scalars}
+        assert any(t.startswith("update_ratio_q/") for t in tags) is measure
+
+
+def test_with_block_exception_on_one_process_still_measures_pending():
+    torch.manual_seed(0)
+    model, sink = zoo.NanoGPT(n_head=2, n_embd=16), MemorySink()
+    with pytest.raises(KeyError), Monitor(model, every=1, sinks=[sink], signals=("updates",)) as monitor:
+        _one_sampled_step(monitor, model)
+        raise KeyError("the user's own error")
+    assert any(t.startswith("update_ratio_q/") for r in sink.records for t in r.scalars)

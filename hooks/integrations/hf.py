@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from diag.alerts import TrainingHalted
 from hooks.integrations import CriticalStop, any_rank, check_monitor_kwargs
 from hooks.monitor import Monitor
 
@@ -114,8 +115,10 @@ class MonitorCallback(TrainerCallback):
         try:
             self.monitor.step(step, loss=loss)
             self._stop.check(self.monitor, step, lambda flag: any_rank(flag, self._device))
-        except BaseException:
-            self.close()  # the Trainer has no exception event: leave no hook behind
+        except BaseException as err:
+            # The Trainer has no exception event: leave no hook behind. A halt is raised on every rank
+            # together; any other error may be this rank's alone, so no collective on the way out.
+            self.close(measure_pending=isinstance(err, TrainingHalted) or getattr(args, "world_size", 1) == 1)
             raise
         self._collect = self.monitor.should_sample(step + 1)
 
@@ -134,14 +137,14 @@ class MonitorCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs) -> None:
         self.close()
 
-    def close(self) -> None:
+    def close(self, measure_pending: bool = True) -> None:
         """Close the Monitor (pending update ratios, hooks, sinks). ``on_train_end`` does it; call it
         yourself if ``trainer.train()`` raised."""
         if self._loss_hook is not None:
             self._loss_hook.remove()
             self._loss_hook = None
         if self.monitor is not None:
-            self.monitor.close()
+            self.monitor.close(measure_pending)
         self._losses.clear()
 
     # --------------------------------------------------------------- internals

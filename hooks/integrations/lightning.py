@@ -93,7 +93,7 @@ class MonitorCallback(pl.Callback):
         self.close()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self.close()
+        self.close(measure_pending=getattr(trainer, "world_size", 1) == 1)  # no collective other ranks may not join
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.close()
@@ -113,7 +113,7 @@ class MonitorCallback(pl.Callback):
         else:
             self._pending_state = dict(state_dict)
 
-    def close(self) -> None:
+    def close(self, measure_pending: bool = True) -> None:
         """Close the Monitor (pending update ratios, hooks, sinks); idempotent."""
         if self.monitor is not None:
-            self.monitor.close()
+            self.monitor.close(measure_pending)
