@@ -154,14 +154,21 @@ class Sigma1:
         self._starts.clear()
 
     def __call__(self, w: Tensor, key: object = None) -> Tensor:
-        if not bool(torch.isfinite(w).all()):
-            return self._per_matrix_nan_safe(w, key)
         if min(w.shape[-2:]) <= self.exact_below:
+            if not bool(torch.isfinite(w).all()):
+                return self._per_matrix_nan_safe(w, key)
             return torch.linalg.matrix_norm(w.to(torch.float64), ord=2)
         work = w.to(torch.float32)
         if work.shape[-2] < work.shape[-1]:
             work = work.transpose(-1, -2)  # (..., m, n) with m >= n: the Krylov space lives in R^n
-        sigma, ritz = self._krylov(work, self._start(work, key))
+        # No finiteness pass over w first (it costs as much as a Krylov block): a non-finite entry makes
+        # the products, hence the estimate, non-finite, or makes the small eigensolver fail.
+        try:
+            sigma, ritz = self._krylov(work, self._start(work, key))
+        except RuntimeError:  # torch.linalg errors on NaN input
+            sigma = None
+        if sigma is None or not bool(torch.isfinite(sigma).all()):
+            return self._per_matrix_nan_safe(w, key)
         if ritz is None:
             self._starts.pop(key, None)
             return torch.linalg.matrix_norm(w.to(torch.float64), ord=2)
@@ -170,9 +177,11 @@ class Sigma1:
         return sigma
 
     def _per_matrix_nan_safe(self, w: Tensor, key: object) -> Tensor:
-        """Non-finite matrices are NaN; the finite ones of the batch are still measured."""
+        """Non-finite matrices are NaN; the finite ones of the batch are still measured (cold)."""
         finite = torch.isfinite(w).flatten(-2).all(-1)
         out = torch.full(w.shape[:-2], torch.nan, dtype=torch.float64, device=w.device)
+        if bool(finite.all()):  # finite, yet the estimate was not: measure exactly
+            return torch.linalg.matrix_norm(w.to(torch.float64), ord=2)
         if bool(finite.any()):
             out[finite] = Sigma1(self.block, self.rtol, self.exact_below, self.max_dim)(w[finite])
         return out
