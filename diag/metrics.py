@@ -147,7 +147,7 @@ class UpdateTracker:
                 groups.setdefault((tuple(flat.shape), flat.dtype, flat.device), []).append((i, name, flat))
         chunks = []
         for members in groups.values():
-            size = members[0][2].numel() * 4
+            size = members[0][2].numel() * torch.finfo(_work_dtype(members[0][2])).bits // 8
             per_chunk = max(1, self.chunk_bytes // max(1, size))
             for start in range(0, len(members), per_chunk):
                 part = members[start : start + per_chunk]
