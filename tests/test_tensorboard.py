@@ -31,6 +31,7 @@ import pytest
 import torch
 import zoo
 from PIL import Image
+from test_outputs import run_training
 
 from diag.alerts import Alert, AlertConfig, TrainingHalted
 from diag.errors import ConfigError
@@ -60,17 +61,7 @@ RUN = "run1"
 
 
 def train(case: zoo.Case, monitor: Monitor, steps: int = STEPS) -> list[float]:
-    gen = torch.Generator().manual_seed(0)
-    opt = torch.optim.AdamW(case.model.parameters(), lr=1e-2)
-    losses = []
-    for step in range(steps):
-        loss = case.loss(case.model, case.make_batch(gen))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        monitor.step(step, loss=loss)
-        opt.step()
-        losses.append(float(loss.detach()))
-    return losses
+    return run_training(case, monitor, steps)
 
 
 # Every head "sparse" (entropy below 100 nats): each head's state changes at the first sample,

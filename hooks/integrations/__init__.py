@@ -20,7 +20,7 @@ from diag.alerts import Alert, TrainingHalted
 from diag.errors import ConfigError
 from hooks.monitor import Monitor
 
-__all__ = ["CriticalStop", "any_rank", "check_monitor_kwargs"]
+__all__ = ["CriticalStop", "any_rank", "check_monitor_kwargs", "callback_options"]
 
 # Arguments of Monitor that a callback sets itself (logdir and every are the callbacks' own arguments).
 _SET_BY_CALLBACK = {"model": "the trainer's model", "purge_step": "the trainer's step on resume"}
@@ -37,6 +37,14 @@ def check_monitor_kwargs(owner: str, every: object, kwargs: dict[str, Any]) -> d
         if name not in accepted:
             raise ConfigError(f"{owner}({name}=...): not an argument of hooks.Monitor; choose from {accepted}")
     return dict(kwargs)
+
+
+def callback_options(every: object, kwargs: dict[str, Any]) -> tuple[dict[str, Any], CriticalStop]:
+    """What both ``MonitorCallback``s do with their arguments: the Monitor keyword arguments, checked,
+    without ``stop_on_critical`` and ``on_alert``, which go to the ranks' shared :class:`CriticalStop`."""
+    checked = check_monitor_kwargs("MonitorCallback", every, kwargs)
+    stop = CriticalStop(bool(checked.pop("stop_on_critical", False)), checked.pop("on_alert", None))
+    return checked, stop
 
 
 def any_rank(flag: bool, device: torch.device | str | None = None) -> bool:

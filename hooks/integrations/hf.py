@@ -30,7 +30,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from diag.alerts import TrainingHalted
-from hooks.integrations import CriticalStop, any_rank, check_monitor_kwargs
+from hooks.integrations import any_rank, callback_options
 from hooks.monitor import Monitor
 
 __all__ = ["MonitorCallback", "STATE_FILE", "default_logdir"]
@@ -69,11 +69,9 @@ class MonitorCallback(TrainerCallback):
     """
 
     def __init__(self, logdir: str | os.PathLike | None = None, every: int = 10, **monitor_kwargs: Any) -> None:
-        self.monitor_kwargs = check_monitor_kwargs("MonitorCallback", every, monitor_kwargs)
+        self.monitor_kwargs, self._stop = callback_options(every, monitor_kwargs)
         self.logdir, self.every = logdir, every
         self.monitor: Monitor | None = None
-        self._stop = CriticalStop(bool(self.monitor_kwargs.pop("stop_on_critical", False)),
-                                  self.monitor_kwargs.pop("on_alert", None))
         self._loss_hook: torch.utils.hooks.RemovableHandle | None = None
         self._losses: list[tuple[Tensor, bool]] = []  # (micro-batch loss, normalised by the step's token count)
         self._collect = False

@@ -23,7 +23,7 @@ from typing import Any
 import lightning.pytorch as pl
 from torch import Tensor
 
-from hooks.integrations import CriticalStop, check_monitor_kwargs
+from hooks.integrations import callback_options
 from hooks.monitor import Monitor
 
 __all__ = ["MonitorCallback"]
@@ -46,11 +46,9 @@ class MonitorCallback(pl.Callback):
     """
 
     def __init__(self, logdir: str | os.PathLike | None = None, every: int = 10, **monitor_kwargs: Any) -> None:
-        self.monitor_kwargs = check_monitor_kwargs("MonitorCallback", every, monitor_kwargs)
+        self.monitor_kwargs, self._stop = callback_options(every, monitor_kwargs)
         self.logdir, self.every = logdir, every
         self.monitor: Monitor | None = None
-        self._stop = CriticalStop(bool(self.monitor_kwargs.pop("stop_on_critical", False)),
-                                  self.monitor_kwargs.pop("on_alert", None))
         self._pending_state: dict | None = None  # restored from a checkpoint before the Monitor exists
         self._loss: Tensor | None = None
 
