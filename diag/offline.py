@@ -3,7 +3,8 @@
 For each checkpoint, in step order: the per-head spectra of Wq_h^T Wk_h
 (``qk_sigma1``, ``qk_sec``, ``qk_erank``, ``qk_stable_rank``, ``qk_spectrum``) at
 the checkpoint's step; between consecutive checkpoints s < s' the update metrics
-(``update_ratio_*``, ``update_fro_*``) of dW = W(s') - W(s), tagged with step s.
+(``update_ratio_*``, ``update_fro_*`` of W_Q, W_K, W_V and, where the layout finds
+it, W_O) of dW = W(s') - W(s), tagged with step s.
 That is the live Monitor's convention: ``update_*`` at step t describe the update
 that optimizer step t applied, and a checkpoint of step t holds the weights that
 step t's forward saw (nanoGPT saves ``iter_num`` before that step's update). With
@@ -28,7 +29,7 @@ from torch import Tensor
 from diag.alerts import Alert, AlertConfig, AlertSink, Detectors, Observation
 from diag.checkpoint import Checkpoint, find_checkpoints, open_checkpoint, step_of
 from diag.errors import DiagError, SpecError
-from diag.layouts import split_qkv
+from diag.layouts import split_projections
 from diag.metrics import DEFAULT_SEC_TOP, UpdateTracker, layer_spectra
 from diag.records import LayerArrays, build_record, host_arrays, per_head_default
 from diag.sinks import FanOut, Record, Sink
@@ -36,7 +37,7 @@ from diag.statedict import Heads, StateDictLayer, find_layers, head_attrs
 
 __all__ = ["Analysis", "analyze_checkpoints", "order_checkpoints"]
 
-QKV = tuple[Tensor, Tensor, Tensor]
+Projections = dict[str, Tensor]  # a layer's matrices: "q", "k", "v" per head, "o" (see split_projections)
 # ``--probe``: attention arrays per layer label of a checkpoint (see hooks/probe.py).
 ProbeFn = Callable[[Checkpoint, list[StateDictLayer]], LayerArrays]
 
@@ -109,7 +110,7 @@ class _Series:
         self.out, self.n_heads, self.kv_heads, self.sec_top = out, heads, kv_heads, sec_top
         self.probe = probe
         self.sinks, self.alert_sink, self.detectors = sinks, alert_sink, detectors
-        self.previous: tuple[int, list[QKV]] | None = None
+        self.previous: tuple[int, list[Projections]] | None = None
         self.update_tracker = UpdateTracker()  # the live Monitor's computation, warm across the series
         self.per_head = True
 
@@ -121,10 +122,10 @@ class _Series:
         except SpecError as err:
             raise SpecError(f"{path}: {err}") from None
         self._check_same(path, layers)
-        qkv = [split_qkv(_weights(ckpt, layer), layer.layout) for layer in layers]
+        mats = [split_projections(_weights(ckpt, layer), layer.layout) for layer in layers]
         with torch.no_grad():
-            spectra = layer_spectra([t[:2] for t in qkv], self.sec_top)
-            updates = self._updates(qkv)
+            spectra = layer_spectra([(m["q"], m["k"]) for m in mats], self.sec_top)
+            updates = self._updates(mats)
         if not self.out.layers:
             self.out.layers, self.out.heads = layers, heads
             self.per_head = per_head_default(sum(la.layout.n_heads for la in layers))
@@ -134,7 +135,7 @@ class _Series:
         if self.probe is not None:
             self._add_probe(path, ckpt, layers, arrays)
         self._emit(step, arrays, False)
-        self.previous = (step, qkv)
+        self.previous = (step, mats)
         self.out.analysed.append((str(path), step))
 
     def _add_probe(self, path: Path, ckpt: Checkpoint, layers: list[StateDictLayer], arrays: LayerArrays) -> None:
@@ -158,11 +159,11 @@ class _Series:
                 f"from those of {first} ({len(self.out.layers)}); analyse checkpoints of one model per run"
             )
 
-    def _updates(self, qkv: list[QKV]) -> list[dict[str, Tensor]] | None:
+    def _updates(self, mats: list[Projections]) -> list[dict[str, Tensor]] | None:
         if self.previous is None:
             return None
         tracker = self.update_tracker
-        return tracker.measure(tracker.snapshot(self.previous[1]), qkv)
+        return tracker.measure(tracker.snapshot(self.previous[1]), mats)
 
     def _emit(self, step: int, arrays: LayerArrays, update: bool) -> None:
         (self.out.updates if update else self.out.spectra)[step] = arrays

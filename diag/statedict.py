@@ -22,7 +22,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from diag.errors import SpecError
-from diag.layouts import ADAPTERS, CROSS_NAMES, HEAD_ATTRS, ModuleView, QKVLayout, find_layout
+from diag.layouts import (
+    ADAPTERS,
+    CROSS_NAMES,
+    HEAD_ATTRS,
+    ModuleView,
+    QKVLayout,
+    find_layout,
+    resolve,
+    with_sibling_o,
+)
 from diag.tags import layer_labels
 
 __all__ = ["Heads", "StateDictLayer", "head_attrs", "module_views", "find_layers"]
@@ -52,9 +61,8 @@ class StateDictLayer:
     layout: QKVLayout
 
     def keys(self) -> dict[str, str]:
-        """The layout's parameter names -> full state-dict keys."""
-        prefix = f"{self.name}." if self.name else ""
-        return {n: prefix + n for n in self.layout.param_names}
+        """The layout's weight names (Q/K/V and W_O, whose ``../`` climbs to the parent) -> full state-dict keys."""
+        return {n: resolve(self.name, n) for n in self.layout.weight_names}
 
 
 def _int(value: Any) -> int | None:
@@ -145,7 +153,7 @@ def find_layers(shapes: Mapping[str, tuple[int, ...]], heads: Heads) -> list[Sta
             continue
         layout = find_layout(view)
         if layout is not None:
-            found.append((view.name, layout))
+            found.append((view.name, with_sibling_o(view.name, layout, shapes)))
     if not found:
         raise SpecError(_nothing_found(shapes, heads))
     found.sort(key=lambda item: canonical_key(item[0], item[1].cross))

@@ -2,7 +2,7 @@
 
 * per head:   ``<metric>/L<layer>/H<head>``     e.g. ``qk_sigma1/L03/H07``
 * per layer:  ``<metric>/L<layer>/<stat>``      stat in max, min, mean (across heads)
-* layer-only: ``<metric>/L<layer>``             e.g. ``update_ratio_q/L03``
+* layer-only: ``<metric>/L<layer>``             e.g. ``update_ratio_q/L03``, ``update_ratio_o/L03``
 * histogram:  ``<metric>/L<layer>/heads``        the values of all heads of a layer
 * global:     ``<metric>``                      e.g. ``loss``
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 __all__ = [
     "PER_HEAD_METRICS",
     "LAYER_METRICS",
+    "update_metric_names",
     "STATS",
     "layer_label",
     "layer_labels",
@@ -46,15 +47,23 @@ LAYER_METRICS = (
     "update_ratio_q",
     "update_ratio_k",
     "update_ratio_v",
+    "update_ratio_o",
     "update_fro_q",
     "update_fro_k",
     "update_fro_v",
+    "update_fro_o",
 )
 STATS = ("max", "min", "mean")
 
 
 def _pad(i: int, count: int) -> str:
     return str(i).zfill(max(2, len(str(max(count - 1, 0)))))
+
+
+def update_metric_names(matrices: str = "qkvo") -> tuple[str, ...]:
+    """``update_ratio_<x>`` and ``update_fro_<x>`` for each matrix x (``q``, ``k``, ``v``: every layer;
+    ``o``: layers whose layout names W_O), in :data:`LAYER_METRICS` order."""
+    return tuple(m for m in LAYER_METRICS if m.startswith("update_") and m[-1] in matrices)
 
 
 def layer_label(index: int, n_layers: int, cross: bool = False) -> str:

@@ -23,8 +23,6 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from diag.tags import LAYER_METRICS
-
 __all__ = ["FAMILIES", "CHART_STAT", "ALERT_CATEGORY", "build_layout", "chart_regexes", "family"]
 
 # metric-name prefix -> category (the Monitor's signal that writes it)
@@ -53,14 +51,15 @@ def family(metric: str) -> str:
     return next((cat for prefix, cat in FAMILIES.items() if metric.startswith(prefix)), "other")
 
 
-def build_layout(tags: Iterable[str], updates: bool = False) -> dict[str, dict[str, list]]:
+def build_layout(tags: Iterable[str], updates: Iterable[str] = ()) -> dict[str, dict[str, list]]:
     """The layout for a run whose scalar ``tags`` are known (a sampled step's record).
 
-    updates: the run writes the update metrics (:data:`diag.tags.LAYER_METRICS` of the
-    ``updates`` family), which arrive one call after the step they describe: chart them too.
+    updates: the update metrics the run writes (:func:`diag.tags.update_metric_names`; the
+    ``o`` ones only when a layer has W_O), which arrive one call after the step they
+    describe: charted too.
     """
     per_head: set[str] = set()
-    per_layer: set[str] = {m for m in LAYER_METRICS if updates and family(m) == "updates"}
+    per_layer: set[str] = set(updates)
     global_tags: set[str] = set()
     for tag in tags:
         match = _TAG.match(tag)

@@ -5,12 +5,21 @@ from __future__ import annotations
 import fnmatch
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 
 from diag.errors import SpecError
-from diag.layouts import ADAPTERS, HEAD_ATTRS, ModuleView, QKVLayout, find_layout, shape_problem
+from diag.layouts import (
+    ADAPTERS,
+    HEAD_ATTRS,
+    ModuleView,
+    QKVLayout,
+    find_layout,
+    resolve,
+    shape_problem,
+    with_sibling_o,
+)
 from diag.tags import layer_labels
 
 __all__ = ["AttentionLayer", "discover", "module_view"]
@@ -33,15 +42,23 @@ class AttentionLayer:
     name: str  # module path in the model, e.g. "transformer.h.3.attn"
     module: nn.Module
     layout: QKVLayout
+    o: nn.Parameter | None = field(default=None, repr=False)  # W_O (``layout.o``), found at discovery
 
     @property
     def cross(self) -> bool:
         return self.layout.cross
 
     def params(self) -> dict[str, nn.Parameter]:
-        """The parameters that the layout names, by their names relative to the module."""
+        """The Q/K/V parameters that the layout names, by their names relative to the module."""
         named = dict(self.module.named_parameters())
         return {n: named[n] for n in self.layout.param_names}
+
+    def weights(self) -> dict[str, nn.Parameter]:
+        """:meth:`params` and W_O under ``layout.o`` where the layer has one (its update ratio is measured)."""
+        named = self.params()
+        if self.o is not None:
+            named[self.layout.o] = self.o
+        return named
 
 
 def module_view(name: str, module: nn.Module) -> ModuleView:
@@ -70,18 +87,24 @@ def _spec_layout(name: str, spec: Mapping[str, QKVLayout]) -> QKVLayout | None:
     return None
 
 
-def _check_params(name: str, module: nn.Module, layout: QKVLayout) -> None:
+def _check_params(name: str, module: nn.Module, layout: QKVLayout, o: nn.Parameter | None) -> None:
     params = dict(module.named_parameters())
     missing = [n for n in layout.param_names if n not in params]
+    if layout.o is not None and o is None:
+        missing.append(layout.o)
     if missing:
         raise SpecError(
             f"module {name!r} ({type(module).__name__}) has no parameter {missing[0]!r} named by "
-            f"its layout; it has {sorted(params)[:8]}. Fix the spec's q=/k=/v= names."
+            f"its layout; it has {sorted(params)[:8]}. Fix the spec's q=/k=/v=/o= names "
+            "(o= may climb to the parent module with '../')."
         )
-    problem = shape_problem(layout, {n: tuple(params[n].shape) for n in layout.param_names})
+    shapes = {n: tuple(params[n].shape) for n in layout.param_names}
+    if o is not None:
+        shapes[layout.o] = tuple(o.shape)
+    problem = shape_problem(layout, shapes)
     if problem:
         raise SpecError(f"module {name!r} ({type(module).__name__}): {problem}. Fix the spec's n_heads=, "
-                        "head_dim=, n_kv_heads=, packing= or transposed=")
+                        "head_dim=, n_kv_heads=, packing=, transposed= or o=")
 
 
 def discover(model: nn.Module, spec: Mapping[str, QKVLayout] | None = None) -> list[AttentionLayer]:
@@ -91,23 +114,28 @@ def discover(model: nn.Module, spec: Mapping[str, QKVLayout] | None = None) -> l
     when given, only matching modules are monitored. Modules inside a found
     attention module are not searched again.
     """
-    found: list[tuple[str, nn.Module, QKVLayout]] = []
+    found: list[tuple[str, nn.Module, QKVLayout, nn.Parameter | None]] = []
     inside: tuple[str, ...] = ()
+    every = dict(model.named_parameters(remove_duplicate=False))
+    shapes = {n: tuple(p.shape) for n, p in every.items()}
     for name, module in model.named_modules():
         if inside and any(name.startswith(p + ".") for p in inside):
             continue
         layout = _spec_layout(name, spec) if spec else find_layout(module_view(name, module))
         if layout is None:
             continue
-        _check_params(name, module, layout)
-        found.append((name, module, layout))
+        if not spec:
+            layout = with_sibling_o(name, layout, shapes)
+        o = None if layout.o is None else every.get(resolve(name, layout.o))
+        _check_params(name, module, layout, o)
+        found.append((name, module, layout, o))
         inside += (name,)
     if not found:
         raise SpecError(_nothing_found(model, spec))
-    labels = layer_labels([layout.cross for _, _, layout in found])
+    labels = layer_labels([layout.cross for _, _, layout, _ in found])
     return [
-        AttentionLayer(i, label, name, module, layout)
-        for i, (label, (name, module, layout)) in enumerate(zip(labels, found))
+        AttentionLayer(i, label, name, module, layout, o)
+        for i, (label, (name, module, layout, o)) in enumerate(zip(labels, found))
     ]
 
 

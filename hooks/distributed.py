@@ -3,12 +3,13 @@
 * :func:`rank`, :func:`world_size`: 0 and 1 unless ``torch.distributed`` is
   initialised. Only rank 0 writes files (the Monitor's ``logdir`` sinks and
   ``alerts.jsonl``).
-* :class:`QKVReader`: the Q/K/V weights (and gradients) of every monitored layer
-  as whole tensors in float32 or better. Plain parameters (one process, DDP) are
-  read in place, with no collective. FSDP2 parameters are DTensors sharded on one
-  dim: the local shards of every Q/K/V weight of every layer (and of their
-  gradients) go into one flat buffer and one ``all_gather_into_tensor``; the full
-  tensors are rebuilt from it. Only the parameters a layout names are gathered,
+* :class:`QKVReader`: the Q/K/V weights (and gradients) of every monitored layer,
+  and its W_O weight where the layout names one (for the update ratio), as whole
+  tensors in float32 or better. Plain parameters (one process, DDP) are read in
+  place, with no collective. FSDP2 parameters are DTensors sharded on one dim: the
+  local shards of every such weight of every layer (and of the Q/K/V gradients) go
+  into one flat buffer and one ``all_gather_into_tensor``; the full tensors are
+  rebuilt from it. Only the parameters a layout names are gathered,
   and only when the Monitor reads them: on sampled steps, and at the call after a
   sampled step for the update ratios.
 * :class:`SharedDetectors`: with ``stop_on_critical`` in a multi-rank job, every
@@ -143,10 +144,11 @@ class QKVReader:
     The Monitor asks per layer; the first request of a round (a new kind, or a layer
     asked twice) reads every layer, so a sharded model costs one collective per round
     and all ranks issue it at the same point, whichever layers a rank then uses.
+    output: read W_O too (under ``layout.o``; its weight only, never its gradient).
     """
 
-    def __init__(self, layers: Sequence[AttentionLayer], grads: bool = True) -> None:
-        self.layers, self.grads = list(layers), grads
+    def __init__(self, layers: Sequence[AttentionLayer], grads: bool = True, output: bool = True) -> None:
+        self.layers, self.grads, self.output = list(layers), grads, output
         self._kind: str | None = None
         self._cache: dict[int, tuple[dict[str, Tensor], dict[str, Tensor] | None]] = {}
         self._served: set[int] = set()
@@ -168,18 +170,19 @@ class QKVReader:
     def _read(self, kind: str) -> None:
         self._kind, self._served, self._cache = kind, set(), {}
         params = [layer.params() for layer in self.layers]
+        weights = [layer.weights() if self.output else named for layer, named in zip(self.layers, params)]
         tensors: list[Tensor] = []
-        for named in params:
-            tensors += list(named.values())
+        for named, every in zip(params, weights):
+            tensors += list(every.values())
             grads = [p.grad for p in named.values()]
             if self.grads and kind == "sample" and all(g is not None for g in grads):
                 tensors += grads
-        full = iter(gather_full(tensors))
-        for layer, named in zip(self.layers, params):
-            weights = {n: next(full) for n in named}
+        full = iter(gather_full(tensors))  # one collective for every layer's weights and Q/K/V grads
+        for layer, named, every in zip(self.layers, params, weights):
+            read = {n: next(full) for n in every}
             has_grads = self.grads and kind == "sample" and all(p.grad is not None for p in named.values())
             grads = {n: next(full) for n in named} if has_grads else None
-            self._cache[layer.index] = (weights, grads)
+            self._cache[layer.index] = (read, grads)
 
 
 class SharedDetectors:

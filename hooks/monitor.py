@@ -30,11 +30,11 @@ from torch import Tensor, nn
 from diag.alerts import Alert, AlertConfig, AlertSink, Detectors, Observation, TrainingHalted
 from diag.errors import ConfigError
 from diag.images import UpdateRatioHistory, attention_map_image, flagged_heads, layer_head_heatmaps
-from diag.layouts import QKVLayout, split_qkv
+from diag.layouts import QKVLayout, split_projections, split_qkv
 from diag.metrics import DEFAULT_SEC_TOP, UpdateTracker, grad_metrics, layer_spectra
 from diag.records import attention_metrics, build_record, host_arrays, per_head_default
 from diag.sinks import FanOut, JsonlSink, Record, Sink, TensorBoardSink, check_logdir
-from diag.tags import layer_tag
+from diag.tags import layer_tag, update_metric_names
 from diag.tb_layout import build_layout
 from hooks.compiled import EagerCapture
 from hooks.discovery import AttentionLayer, discover
@@ -130,7 +130,8 @@ class Monitor:
         self.detectors = Detectors(alerts or AlertConfig())
         if world_size() > 1:
             self.detectors = SharedDetectors(self.detectors, stop_on_critical)
-        self._reader = QKVReader(self.layers, grads="grads" in self.signals)  # FSDP2: gathers on sampled steps
+        # FSDP2: gathers on sampled steps; W_O only for its update ratio
+        self._reader = QKVReader(self.layers, grads="grads" in self.signals, output="updates" in self.signals)
         self.capture = EagerCapture(self.layers, attn_seqs, attn_rank_rows)
         self.last: dict[str, float] = {}
         self.updates = UpdateTracker()
@@ -276,6 +277,8 @@ class Monitor:
                 self._warn_once("no-grad", f"diag: {layer.name} has no .grad at a sampled step; "
                                 "call monitor.step after loss.backward()")
         values["_qkv"] = split_qkv(weights, layer.layout)
+        if "updates" in self.signals:
+            values["_updates"] = split_projections(weights, layer.layout)
         return values
 
     def _spectra(self, step: int, per_layer: list[dict]) -> bool:
@@ -304,7 +307,7 @@ class Monitor:
 
     def _record(self, step: int, per_layer: list[dict]) -> tuple[Record, dict]:
         if "updates" in self.signals:
-            self._snapshot = (step, self.updates.snapshot([v["_qkv"] for v in per_layer]))
+            self._snapshot = (step, self.updates.snapshot([v["_updates"] for v in per_layer]))
         arrays = host_arrays([(layer.label, values) for layer, values in zip(self.layers, per_layer)])
         return build_record(step, arrays, self.per_head), arrays
 
@@ -314,7 +317,7 @@ class Monitor:
         scalars: dict[str, float] = {}
         arrays: dict[str, dict[str, np.ndarray]] = {}
         with torch.no_grad():
-            after = [split_qkv(self._reader.weights(layer), layer.layout) for layer in self.layers]
+            after = [split_projections(self._reader.weights(layer), layer.layout) for layer in self.layers]
             measured = self.updates.measure(snapshot, after)
         kept = [(layer, m) for layer, m in zip(self.layers, measured) if layer.index not in self.refused]
         names = [(layer.label, metric) for layer, m in kept for metric in m]
@@ -365,7 +368,9 @@ class Monitor:
         """The custom-scalars layout (once, from the first sampled step's tags) and this step's images."""
         if not self._layout_written:
             self._layout_written = True
-            self.sinks.write_layout(build_layout(record.scalars, updates="updates" in self.signals))
+            with_o = any(layer.o is not None for layer in self.layers)
+            updates = update_metric_names("qkvo" if with_o else "qkv") if "updates" in self.signals else ()
+            self.sinks.write_layout(build_layout(record.scalars, updates=updates))
         if not self.images:
             return
         labels = [layer.label for layer in self.layers]

@@ -44,7 +44,8 @@ COLLECTIVE_WORDS = ("gather", "reduce", "broadcast", "scatter", "alltoall", "all
 
 
 def build() -> torch.nn.Module:
-    """n_embd=15 (3 heads of 5): the fused c_attn weight has 45 rows, so FSDP2's shards are uneven (23 + 22)."""
+    """n_embd=15 (3 heads of 5): the fused c_attn weight has 45 rows and W_O (c_proj) 15, so FSDP2's shards
+    are uneven (23 + 22, 8 + 7)."""
     torch.manual_seed(0)
     return NanoGPT(vocab=VOCAB, block=16, n_layer=2, n_head=3, n_embd=15, dropout=0.0)
 

@@ -278,6 +278,7 @@ def test_series_reproduces_the_live_monitor(model_name, heads, tmp_path, capsys)
     live = {(r.step, tag): v for r in mem.records for tag, v in r.scalars.items()}
     compared = [key for key in live if key[1].startswith(WEIGHT_TAGS + ("update_ratio", "update_fro"))]
     assert len(compared) > 20 and {s for s, _ in compared} == set(range(steps))
+    assert {(s, f"update_{m}_o/L0{i}") for s in range(steps) for m in ("ratio", "fro") for i in (0, 1)} <= set(compared)
     for key in compared:
         assert offline[key] == pytest.approx(live[key], rel=1e-6, abs=1e-12), key
     assert {s for s, t in offline if t.startswith("update_")} == set(range(steps))  # none at the last checkpoint
@@ -364,3 +365,42 @@ def test_twelve_layers_from_safetensors_keep_their_numbers(tmp_path):
     model = GPT2LMHeadModel(GPT2Config(n_layer=12, n_head=2, n_embd=16, vocab_size=20, n_positions=8))
     save_file(_plain(model), tmp_path / "m.safetensors")
     _assert_same(_live_scalars(model), _offline_scalars([tmp_path / "m.safetensors"], heads=2))
+
+
+def _output_projections(case) -> list[torch.Tensor]:
+    """W_O (out, in) of every attention layer, by hand, in label order (BERT's beside the module, GPT-2's Conv1D)."""
+    m = case.model
+    if case.name.startswith("bert"):
+        return [layer.attention.output.dense.weight for layer in m.bert.encoder.layer]
+    if case.name.startswith("gpt2"):
+        return [block.attn.c_proj.weight.T for block in m.transformer.h]
+    if case.name.startswith("t5"):
+        enc = [b.layer[0].SelfAttention.o.weight for b in m.encoder.block]
+        return enc + [w for b in m.decoder.block for w in (b.layer[0].SelfAttention.o.weight,
+                                                           b.layer[1].EncDecAttention.o.weight)]
+    return [layer.attention.dense.weight for layer in m.gpt_neox.layers]
+
+
+@pytest.mark.parametrize("name", ["gpt2-eager", "bert", "t5", "gpt-neox"])
+def test_update_ratio_o_between_checkpoints_against_full_svd(name, tmp_path):
+    """Two Hugging Face folders whose W_O alone differ: the offline update_ratio_o and update_fro_o of
+    every layer are those of the full SVD of the difference; Q, K and V did not move (exactly 0)."""
+    case = zoo.CASES[name]() if name in zoo.CASES else zoo.FAMILY_BUILDERS[name]()
+    case.model.save_pretrained(tmp_path / "checkpoint-0")
+    outputs = _output_projections(case)
+    before = [w.detach().double().clone() for w in outputs]
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for i, w in enumerate(outputs):
+            w += (1e-3 * (i + 1)) * torch.randn(w.shape, generator=gen)
+    case.model.save_pretrained(tmp_path / "checkpoint-1")
+    analysis = analyze_checkpoints([tmp_path / "checkpoint-0", tmp_path / "checkpoint-1"])
+    assert not analysis.failures, analysis.failures
+    updates = analysis.updates[0]
+    assert len(updates) == len(outputs)
+    for (label, metrics), w0, w in zip(updates.items(), before, outputs):
+        dw = w.detach().double() - w0
+        ratio = torch.linalg.svdvals(dw)[0] / torch.linalg.svdvals(w0)[0]
+        assert metrics.pop("update_ratio_o")[0] == pytest.approx(ratio.item(), rel=1e-4), label
+        assert metrics.pop("update_fro_o")[0] == pytest.approx((dw.norm() / w0.norm()).item(), rel=1e-4), label
+        assert len(metrics) == 6 and all(v[0] == 0.0 for v in metrics.values()), (label, metrics)

@@ -3,10 +3,11 @@
 tests/dist_worker.py trains the same tiny nanoGPT on the same global batches in
 three ways; rank 0's metrics.jsonl must equal the single process's within float
 tolerance, tag for tag, except the loss (each rank logs the loss it passes: its
-own half of the batch). The worker counts the collectives issued inside every
+own half of the batch); the update ratios of W_O (``c_proj``, sharded unevenly like
+``c_attn``) among them. The worker counts the collectives issued inside every
 ``monitor.step``: none under DDP; under FSDP2 exactly one all-gather on a sampled
-step (weights and gradients packed) and one at the next call (weights after the
-optimizer step, for the update ratios), none on other steps.
+step (Q/K/V and O weights and Q/K/V gradients packed) and one at the next call
+(weights after the optimizer step, for the update ratios), none on other steps.
 """
 
 from __future__ import annotations
@@ -62,7 +63,9 @@ def test_two_ranks_log_the_single_process_numbers(mode, single, tmp_path):
     ref, got = _metrics(single), _metrics(tmp_path)
     assert set(got) == set(ref)
     families = {tag.split("/")[0] for _, tag in ref}
-    assert {"qk_sigma1", "grad_norm_q", "update_ratio_q", "attn_entropy", "loss"} <= families
+    assert {"qk_sigma1", "grad_norm_q", "update_ratio_q", "update_ratio_o", "update_fro_o", "attn_entropy",
+            "loss"} <= families
+    assert {(s, f"update_ratio_o/L0{i}") for s in (0, 3, 6) for i in (0, 1)} <= set(ref)
     assert {step for step, _ in ref} == {0, 3, 6}
     bad = [(k, ref[k], got[k]) for k in ref if k[1] != "loss" and not _close(ref[k], got[k])]
     assert not bad, f"{len(bad)} of {len(ref)} values differ, e.g. {bad[:5]}"

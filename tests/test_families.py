@@ -11,7 +11,9 @@ monitored layer, in the order the Monitor labels them (cross-attention as ``Lxx.
   hand-sliced weights and biases, RoPE through the family's own function, T5's
   relative position bias included (the softmax sees it; see docs/layouts.md);
 * gradient norms against hand-sliced ``.grad``;
-* the capture's layout check ran with the strongest comparison the call allows.
+* the capture's layout check ran with the strongest comparison the call allows;
+* the update ratios of W_O: an update of each layer's output projection (sliced by hand,
+  BERT's beside the module) alone, against the full SVD, with Q/K/V's exactly 0.
 
 Then property tests (two packings of the same weights; GQA with G = H), structural
 discovery of a model defined only here, and the refusals.
@@ -19,6 +21,7 @@ discovery of a model defined only here, and the refusals.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 
@@ -118,6 +121,16 @@ def hand_sliced(case: zoo.Case, module: nn.Module, attr: str) -> dict:
     w, b = get(module.in_proj_weight), get(module.in_proj_bias)
     e, h = w.shape[1], module.num_heads
     return dict(wq=w[:e], wk=w[e : 2 * e], wv=w[2 * e :], bq=b[:e], bk=b[e : 2 * e], H=h, G=h, D=e // h)
+
+
+def hand_outputs(case: zoo.Case) -> list[nn.Parameter]:
+    """Each attention layer's output projection, in :func:`attention_modules` order (BERT's sits beside it)."""
+    m, fam = case.model, family(case)
+    if fam in ("bert", "roberta"):
+        return [layer.attention.output.dense.weight for layer in getattr(m, fam).encoder.layer]
+    names = {"vit": "o_proj", "mistral": "o_proj", "qwen3": "o_proj", "gpt-neox": "dense", "t5": "o",
+             "bart": "out_proj", "gpt2-cross": "c_proj", "torch-seq2seq": "out_proj"}
+    return [getattr(module, names[fam]).weight for module, _ in attention_modules(case)]
 
 
 def allowed_keys(case: zoo.Case, batch: dict, index: int) -> torch.Tensor:
@@ -338,6 +351,79 @@ def test_gradient_norms_match_hand_sliced_grad(ran):
             ref = [g[f"w{name}"][h * d : (h + 1) * d].double().norm().item() for h in range(count)]
             got = per_head(ran.record, f"grad_norm_{name}", layer.label, count)
             np.testing.assert_allclose(got, ref, rtol=REL)
+
+
+@pytest.mark.parametrize("name", [f"{fam}-eager" for fam in zoo.FAMILY_BUILDERS] + ["torch-seq2seq-mha"])
+def test_update_ratio_o_is_each_layers_output_projection(name):
+    """Only the W_O of every layer changes (by hand, a different update per layer): update_ratio_o and
+    update_fro_o match the full SVD of that change, and every Q/K/V update metric is exactly 0."""
+    case = build(name)
+    sink = MemorySink()
+    monitor = Monitor(case.model, every=2, sinks=[sink], signals=("updates",))
+    outputs = hand_outputs(case)
+    assert len(monitor.layers) == len(outputs) and all(la.o is o for la, o in zip(monitor.layers, outputs))
+    monitor.step(0)
+    gen = torch.Generator().manual_seed(11)
+    before = [o.detach().double().clone() for o in outputs]
+    with torch.no_grad():
+        for i, o in enumerate(outputs):
+            o += (1e-3 * (i + 1)) * torch.randn(o.shape, generator=gen)
+    monitor.close()
+    got = {k: v for r in sink.records for k, v in r.scalars.items()}
+    for layer, w0, o in zip(monitor.layers, before, outputs):
+        dw = o.detach().double() - w0
+        ref = torch.linalg.svdvals(dw)[0] / torch.linalg.svdvals(w0)[0]
+        assert got.pop(f"update_ratio_o/{layer.label}") == pytest.approx(ref.item(), rel=REL)
+        assert got.pop(f"update_fro_o/{layer.label}") == pytest.approx((dw.norm() / w0.norm()).item(), rel=REL)
+    assert len(got) == 6 * len(monitor.layers) and all(v == 0.0 for v in got.values()), got
+
+
+class ConvAttention(nn.Module):
+    """GPT-2-style Conv1D storage, (in, out), with H*D = 48 != E = 32: W_O is stored (48, 32)."""
+
+    def __init__(self, e: int = 32, h: int = 4, d: int = 12) -> None:
+        super().__init__()
+        self.h, self.d = h, d
+        self.qkv = nn.Parameter(0.2 * torch.randn(e, 3 * h * d))
+        self.proj = nn.Parameter(0.2 * torch.randn(h * d, e))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (z.view(b, t, self.h, self.d).transpose(1, 2) for z in (x @ self.qkv).chunk(3, -1))  # (B, H, T, D)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return y.transpose(1, 2).reshape(b, t, -1) @ self.proj  # (B, T, E)
+
+
+def test_non_square_output_projection_in_both_orientations():
+    """H*D != E: W_O's orientation is checked (o_transposed follows transposed unless given), and its
+    update ratio matches the full SVD whether stored (E, H*D) (LLaMA with head_dim 12) or (H*D, E)."""
+    torch.manual_seed(0)
+    conv = TinyModel(ConvAttention)
+    spec = QKVLayout(4, 12, q="qkv", packing="fused", transposed=True, o="proj")
+    assert spec.o_is_transposed
+    with pytest.raises(SpecError, match=r"'proj' has shape \(48, 32\).*needs 48 columns"):
+        Monitor(conv, spec={"blocks.*": dataclasses.replace(spec, o_transposed=False)})
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=12, max_position_embeddings=64)
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM._from_config(cfg, attn_implementation="eager")
+    for model, kw, w_o in ((conv, {"spec": {"blocks.*": spec}}, lambda m: m.blocks[1].proj.T),
+                           (llama, {}, lambda m: m.model.layers[1].self_attn.o_proj.weight)):
+        sink = MemorySink()
+        monitor = Monitor(model, every=2, sinks=[sink], signals=("updates",), **kw)
+        assert tuple(w_o(model).shape) == (32, 48)
+        monitor.step(0)
+        w0 = w_o(model).detach().double().clone()
+        with torch.no_grad():
+            w_o(model).add_(1e-3 * torch.randn(32, 48, generator=torch.Generator().manual_seed(2)))
+        monitor.close()
+        got = {k: v for r in sink.records for k, v in r.scalars.items()}
+        dw = w_o(model).detach().double() - w0
+        ref = torch.linalg.svdvals(dw)[0] / torch.linalg.svdvals(w0)[0]
+        assert got["update_ratio_o/L01"] == pytest.approx(ref.item(), rel=REL)
+        assert got["update_ratio_o/L00"] == got["update_ratio_q/L01"] == 0.0
 
 
 @pytest.mark.parametrize("fam", list(zoo.FAMILY_BUILDERS))

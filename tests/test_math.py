@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diag.attention import attention_logits, stats_from_logits, stats_from_probabilities_reference
+from diag.attention import LazyLogits, attention_logits, stats_from_logits, stats_from_probabilities_reference
 from diag.layouts import QKVLayout, split_qkv
 from diag.metrics import spectrum_metrics
 from diag.spectral import (
@@ -306,3 +306,14 @@ def test_lazy_logits_equal_materialised(monkeypatch, causal, mask_kind):
     lazy = stats_from_logits(LazyLogits(q, k, 0.3, (mask,), causal), 20)
     for name in ("entropy", "rank", "max_logit", "rows", "uniform_entropy", "maps"):
         torch.testing.assert_close(getattr(lazy, name), getattr(whole, name), equal_nan=True)
+
+
+@pytest.mark.parametrize("scale", [0.1, 3.0, 30.0])
+def test_attention_rank_matches_svdvals_on_causal_blocks(scale):
+    """The rank's Gram-eigenvalue route against svdvals on full-size causal attention blocks."""
+    g = torch.Generator().manual_seed(1)
+    q, k = torch.randn(2, 4, 128, 16, generator=g) * scale, torch.randn(2, 4, 128, 16, generator=g)
+    stats = stats_from_logits(LazyLogits(q, k, is_causal=True))
+    logits = attention_logits(q, k, is_causal=True)
+    ranks = effective_rank(torch.linalg.svdvals(torch.softmax(logits, -1))).mean(0)
+    torch.testing.assert_close(stats.rank, ranks, rtol=1e-6, atol=0)

@@ -5,7 +5,9 @@ SVD of the E x E product in float64; attention entropy and rank against the
 model's own eager attention probabilities (``output_attentions=True``, or
 ``need_weights=True, average_attn_weights=False``) with per-head loops; the max
 logit against logits recomputed by hand; gradient norms against hand-sliced
-``.grad``; update ratios against the full SVD of the applied update.
+``.grad``; update ratios of W_Q, W_K, W_V and W_O against the full SVD of the applied
+update, with W_O sliced by hand too (and shown to be the output projection: an update of
+it alone moves ``update_ratio_o`` alone).
 """
 
 from __future__ import annotations
@@ -76,6 +78,17 @@ def hand_sliced(case: zoo.Case, module: torch.nn.Module, attr: str) -> tuple:
     return w[:e], w[e : 2 * e], w[2 * e :], module.num_heads, module.num_heads, e // module.num_heads
 
 
+def hand_o(case: zoo.Case, module: torch.nn.Module) -> torch.Tensor:
+    """W_O as (out, in) = (E, H*D), written out per family: the parameter that maps the heads back."""
+    if case.name == "nanogpt":
+        return module.c_proj.weight
+    if case.name.startswith("gpt2"):
+        return module.c_proj.weight.T  # Conv1D stores (in, out)
+    if case.name.startswith("llama"):
+        return module.o_proj.weight
+    return module.out_proj.weight
+
+
 def per_head(record, metric: str, label: str, n: int) -> np.ndarray:
     return np.array([record.scalars[f"{metric}/{label}/H{h:02d}"] for h in range(n)])
 
@@ -88,7 +101,7 @@ class Ran:
     updates: dict  # update scalars of step 0
     batch: dict
     grads: list  # hand-sliced (gq, gk, gv, H, G, D) per layer at step 0
-    before: list  # hand-sliced (Wq, Wk, Wv) before optimizer step 0
+    before: list  # hand-sliced (Wq, Wk, Wv, Wo) before optimizer step 0
     after: list
     at_step0: zoo.Case  # the same case with a copy of the model as it was at step 0
 
@@ -106,14 +119,14 @@ def run_two_steps(case: zoo.Case) -> Ran:
     at_step0 = dataclasses.replace(case, model=copy.deepcopy(case.model))
     mods = attention_modules(case)
     grads = [hand_sliced(case, m, "grad") for m in mods]
-    before = [tuple(t.detach().clone() for t in hand_sliced(case, m, "data")[:3]) for m in mods]
+    before = [tuple(t.detach().clone() for t in (*hand_sliced(case, m, "data")[:3], hand_o(case, m))) for m in mods]
     opt.step()
     opt.zero_grad()
     loss = case.loss(case.model, case.make_batch(torch.Generator().manual_seed(4)))
     loss.backward()
     monitor.step(1, loss=loss)
     monitor.close()
-    after = [tuple(t.detach().clone() for t in hand_sliced(case, m, "data")[:3]) for m in mods]
+    after = [tuple(t.detach().clone() for t in (*hand_sliced(case, m, "data")[:3], hand_o(case, m))) for m in mods]
     main = sink.records[0]
     updates = {k: v for r in sink.records[1:] if r.step == 0 for k, v in r.scalars.items()}
     return Ran(case, monitor, main, updates, batch, grads, before, after, at_step0)
@@ -126,7 +139,7 @@ def ran(request) -> Ran:
 
 def test_spectra_match_full_svd(ran):
     case, record = ran.case, ran.record
-    for layer, (wq, wk, _) in zip(ran.monitor.layers, ran.before):  # weights of step 0
+    for layer, (wq, wk, _, _) in zip(ran.monitor.layers, ran.before):  # weights of step 0
         _, _, _, n_heads, n_kv, d = hand_sliced(case, layer.module, "data")
         for h in range(n_heads):
             g = h // (n_heads // n_kv)
@@ -246,14 +259,41 @@ def test_gradient_norms_match_hand_sliced_grad(ran):
 
 def test_update_ratios_match_full_svd(ran):
     updates = ran.updates
+    assert len(updates) == 8 * len(ran.monitor.layers)  # ratio and fro of q, k, v, o: nothing else
     for layer, b, a in zip(ran.monitor.layers, ran.before, ran.after):
-        for name, w0, w1 in zip("qkv", b, a):
+        for name, w0, w1 in zip("qkvo", b, a):
             dw = (w1 - w0).double()
             spectral = torch.linalg.svdvals(dw)[0] / torch.linalg.svdvals(w0.double())[0]
             fro = dw.norm() / w0.double().norm()
             assert updates[f"update_ratio_{name}/{layer.label}"] == pytest.approx(spectral.item(), rel=REL)
             assert updates[f"update_fro_{name}/{layer.label}"] == pytest.approx(fro.item(), rel=REL)
             assert spectral.item() > 0
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_an_update_of_the_output_projection_alone_moves_update_ratio_o_alone(name):
+    """Between the snapshot and the measurement only W_O of layer 1 changes (by hand, no optimizer):
+    update_ratio_o/L01 is the full-SVD ratio of that change and every other update metric is exactly 0."""
+    case = build(name)
+    sink = MemorySink()
+    monitor = Monitor(case.model, every=2, sinks=[sink], signals=("updates",))
+    monitor.step(0)
+    module = attention_modules(case)[1]
+    wo = hand_o(case, module)
+    w0 = wo.detach().double().clone()
+    delta = 1e-3 * torch.randn(wo.shape, generator=torch.Generator().manual_seed(7))
+    delta[:, 0] *= 30  # a dominant direction: sigma_1 of the update well separated
+    with torch.no_grad():
+        wo += delta
+    monitor.close()
+    got = {k: v for r in sink.records for k, v in r.scalars.items()}
+    dw = wo.detach().double() - w0
+    ref = torch.linalg.svdvals(dw)[0] / torch.linalg.svdvals(w0)[0]
+    assert got.pop("update_ratio_o/L01") == pytest.approx(ref.item(), rel=REL)
+    assert got.pop("update_fro_o/L01") == pytest.approx((dw.norm() / w0.norm()).item(), rel=REL)
+    assert set(got) == {f"update_{m}_{x}/{lab}" for m in ("ratio", "fro") for x in "qkvo" for lab in ("L00", "L01")
+                        } - {"update_ratio_o/L01", "update_fro_o/L01"}
+    assert all(v == 0.0 for v in got.values()), got
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])

@@ -49,7 +49,7 @@ from diag.images import (
     update_ratio_image,
 )
 from diag.sinks import MemorySink, Record
-from diag.tags import LAYER_METRICS, PER_HEAD_METRICS
+from diag.tags import LAYER_METRICS, PER_HEAD_METRICS, update_metric_names
 from diag.tb_layout import CHART_STAT, build_layout, chart_regexes, family
 from hooks import Monitor
 
@@ -183,6 +183,7 @@ def test_layout_is_what_the_monitor_wrote_and_every_chart_matches_written_tags(s
                for cat in served["category"]}
     assert as_dict == written[0]
     assert list(as_dict) == ["training", "spectra", "attention", "grads", "updates", "alerts"]
+    assert {"update_ratio_o, all layers", "update_fro_o, all layers"} <= set(as_dict["updates"])
 
     tags = set(_json(server, "/data/plugin/scalars/tags")[RUN])
     layers = ["L00", "L01"]
@@ -221,7 +222,7 @@ def test_images_are_served_pixel_for_pixel(server, run):
         for tag, image in record.images.items():
             drawn.setdefault(tag, {})[record.step] = image
     heatmaps = {"heatmap/qk_sigma1", "heatmap/qk_sec", "heatmap/attn_entropy"}
-    steps = {"step_size/update_ratio_q", "step_size/update_ratio_k", "step_size/update_ratio_v"}
+    steps = {f"step_size/update_ratio_{x}" for x in "qkvo"}
     maps = {f"attention_map/L{i:02d}/H{h:02d}" for i in range(2) for h in range(4)}
     assert set(tags) == set(drawn) == heatmaps | steps | maps
     for tag in heatmaps:
@@ -387,8 +388,11 @@ def test_layout_rules_follow_the_tag_scheme():
         "other": {"new_metric (max over heads), all layers": ["Multiline", [r"^new_metric/L\d+(?:\.cross)?/max$"]]},
         "alerts": {"alerts per step, by kind": ["Multiline", [r"^alerts/.+$"]]},
     }
-    with_updates = build_layout(tags, updates=True)["updates"]
+    with_updates = build_layout(tags, updates=update_metric_names())["updates"]
     assert sorted(with_updates) == sorted(f"{m}, all layers" for m in LAYER_METRICS if m.startswith("update_"))
+    assert with_updates["update_ratio_o, all layers"] == ["Multiline", [r"^update_ratio_o/L\d+(?:\.cross)?$"]]
+    without_o = build_layout(tags, updates=update_metric_names("qkv"))["updates"]  # no layer has W_O
+    assert sorted(without_o) == [f"update_{m}_{x}, all layers" for m in ("fro", "ratio") for x in "kqv"]
 
 
 # --------------------------------------------------------------- Monitor options
