@@ -66,6 +66,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--pause", type=float, default=1.0, help="seconds of rest before each timed call")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -74,7 +75,11 @@ def main() -> None:
         ours(folder)  # warm imports and caches for both sides
         ours_t, load_t, ww_t = [], [], []
         for _ in range(args.reps):
+            # A pause before each timed call: thread pools of the previous call (BLAS/OpenMP threads spin
+            # for a while after their work) otherwise compete with the next one on 2 cores.
+            time.sleep(args.pause)
             ours_t.append(ours(folder))
+            time.sleep(args.pause)
             load, analyse = weightwatcher(folder)
             load_t.append(load)
             ww_t.append(analyse)

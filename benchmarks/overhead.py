@@ -9,10 +9,14 @@ batch 4 x 128 tokens):
      d_model x d_model product: time ratio and the largest relative disagreement;
   2. training-step time with the Monitor at every=1, 10, 100 vs no Monitor, over
      whole sampling periods (100 steps for every=100), each window run back to back
-     with the same steps unmonitored: median (min, max) time ratios;
+     with the same steps unmonitored: median (min, max) time ratios (incl. the final
+     close()), and the Monitor's accounted share of the window (time inside
+     monitor.step plus the sampled steps' extra forward+backward: its own parts,
+     so far less noisy than the ratio of two windows on a shared machine);
   3. the cost of one non-sampled ``monitor.step`` call, relative to a training step;
   4. the cost of each signal family on a sampled step, as a fraction of one step
-     (update ratios: around a real AdamW step, cold at the first sample, then warm);
+     (update ratios of W_Q, W_K, W_V, W_O: around a real AdamW step, cold at the
+     first sample, then warm);
   5. peak resident memory of a training run with the Monitor (every=1, all signals)
      and without, each in its own child process, alternated;
   6. attention capture cost as the sequence grows (128 .. 2,048 tokens, batch 1,
@@ -69,7 +73,8 @@ def spectra(model, reps: int) -> None:
           f"(min {min(ratio):.1f}, max {max(ratio):.1f}); max |diff|/sigma_1 {err:.1e}")
 
 
-def train_steps(model, monitor, steps: int, start: int) -> list[float]:
+def train_steps(model, monitor, steps: int, start: int, parts: list | None = None) -> list[float]:
+    """Step times; with ``parts``, also appends (forward+backward seconds, monitor.step seconds) per step."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(0, 8192, (4, 128), generator=torch.Generator().manual_seed(0))
     times = []
@@ -77,12 +82,26 @@ def train_steps(model, monitor, steps: int, start: int) -> list[float]:
         t0 = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
+        t1 = time.perf_counter()
         if monitor is not None:
             monitor.step(step, loss=loss)
+        t2 = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
+        if parts is not None:
+            parts.append((t1 - t0, t2 - t1))
     return times
+
+
+def accounted(plain_parts: list, watched_parts: list, every: int, close: float, base: float) -> float:
+    """The Monitor's share of a window from its own parts, far less noisy than a ratio of two windows:
+    the time inside monitor.step (incl. close) plus, on sampled steps (where the capture is armed),
+    forward+backward beyond the plain window's median. As a fraction of the window's plain time."""
+    plain_fb = statistics.median(fb for fb, _ in plain_parts)
+    extra = close + sum(m for _, m in watched_parts)
+    extra += sum(fb - plain_fb for i, (fb, _) in enumerate(watched_parts) if i % every == 0)
+    return extra / (base * len(watched_parts))
 
 
 def overhead(model, reps: int, steps: int, everys=(1, 10, 100)) -> float:
@@ -94,16 +113,22 @@ def overhead(model, reps: int, steps: int, everys=(1, 10, 100)) -> float:
     print("2. training-step time with the Monitor / without (same steps, back to back):")
     for every in everys:
         n = -(-max(every, steps) // every) * every
-        ratios = []
+        ratios, shares = [], []
         for _ in range(reps):
-            plain = sum(train_steps(model, None, n, 0))
+            plain_parts: list = []
+            plain = sum(train_steps(model, None, n, 0, plain_parts))
             monitor = Monitor(model, every=every, sinks=[MemorySink()])
-            watched = sum(train_steps(model, monitor, n, 0))
-            monitor.close()
-            ratios.append(watched / plain)
+            watched_parts: list = []
+            watched = sum(train_steps(model, monitor, n, 0, watched_parts))
+            t0 = time.perf_counter()
+            monitor.close()  # measures the last sampled step's pending update ratios
+            close = time.perf_counter() - t0
+            ratios.append((watched + close) / plain)
+            shares.append(accounted(plain_parts, watched_parts, every, close, plain / n))
             base_times.append(plain / n)
         print(f"   every={every:<4} ({n:3d} steps): time ratio {statistics.median(ratios):.3f} "
-              f"(min {min(ratios):.3f}, max {max(ratios):.3f})")
+              f"(min {min(ratios):.3f}, max {max(ratios):.3f}); accounted share of the Monitor "
+              f"{statistics.median(shares) * 100:.2f}% (min {min(shares) * 100:.2f}, max {max(shares) * 100:.2f})")
     base = statistics.median(base_times)
     print(f"   training step without monitor: {base * 1e3:.0f} ms (median)")
     return base

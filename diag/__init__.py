@@ -7,7 +7,7 @@ from diag.alerts import Alert, AlertConfig, Detectors, Observation, TrainingHalt
 from diag.attention import AttentionStats, attention_logits, stats_from_logits
 from diag.checkpoint import Checkpoint, CheckpointError, open_checkpoint
 from diag.errors import ConfigError, DiagError, SinkError, SpecError
-from diag.layouts import ADAPTERS, ModuleView, QKVLayout, find_layout, split_qkv
+from diag.layouts import ADAPTERS, ModuleView, QKVLayout, find_layout, split_o, split_projections, split_qkv
 from diag.metrics import grad_metrics, spectrum_metrics, update_metrics
 from diag.offline import Analysis, analyze_checkpoints
 from diag.records import build_record
@@ -60,6 +60,8 @@ __all__ = [
     "qk_singular_values_reference",
     "spectral_energy_concentration",
     "spectrum_metrics",
+    "split_o",
+    "split_projections",
     "split_qkv",
     "stable_rank",
     "stats_from_logits",

@@ -17,6 +17,7 @@ from diag.spectral import (
     Sigma1,
     effective_rank,
     qk_singular_values,
+    qk_singular_values_of_layers,
     spectral_energy_concentration,
     stable_rank,
     top_singular_value,
@@ -46,7 +47,10 @@ def spectrum_metrics(wq: Tensor, wk: Tensor, sec_top: int = DEFAULT_SEC_TOP) -> 
     lead = wq.shape[:-3]
     # Row l*H + h of the flattened queries pairs with row l*G + h // (H/G) of the keys.
     sv = qk_singular_values(wq.flatten(0, -3), wk.flatten(0, -3))
-    sv = sv.reshape(*lead, wq.shape[-3], sv.shape[-1])
+    return _metrics_of_spectra(sv.reshape(*lead, wq.shape[-3], sv.shape[-1]), sec_top)
+
+
+def _metrics_of_spectra(sv: Tensor, sec_top: int) -> dict[str, Tensor]:
     return {
         "qk_sigma1": sv[..., 0],
         "qk_sec": spectral_energy_concentration(sv, sec_top),
@@ -67,8 +71,8 @@ def layer_spectra(qk: Sequence[tuple[Tensor, Tensor]], sec_top: int = DEFAULT_SE
         groups.setdefault((tuple(wq.shape), tuple(wk.shape), wq.dtype), []).append(i)
     out: list[dict[str, Tensor]] = [{} for _ in qk]
     for members in groups.values():
-        qs, ks = zip(*(qk[i] for i in members))
-        batched = spectrum_metrics(torch.stack(qs), torch.stack(ks), sec_top)
+        sv = qk_singular_values_of_layers([qk[i] for i in members])  # (layers * H, D)
+        batched = _metrics_of_spectra(sv.reshape(len(members), -1, sv.shape[-1]), sec_top)
         for j, i in enumerate(members):
             out[i] = {name: t[j] for name, t in batched.items()}
     return out
@@ -201,5 +205,6 @@ def _frobenius(x: Tensor) -> Tensor:
 
 
 def _work_dtype(w: Tensor) -> torch.dtype:
-    """float32 holds the difference of two float32/bf16/fp16 weights exactly (Sterbenz); float64 stays."""
+    """The dtype of the snapshot and of dW: float32 for float32/bf16/fp16 weights (dW to one float32
+    rounding per entry, exact where the two values are within a factor 2: Sterbenz); float64 stays."""
     return torch.float64 if w.dtype == torch.float64 else torch.float32

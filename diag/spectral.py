@@ -14,7 +14,7 @@ rounding of the weights (condition numbers up to 1e3 are tested to 1e-5 relative
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ from torch import Tensor
 
 __all__ = [
     "qk_singular_values",
+    "qk_singular_values_of_layers",
     "qk_singular_values_reference",
     "expand_kv_heads",
     "spectral_energy_concentration",
@@ -57,22 +58,35 @@ def qk_singular_values(wq: Tensor, wk: Tensor) -> Tensor:
     of the core R_q R_k^T are the eigenvalues of the symmetric L^T G_k L. Heads
     whose G_q is singular (a dead or rank-deficient head) take the QR route.
     """
-    n_heads, d_head = wq.shape[0], wq.shape[1]
-    gram_q, gram_k = grams(wq), grams(wk)  # (H, D, D), (G, D, D)
+    return qk_singular_values_of_layers([(wq, wk)])
+
+
+def qk_singular_values_of_layers(qk: Sequence[tuple[Tensor, Tensor]]) -> Tensor:
+    """:func:`qk_singular_values` of several layers of equal shapes in one batched call, (L*H, D).
+
+    qk: per layer (wq (H, D, E), wk (G, D, E)), any strides: each layer's Grams are formed
+    from its weights as they are (no stacked copy of all layers' weights first).
+    """
+    n_heads, d_head = qk[0][0].shape[0], qk[0][0].shape[1]
+    gram_q = torch.cat([grams(wq) for wq, _ in qk])  # (L*H, D, D)
+    gram_k = torch.cat([grams(wk) for _, wk in qk])  # (L*G, D, D)
     # A non-finite weight makes its head's Gram non-finite: checked on D x D, not on D x E.
     finite_q, finite_k = _finite_heads(gram_q), _finite_heads(gram_k)
-    eye = torch.eye(d_head, dtype=torch.float64, device=wq.device)
+    eye = torch.eye(d_head, dtype=torch.float64, device=gram_q.device)
     gram_q = torch.where(finite_q[:, None, None], gram_q, eye)
-    gram_k = expand_kv_heads(torch.where(finite_k[:, None, None], gram_k, eye), n_heads)
+    # Row l*H + h of the queries pairs with row l*G + h // (H/G) of the keys: one repeat serves all layers.
+    n_all = gram_q.shape[0]
+    gram_k = expand_kv_heads(torch.where(finite_k[:, None, None], gram_k, eye), n_all)
     low, info = torch.linalg.cholesky_ex(gram_q)  # G_q = L L^T (not in threads: its BLAS calls are threaded)
-    sym = low.transpose(1, 2) @ gram_k @ low  # (H, D, D), eigenvalues sigma^2
+    sym = low.transpose(1, 2) @ gram_k @ low  # (L*H, D, D), eigenvalues sigma^2
     energy = in_threads(torch.linalg.eigvalsh, (sym + sym.transpose(1, 2)) / 2).flip(-1)  # descending
     sv = energy.clamp_min(0).sqrt()
     failed = (info != 0).nonzero().flatten()
     if failed.numel():
-        wk_h = expand_kv_heads(wk, n_heads)
-        sv[failed] = _qr_core_singular_values(wq[failed].double(), wk_h[failed].double())
-    ok = finite_q & expand_kv_heads(finite_k, n_heads)
+        wq_all = torch.cat([wq for wq, _ in qk])
+        wk_all = torch.cat([expand_kv_heads(wk, n_heads) for _, wk in qk])
+        sv[failed] = _qr_core_singular_values(wq_all[failed].double(), wk_all[failed].double())
+    ok = finite_q & expand_kv_heads(finite_k, n_all)
     return torch.where(ok[:, None], sv, torch.nan)
 
 

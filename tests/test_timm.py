@@ -250,14 +250,15 @@ def test_update_ratios_match_full_svd(case):
         loss.backward()
         monitor.step(step, loss=loss)
         if step == 0:
-            before = [[w.detach().clone() for w in hand_sliced(a, "data")[:3]] for a in attns]
+            before = [[w.detach().clone() for w in (*hand_sliced(a, "data")[:3], a.proj.weight)] for a in attns]
             opt.step()
             opt.zero_grad()
     monitor.close()
-    after = [hand_sliced(a, "data")[:3] for a in attns]
+    after = [[*hand_sliced(a, "data")[:3], a.proj.weight] for a in attns]  # W_O: timm's proj (E, H*D)
     updates = {k: v for r in sink.records if r.step == 0 for k, v in r.scalars.items() if k.startswith("update_")}
+    assert len(updates) == 8 * len(monitor.layers)  # ratio and fro of q, k, v, o
     for layer, b, a in zip(monitor.layers, before, after):
-        for name, w0, w1 in zip("qkv", b, a):
+        for name, w0, w1 in zip("qkvo", b, a):
             dw = (w1.detach() - w0).double()
             spectral = torch.linalg.svdvals(dw)[0] / torch.linalg.svdvals(w0.double())[0]
             fro = dw.norm() / w0.double().norm()
