@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/overhead.py --model small --reps 5
     .venv/bin/python benchmarks/overhead.py --model tiny
+    .venv/bin/python benchmarks/overhead.py --model medium --only 1 --reps 1   # 24 layers x 1024
 
 Prints, for a GPT-2-shaped model (Hugging Face, sdpa attention, random init,
 batch 4 x 128 tokens):
@@ -41,7 +42,7 @@ from diag.spectral import qk_singular_values, qk_singular_values_reference
 from hooks import Monitor
 from hooks.discovery import discover
 
-SHAPES = {"small": (12, 12, 768), "tiny": (2, 4, 64)}
+SHAPES = {"small": (12, 12, 768), "medium": (24, 16, 1024), "tiny": (2, 4, 64)}  # layers, heads, d_model
 
 
 def build(size: str):

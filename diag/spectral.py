@@ -104,7 +104,7 @@ def grams(w: Tensor) -> Tensor:
     if w.dtype == torch.float64:
         return w @ w.transpose(1, 2)
     out = torch.empty(n, d, d, dtype=torch.float64, device=w.device)
-    per = max(1, GRAM_CHUNK_BYTES // (8 * d * e))
+    per = max(1, GRAM_CHUNK_BYTES // max(1, 8 * d * e))
     buf = torch.empty(min(per, n), d, e, dtype=torch.float64, device=w.device)
     for start in range(0, n, per):
         part = buf[: min(per, n - start)]
@@ -152,9 +152,10 @@ def in_threads(fn: Callable[[Tensor], Any], batch: Tensor) -> Any:
 
 def _qr_core_singular_values(wq64: Tensor, wk64: Tensor) -> Tensor:
     """The same spectrum from thin QR factors: robust for singular heads, about twice as slow."""
-    r_q = torch.linalg.qr(wq64.transpose(1, 2), mode="r").R  # (n, D, D)
+    r_q = torch.linalg.qr(wq64.transpose(1, 2), mode="r").R  # (n, min(E, D), D)
     r_k = torch.linalg.qr(wk64.transpose(1, 2), mode="r").R
-    return torch.linalg.svdvals(r_q @ r_k.transpose(1, 2))
+    sv = torch.linalg.svdvals(r_q @ r_k.transpose(1, 2))  # (n, min(E, D))
+    return torch.nn.functional.pad(sv, (0, wq64.shape[1] - sv.shape[-1]))  # E < D: the other D - E are 0
 
 
 def qk_singular_values_reference(wq_h: Tensor, wk_h: Tensor) -> Tensor:

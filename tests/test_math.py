@@ -317,3 +317,13 @@ def test_attention_rank_matches_svdvals_on_causal_blocks(scale):
     logits = attention_logits(q, k, is_causal=True)
     ranks = effective_rank(torch.linalg.svdvals(torch.softmax(logits, -1))).mean(0)
     torch.testing.assert_close(stats.rank, ranks, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("width", [0, 2, 9])
+def test_spectra_of_heads_wider_than_the_model(width):
+    """D > E (or E = 0): the Cholesky route fails and the QR route pads the missing D - E zeros."""
+    g = torch.Generator().manual_seed(2)
+    wq, wk = torch.randn(3, 4, width, generator=g), torch.randn(3, 4, width, generator=g)
+    ref = torch.stack([qk_singular_values_reference(wq[h], wk[h]) for h in range(3)])
+    ref = F.pad(ref, (0, 4 - ref.shape[-1]))
+    torch.testing.assert_close(qk_singular_values(wq, wk), ref, rtol=1e-10, atol=1e-12)
