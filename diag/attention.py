@@ -170,14 +170,16 @@ def stats_from_logits(logits: Tensor | LazyLogits, rank_rows: int = 256) -> Atte
     n_seq, n_heads, n_q, n_k = logits.shape
     lazy = isinstance(logits, LazyLogits)  # its excluded entries are -inf already
     dev = logits.q.device if lazy else logits.device
-    rows_of = logits.rows if isinstance(logits, LazyLogits) else (lambda i, a, b: logits[i, :, a:b])
+    rows_of = logits.rows if lazy else (lambda i, a, b: logits[i, :, a:b])
     ent_sum = torch.zeros(n_heads, dtype=torch.float64, device=dev)
     uniform_sum = torch.zeros(n_heads, dtype=torch.float64, device=dev)
     rows = torch.zeros(n_heads, dtype=torch.float64, device=dev)
     max_logit = torch.full((n_heads,), -math.inf, dtype=torch.float64, device=dev)
     step = _row_chunks(n_q, n_heads, n_k)
     map_block: list[Tensor] = []
-    rank_blocks: list[Tensor] = []
+    rank_sum = torch.zeros(n_heads, dtype=torch.float64, device=dev)
+    rank_rows_seen = torch.zeros(1, dtype=torch.float64, device=dev)
+    rank_seqs = torch.zeros(1, dtype=torch.float64, device=dev)
     for i in range(n_seq):
         rank_block = []
         for start in range(0, n_q, step):
@@ -201,18 +203,18 @@ def stats_from_logits(logits: Tensor | LazyLogits, rank_rows: int = 256) -> Atte
                 rank_block.append(p[:, : rank_rows - start])
             if i == 0 and start < MAP_SIZE:
                 map_block.append(p[:, : MAP_SIZE - start, :MAP_SIZE].float())
-        rank_blocks.append(rank_block[0] if len(rank_block) == 1 else torch.cat(rank_block, dim=1))  # (H, R, K)
-    block = torch.stack(rank_blocks)  # (N, H, R, K)
-    seen = (block[:, 0] > 0).any(-1).sum(-1)  # (N,): valid rows among the first R
-    has_rows = seen > 0  # a sequence with no valid row in the block has no rank
-    finite = torch.isfinite(block).flatten(2).all(-1)  # (N, H): a NaN head gets a NaN rank
-    if not bool(finite.all()):
-        block = torch.where(finite[..., None, None], block, 0.0)
-    sv = _singular_values(block.flatten(0, 1))
-    erank = torch.where(finite, effective_rank(sv).reshape(finite.shape), torch.nan)
-    rank_sum = torch.where(has_rows[:, None], erank, 0.0).sum(0)
-    rank_rows_seen = seen.sum().double().reshape(1)
-    rank_seqs = has_rows.sum().double().reshape(1)
+        # The rank of this sequence now, so that one sequence's rows are held at a time.
+        block = rank_block[0] if len(rank_block) == 1 else torch.cat(rank_block, dim=1)  # (H, R, K)
+        del rank_block
+        seen = (block[0] > 0).any(-1).sum()
+        has_rows = seen > 0  # a sequence with no valid row in the block has no rank
+        finite = torch.isfinite(block).flatten(1).all(1)  # (H,): a NaN head gets a NaN rank
+        if not bool(finite.all()):
+            block = torch.where(finite[:, None, None], block, 0.0)
+        erank = torch.where(finite, effective_rank(_singular_values(block)), torch.nan)
+        rank_sum += torch.where(has_rows, erank, 0.0)
+        rank_rows_seen += seen
+        rank_seqs += has_rows
     return AttentionStats(
         entropy=ent_sum / rows,
         rank=rank_sum / rank_seqs,

@@ -149,7 +149,6 @@ def in_threads(fn: Callable[[Tensor], Any], batch: Tensor) -> Any:
     return type(results[0])(tuple(torch.cat(field) for field in zip(*results)))
 
 
-
 def _qr_core_singular_values(wq64: Tensor, wk64: Tensor) -> Tensor:
     """The same spectrum from thin QR factors: robust for singular heads, about twice as slow."""
     r_q = torch.linalg.qr(wq64.transpose(1, 2), mode="r").R  # (n, min(E, D), D)
