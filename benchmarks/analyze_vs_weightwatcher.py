@@ -1,4 +1,4 @@
-"""Checkpoint weight analysis: ``diag.offline.analyze_checkpoints`` vs weightwatcher's ``analyze()``.
+"""Checkpoint weight analysis: ``diag.offline.series.analyze_checkpoints`` vs weightwatcher's ``analyze()``.
 
     .venv/bin/pip install weightwatcher        # not a dependency of ours: the peer we compare with
     .venv/bin/python benchmarks/analyze_vs_weightwatcher.py --reps 3
@@ -36,7 +36,7 @@ def write_checkpoint(folder: Path) -> None:
 
 
 def ours(folder: Path) -> float:
-    from diag.offline import analyze_checkpoints
+    from diag.offline.series import analyze_checkpoints
 
     t0 = time.perf_counter()
     analysis = analyze_checkpoints([folder])

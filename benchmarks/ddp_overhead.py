@@ -73,7 +73,7 @@ def window(model, opt, ids, steps: int, start: int, monitor) -> tuple[float, lis
 
 
 def worker(args: argparse.Namespace) -> None:
-    from diag.sinks import MemorySink
+    from diag.outputs.sinks import MemorySink
     from hooks import Monitor
 
     cuda = torch.cuda.is_available()

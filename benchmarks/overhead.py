@@ -36,9 +36,9 @@ import time
 
 import torch
 
-from diag.layouts import split_qkv
-from diag.sinks import MemorySink
-from diag.spectral import qk_singular_values, qk_singular_values_reference
+from diag.layouts.core import split_qkv
+from diag.math.spectral import qk_singular_values, qk_singular_values_reference
+from diag.outputs.sinks import MemorySink
 from hooks import Monitor
 from hooks.discovery import discover
 

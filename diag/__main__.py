@@ -1,5 +1,5 @@
 import sys
 
-from diag.cli import main
+from diag.cli.main import main
 
 sys.exit(main())

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diag.sinks import MemorySink
+from diag.outputs.sinks import MemorySink
 from hooks import Monitor, QKVLayout
 
 D_MODEL, HEADS, D_HEAD = 64, 4, 16

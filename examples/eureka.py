@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from sklearn.datasets import load_digits
 from torch import Tensor, nn
 
-from diag.sinks import MemorySink
+from diag.outputs.sinks import MemorySink
 from hooks import AlertConfig, Monitor
 
 __all__ = ["EurekaConfig", "DigitGrid", "ViT", "train"]

@@ -32,8 +32,8 @@ import tempfile
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from diag.alerts import AlertConfig, attention_state
-from diag.cli import build_parser
+from diag.cli.main import build_parser
+from diag.detectors.core import AlertConfig, attention_state
 from hooks.demo import train
 
 ESTABLISHED_MIN = 5  # consecutive samples (50 steps at every=10) a head must stay malignant

@@ -24,7 +24,7 @@ import tempfile
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from diag.cli import build_parser
+from diag.cli.main import build_parser
 from hooks.demo import DEFAULT_LR, train
 
 

@@ -4,8 +4,8 @@
     monitor = Monitor(model, logdir="runs/exp1", every=10)
 """
 
-from diag.alerts import Alert, AlertConfig, TrainingHalted
-from diag.layouts import QKVLayout
+from diag.detectors.core import Alert, AlertConfig, TrainingHalted
+from diag.layouts.core import QKVLayout
 from hooks.discovery import AttentionLayer, discover
 from hooks.monitor import SIGNALS, Monitor
 

@@ -14,7 +14,7 @@ call since arming) a ``TorchFunctionMode`` watches three functions:
   are not dispatched to the mode again.
 
 Each call is reduced at once to per-head statistics of the first ``n_seqs``
-sequences of the batch (:mod:`diag.attention`); nothing larger survives the call.
+sequences of the batch (:mod:`diag.math.attention`); nothing larger survives the call.
 The real call runs first, unchanged: outputs, RNG and autograd are untouched.
 
 Before a call counts, it is checked against the layer's layout (:mod:`hooks.verify`):
@@ -39,7 +39,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from diag.attention import AttentionStats, LazyLogits, stats_from_logits
+from diag.math.attention import AttentionStats, LazyLogits, stats_from_logits
 from hooks.discovery import AttentionLayer
 from hooks.verify import Inputs, check_call, module_inputs
 

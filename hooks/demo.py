@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from diag.steplimit import SpectralStepLimit
 from hooks.monitor import Monitor
+from hooks.steplimit import SpectralStepLimit
 
 __all__ = ["GPTConfig", "GPT", "load_text", "run_demo"]
 
@@ -195,7 +195,7 @@ def train(args: Namespace, cfg: GPTConfig | None = None) -> tuple[Monitor, list[
 
 
 def run_demo(args: Namespace) -> None:
-    """Entry point of ``python -m diag demo``; ``args`` as built by :func:`diag.cli.build_parser`."""
+    """Entry point of ``python -m diag demo``; ``args`` as built by :func:`diag.cli.main.build_parser`."""
     monitor, _ = train(args)
     alerts = monitor.alert_sink.history
     if not args.quiet:

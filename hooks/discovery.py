@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from diag.errors import SpecError
-from diag.layouts import (
+from diag.layouts.core import (
     ADAPTERS,
     HEAD_ATTRS,
     ModuleView,
@@ -20,7 +20,7 @@ from diag.layouts import (
     shape_problem,
     with_sibling_o,
 )
-from diag.tags import layer_labels
+from diag.outputs.tags import layer_labels
 
 __all__ = ["AttentionLayer", "discover", "module_view"]
 

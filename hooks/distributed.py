@@ -14,7 +14,7 @@
   sampled step for the update ratios.
 * :class:`SharedDetectors`: with ``stop_on_critical`` in a multi-rank job, every
   rank judges rank 0's observation (one broadcast per sampled step), so every rank
-  raises :class:`~diag.alerts.TrainingHalted` at the same step and none is left
+  raises :class:`~diag.detectors.core.TrainingHalted` at the same step and none is left
   waiting in a collective.
 """
 
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from diag.alerts import Alert, Detectors, Observation
+from diag.detectors.core import Alert, Detectors, Observation
 from hooks.discovery import AttentionLayer
 
 __all__ = ["rank", "world_size", "gather_full", "QKVReader", "SharedDetectors"]

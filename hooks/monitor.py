@@ -27,15 +27,15 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from diag.alerts import Alert, AlertConfig, AlertSink, Detectors, Observation, TrainingHalted
+from diag.detectors.core import Alert, AlertConfig, AlertSink, Detectors, Observation, TrainingHalted
 from diag.errors import ConfigError
-from diag.images import UpdateRatioHistory, attention_map_image, flagged_heads, layer_head_heatmaps
-from diag.layouts import QKVLayout, split_projections, split_qkv
-from diag.metrics import DEFAULT_SEC_TOP, UpdateTracker, grad_metrics, layer_spectra
-from diag.records import attention_metrics, build_record, host_arrays, per_head_default
-from diag.sinks import FanOut, JsonlSink, Record, Sink, TensorBoardSink, check_logdir
-from diag.tags import layer_tag, update_metric_names
-from diag.tb_layout import build_layout
+from diag.layouts.core import QKVLayout, split_projections, split_qkv
+from diag.math.metrics import DEFAULT_SEC_TOP, UpdateTracker, grad_metrics, layer_spectra
+from diag.outputs.images import UpdateRatioHistory, attention_map_image, flagged_heads, layer_head_heatmaps
+from diag.outputs.records import attention_metrics, build_record, host_arrays, per_head_default
+from diag.outputs.sinks import FanOut, JsonlSink, Record, Sink, TensorBoardSink, check_logdir
+from diag.outputs.tags import layer_tag, update_metric_names
+from diag.outputs.tb_layout import build_layout
 from hooks.compiled import EagerCapture
 from hooks.discovery import AttentionLayer, discover
 from hooks.distributed import QKVReader, SharedDetectors, rank, world_size

@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from diag.checkpoint import Checkpoint
 from diag.errors import DiagError
-from diag.records import LayerArrays, attention_metrics, host_arrays
-from diag.statedict import StateDictLayer
+from diag.layouts.statedict import StateDictLayer
+from diag.offline.checkpoint import Checkpoint
+from diag.outputs.records import LayerArrays, attention_metrics, host_arrays
 from hooks.capture import AttentionCapture
 from hooks.discovery import AttentionLayer, discover
 
@@ -73,7 +73,7 @@ def _read_ids(path: Path, folder: Path) -> Tensor:
 
 
 class Probe:
-    """A callable for :func:`diag.offline.analyze_checkpoints`: checkpoint -> attention arrays per layer."""
+    """A callable for :func:`diag.offline.series.analyze_checkpoints`: checkpoint -> attention arrays per layer."""
 
     def __init__(self, inputs: str | Path, attn_seqs: int = 2, attn_rank_rows: int = 256) -> None:
         self.inputs = Path(inputs)

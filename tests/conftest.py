@@ -8,7 +8,8 @@ torch.set_num_threads(int(os.environ.get("DIAG_TEST_THREADS", "1")))
 
 
 def pytest_ignore_collect(collection_path, config):
-    """tests/test_timm.py imports timm, which only .venv-timm has: not even collected when ``-m`` deselects it.
+    """tests/integration/test_timm.py imports timm, which only .venv-timm has: not even collected when ``-m``
+    deselects it.
 
     pyproject's addopts say ``-m "not timm"``, so the plain test command (which finds the file by walking
     tests/) never imports timm; ``-m timm`` (the second run of .ci/run, in .venv-timm) collects it, and there a

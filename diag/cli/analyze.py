@@ -1,0 +1,145 @@
+"""``python -m diag analyze``: the command-line application around :func:`diag.offline.series.analyze_checkpoints`.
+
+Writes into ``--out``: TensorBoard event files and ``metrics.jsonl`` (the live
+Monitor's tags, steps = the checkpoints' steps), ``alerts.jsonl``, and
+``report/index.html`` with its figures. Prints a summary table (or ``--json``)
+on stdout; progress and ``error:`` lines go to stderr. Exit codes: see
+:mod:`diag.cli.main`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from diag.errors import DiagError
+from diag.offline.series import Analysis, analyze_checkpoints
+from diag.outputs.sinks import JsonlSink, Sink, TensorBoardSink, check_logdir
+
+__all__ = ["run_analyze"]
+
+OUTPUTS = ("metrics.jsonl", "alerts.jsonl")
+
+
+def _prepare_out(out: Path, overwrite: bool) -> str | None:
+    """None when ``out`` is ready; else the reason it is not."""
+    earlier = [p for p in (out / n for n in OUTPUTS) if p.exists()] + sorted(out.glob("events.out.tfevents.*"))
+    if earlier and not overwrite:
+        return (f"--out {out} already holds a run ({earlier[0].name}); pass another folder, or --overwrite "
+                "to replace it")
+    for path in earlier:
+        path.unlink()
+    check_logdir(out)
+    return None
+
+
+def _probe(inputs: str | None):
+    """The ``--probe`` callable; it runs a live model, so it lives in ``hooks`` (imported only here)."""
+    if inputs is None:
+        return None
+    from hooks.probe import Probe
+
+    return Probe(inputs)
+
+
+def _progress(quiet: bool):
+    if quiet:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm is optional
+        return None
+    return lambda items: tqdm(items, desc="checkpoints", unit="ckpt", file=sys.stderr, leave=False)
+
+
+def _log_above_progress(active: bool) -> contextlib.AbstractContextManager:
+    """Log lines (alerts) printed above the progress bar instead of through it."""
+    if not active:
+        return contextlib.nullcontext()
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    return logging_redirect_tqdm(loggers=[logging.getLogger("diag")])
+
+
+def _table(analysis: Analysis) -> str:
+    last = max(analysis.spectra)
+    lines = [f"step {last}: layer  sigma1_max  sec_max  erank_mean  stable_rank_mean  last_update_q"]
+    last_update = analysis.updates[max(analysis.updates)] if analysis.updates else {}
+    for la in analysis.layers:
+        m = analysis.spectra[last][la.label]
+        ratio = last_update.get(la.label, {}).get("update_ratio_q")
+        lines.append(f"  {la.label:>8}  {np.max(m['qk_sigma1']):10.4g}  {np.max(m['qk_sec']):7.3f}  "
+                     f"{np.mean(m['qk_erank']):10.3f}  {np.mean(m['qk_stable_rank']):16.3f}  "
+                     f"{'-' if ratio is None else f'{ratio[0]:.3g}':>14}")
+    return "\n".join(lines)
+
+
+def _describe(analysis: Analysis, out: Path, report: Path | None) -> str:
+    la = analysis.layers[0]
+    steps = analysis.steps
+    head = [
+        f"analysed {len(steps)} checkpoint(s), steps {steps[0]}..{steps[-1]}; {len(analysis.layers)} attention "
+        f"layers ({la.layout.adapter}, {la.layout.n_heads} heads of {la.layout.head_dim}); "
+        f"{analysis.heads.note if analysis.heads else ''}",
+        _table(analysis),
+        f"alerts: {len(analysis.alerts)}"
+        + "".join(f"\n  step {a.step} {a.level} {a.kind} {a.where}: {a.message}" for a in analysis.alerts),
+        f"TensorBoard: tensorboard --logdir {out}",
+    ]
+    if report is not None:
+        head.append(f"report: {report}")
+    return "\n".join(head)
+
+
+def run_analyze(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    try:
+        reason = _prepare_out(out, args.overwrite)
+    except DiagError as err:
+        reason = str(err)
+    if reason:
+        print(f"error: {reason}", file=sys.stderr)
+        return 2
+    if args.quiet:
+        logging.getLogger("diag").setLevel(logging.WARNING)
+    try:
+        probe = _probe(args.probe)
+    except DiagError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    sinks: list[Sink] = [TensorBoardSink(out), JsonlSink(out / "metrics.jsonl")]
+    progress = _progress(args.quiet)
+    try:
+        with _log_above_progress(progress is not None):
+            analysis = analyze_checkpoints(args.paths, heads=args.heads, kv_heads=args.kv_heads,
+                                           sec_top=args.sec_top, sinks=sinks, alerts_path=out / "alerts.jsonl",
+                                           progress=progress, probe=probe)
+    finally:
+        for sink in sinks:
+            sink.close()
+    for _, message in analysis.failures:
+        print(f"error: {message}", file=sys.stderr)
+    if not analysis.analysed:
+        print("error: nothing analysed; see the errors above", file=sys.stderr)
+        return 2
+    report = None
+    if not args.no_report:
+        try:
+            from diag.offline.report import write_report
+
+            report = write_report(analysis, out / "report")
+        except DiagError as err:
+            print(f"error: {err}", file=sys.stderr)
+    if args.json:
+        summary = analysis.summary()
+        summary["outputs"] = {"logdir": str(out), "report": None if report is None else str(report)}
+        print(json.dumps(summary))
+    elif not args.quiet:
+        print(_describe(analysis, out, report))
+    return 1 if analysis.failures else 0

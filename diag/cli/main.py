@@ -1,0 +1,124 @@
+"""Command line: ``python -m diag <command>`` (also installed as ``attnscope``).
+
+argparse from the standard library: no extra dependency, and ``--help`` is
+generated from the same definitions that parse the arguments.
+
+Exit codes:
+
+* 0: success;
+* 1: ``demo``: the run failed (the message says why); ``analyze``: some checkpoints
+  (or ``--probe`` on some) failed, one ``error:`` line each on stderr, and the others
+  were analysed;
+* 2: bad usage (argparse's message), or ``analyze`` found nothing it could analyse
+  (every path missing, corrupt, refused or of an unknown layout), or its ``--out``
+  folder already holds a run (pass ``--overwrite``), or its ``--probe`` file is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from diag.errors import DiagError
+from diag.math.metrics import DEFAULT_SEC_TOP
+
+__all__ = ["main", "build_parser"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m diag",
+        description="Training-dynamics diagnostics for transformers (attnscope).",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    demo = sub.add_parser(
+        "demo",
+        help="train a small GPT on the Python standard library's source and monitor it",
+        description="Train a small character-level GPT on the Python standard library's own "
+        "source for a few hundred steps on the CPU, with the Monitor attached, and write a "
+        "TensorBoard run with every signal and the alerts it raises.",
+    )
+    demo.add_argument("--logdir", default="runs/demo", help="TensorBoard run directory (default: runs/demo)")
+    demo.add_argument("--steps", type=int, default=300, help="training steps (default: 300)")
+    demo.add_argument("--every", type=int, default=10, help="sample every N steps (default: 10)")
+    demo.add_argument("--lr", type=float, default=None, help="learning rate (default: the demo's collapse setting)")
+    demo.add_argument("--warmup", type=int, default=0, help="linear warmup steps (default: 0, no warmup)")
+    demo.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    demo.add_argument("--step-limit", type=float, default=None, metavar="TAU",
+                      help="bound each matrix's step: sigma_1(dW)/sigma_1(W) <= TAU (SpectralStepLimit; default: off)")
+    demo.add_argument("--quiet", action="store_true", help="no progress output")
+    _add_analyze(sub)
+    return parser
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def _add_analyze(sub: argparse._SubParsersAction) -> None:
+    analyze = sub.add_parser(
+        "analyze",
+        help="weight-side diagnostics of checkpoints (one, or a series in step order)",
+        description="Analyse checkpoints after the fact: sigma_1, spectrum, SEC, effective and stable rank of "
+        "every head's Wq^T Wk, and update ratios between consecutive checkpoints, with the live Monitor's "
+        "tags, to a TensorBoard run, metrics.jsonl, alerts.jsonl and a report folder. Nothing in a checkpoint "
+        "is executed: PyTorch files are loaded with weights_only=True.",
+    )
+    analyze.add_argument("paths", nargs="+", metavar="PATH",
+                         help="checkpoint files (.pt .pth .bin .ckpt .safetensors, *.index.json), model folders "
+                         "(config.json + weights), folders of checkpoints, or quoted globs")
+    analyze.add_argument("--out", default="runs/analyze", metavar="DIR",
+                         help="output folder: TensorBoard run, metrics.jsonl, alerts.jsonl, report/ "
+                         "(default: runs/analyze)")
+    analyze.add_argument("--heads", type=_positive, metavar="N", help="attention heads per layer, when the checkpoint "
+                         "does not say (overrides the config)")
+    analyze.add_argument("--kv-heads", type=_positive, metavar="G", help="key/value heads (grouped-query attention)")
+    analyze.add_argument("--sec-top", type=_positive, default=DEFAULT_SEC_TOP, metavar="S",
+                         help=f"s of the spectral energy concentration SEC_s (default: {DEFAULT_SEC_TOP})")
+    analyze.add_argument("--json", action="store_true", help="print a JSON summary on stdout (for scripts)")
+    analyze.add_argument("--no-report", action="store_true", help="no figures and no index.html")
+    analyze.add_argument("--overwrite", action="store_true", help="replace the outputs of an earlier run in --out")
+    analyze.add_argument("--quiet", action="store_true", help="no progress bar and no summary table")
+    analyze.add_argument("--probe", metavar="FILE", help="also measure attention: run the model built from a "
+                         "Hugging Face config.json on these inputs (token ids, or text with the folder's tokenizer)")
+
+
+def _show_diag_log() -> None:
+    """The CLI is an application: it shows the ``diag`` logger on stderr (library code never does)."""
+    logger = logging.getLogger("diag")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    _show_diag_log()
+    if args.command == "analyze":
+        from diag.cli.analyze import run_analyze
+
+        return run_analyze(args)
+    try:
+        if args.command == "demo":
+            # The demo is a live training loop, which lives in ``hooks``; imported
+            # only here so that the rest of ``diag`` never depends on ``hooks``.
+            from hooks.demo import run_demo
+
+            run_demo(args)
+    except DiagError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0

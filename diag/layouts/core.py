@@ -1,0 +1,499 @@
+"""Where W_Q, W_K, W_V (and the output projection W_O) live in an attention module, and how they are packed.
+
+A :class:`QKVLayout` is plain data: parameter names relative to the attention
+module, the packing, and the head counts. :func:`split_qkv` applies it to any
+tensors that share the parameters' shapes (weights, gradients, updates), so the
+live monitor and the checkpoint analysis slice heads the same way; :func:`split_o`
+gives W_O, whose update ratio is measured with those of Q, K and V.
+
+Adapters recognise a module from a :class:`ModuleView` (class name, parameter
+shapes, head-count attributes): data that a live module and a state dict plus a
+config can both provide. The core never needs a live model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+
+from torch import Tensor
+
+from diag.errors import SpecError
+
+__all__ = [
+    "QKVLayout",
+    "ModuleView",
+    "Adapter",
+    "ADAPTERS",
+    "CROSS_NAMES",
+    "HEAD_ATTRS",
+    "find_layout",
+    "with_sibling_o",
+    "resolve",
+    "is_cross",
+    "split_qkv",
+    "split_o",
+    "split_projections",
+    "split_qkv_bias",
+    "bias_names",
+    "shape_problem",
+]
+
+PACKINGS = ("separate", "fused", "fused_per_head", "q_kv")
+
+
+@dataclass(frozen=True)
+class QKVLayout:
+    """How one attention module stores its query, key and value projections.
+
+    packing:
+      * ``separate``: ``q``, ``k``, ``v`` name three weights of shape (rows, E).
+      * ``fused``: ``q`` names one weight whose rows are [all Q | all K | all V].
+      * ``fused_per_head``: one weight whose rows are, per head, [Q_h | K_h | V_h]
+        (GPT-NeoX). Needs n_kv_heads == n_heads.
+      * ``q_kv``: ``q`` names the query weight, ``k`` one weight whose rows are
+        [all K | all V] (GPT-2 cross-attention: ``q_attn`` and ``c_attn``).
+    transposed: the weights are stored (E, rows), as GPT-2's Conv1D does.
+    o: the output projection's weight (E_out, H*D), when the module holds it (GPT-2
+    ``c_proj.weight``, LLaMA ``o_proj.weight``); only its update ratio is measured.
+    o_transposed: W_O is stored (H*D, E_out); None: as ``transposed`` (Conv1D models
+    store every projection that way).
+    n_kv_heads: key/value heads (grouped-query attention); query head h pairs
+    with key head h // (n_heads // n_kv_heads).
+    cross: queries and keys come from different sequences (encoder-decoder
+    cross-attention); the layer's tag label gets the suffix ``.cross``.
+    verify: at the first captured forward, check the per-head norms of the q (and
+    k) the attention kernel receives against the module input projected with this
+    layout; set False only for a module that transforms its input before the
+    projection (its packing then is your responsibility).
+    """
+
+    n_heads: int
+    head_dim: int
+    q: str
+    k: str | None = None
+    v: str | None = None
+    packing: str = "separate"
+    n_kv_heads: int | None = None
+    transposed: bool = False
+    cross: bool = False
+    verify: bool = True
+    adapter: str = "spec"
+    o: str | None = None
+    o_transposed: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.packing not in PACKINGS:
+            raise SpecError(f"QKVLayout.packing={self.packing!r}; expected one of {PACKINGS}")
+        if self.n_heads < 1 or self.head_dim < 1:
+            raise SpecError(
+                f"QKVLayout needs n_heads >= 1 and head_dim >= 1, got {self.n_heads}, {self.head_dim}"
+            )
+        if self.packing == "separate" and (self.k is None or self.v is None):
+            raise SpecError("QKVLayout(packing='separate') needs the names q=, k= and v=")
+        if self.packing == "q_kv" and self.k is None:
+            raise SpecError("QKVLayout(packing='q_kv') needs q= (queries) and k= (the fused [K | V] weight)")
+        if self.n_heads % self.kv_heads:
+            raise SpecError(
+                f"QKVLayout: n_heads={self.n_heads} is not a multiple of n_kv_heads={self.kv_heads}"
+            )
+        if self.packing == "fused_per_head" and self.kv_heads != self.n_heads:
+            raise SpecError("QKVLayout(packing='fused_per_head') needs n_kv_heads == n_heads")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def param_names(self) -> tuple[str, ...]:
+        names = {"separate": (self.q, self.k, self.v), "q_kv": (self.q, self.k)}.get(self.packing, (self.q,))
+        return tuple(n for n in names if n is not None)
+
+    @property
+    def weight_names(self) -> tuple[str, ...]:
+        """Every weight the layout names: :attr:`param_names` (Q, K, V), then W_O if set."""
+        return self.param_names + ((self.o,) if self.o is not None else ())
+
+    @property
+    def o_is_transposed(self) -> bool:
+        return self.transposed if self.o_transposed is None else self.o_transposed
+
+    def describe(self) -> str:
+        """The layout as the ``QKVLayout(...)`` call that builds it (for messages)."""
+        args = [f"n_heads={self.n_heads}", f"head_dim={self.head_dim}", f"q={self.q!r}"]
+        args += [f"{n}={getattr(self, n)!r}" for n in ("k", "v") if getattr(self, n) is not None]
+        if self.packing != "separate":
+            args.append(f"packing={self.packing!r}")
+        if self.n_kv_heads not in (None, self.n_heads):
+            args.append(f"n_kv_heads={self.n_kv_heads}")
+        args += [f"{n}=True" for n in ("transposed", "cross") if getattr(self, n)]
+        if self.o is not None:
+            args.append(f"o={self.o!r}")
+        if self.o_transposed is not None and self.o_transposed != self.transposed:
+            args.append(f"o_transposed={self.o_transposed}")
+        if not self.verify:
+            args.append("verify=False")
+        return f"QKVLayout({', '.join(args)})"
+
+
+def _rows(w: Tensor, transposed: bool) -> Tensor:
+    return w.T if transposed else w
+
+
+def split_qkv(tensors: Mapping[str, Tensor], layout: QKVLayout) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-head views (H, D, E), (G, D, E), (G, D, E) of Q, K and V.
+
+    ``tensors`` maps the layout's parameter names to weights, or to tensors of the
+    same shapes (gradients, updates). Views share storage: nothing is copied.
+    """
+    h, g, d = layout.n_heads, layout.kv_heads, layout.head_dim
+    if layout.packing == "separate":
+        parts = [_rows(tensors[name], layout.transposed) for name in (layout.q, layout.k, layout.v)]
+    elif layout.packing == "q_kv":
+        kv = _rows(tensors[layout.k], layout.transposed)
+        parts = [_rows(tensors[layout.q], layout.transposed), *kv.split([g * d, kv.shape[0] - g * d], dim=0)]
+    else:
+        fused = _rows(tensors[layout.q], layout.transposed)
+        if layout.packing == "fused":
+            parts = list(fused.split([h * d, g * d, g * d], dim=0))
+        else:
+            per_head = fused.reshape(h, 3, d, fused.shape[-1])
+            return per_head[:, 0], per_head[:, 1], per_head[:, 2]
+    q, k, v = parts
+    return (
+        q.reshape(h, d, q.shape[-1]),
+        k.reshape(g, d, k.shape[-1]),
+        v.reshape(g, v.shape[0] // g, v.shape[-1]),
+    )
+
+
+def split_o(tensors: Mapping[str, Tensor], layout: QKVLayout) -> Tensor | None:
+    """W_O as (E_out, H*D), the nn.Linear orientation (a view), or None when the layout names none."""
+    if layout.o is None:
+        return None
+    return _rows(tensors[layout.o], layout.o_is_transposed)
+
+
+def split_projections(tensors: Mapping[str, Tensor], layout: QKVLayout) -> dict[str, Tensor]:
+    """``{"q": (H, D, E), "k": (G, D, E), "v": (G, D, E)}`` and ``"o": (E_out, H*D)`` where the layout has W_O:
+    the matrices whose update ratios are measured (:class:`diag.math.metrics.UpdateTracker`)."""
+    out = dict(zip("qkv", split_qkv(tensors, layout)))
+    wo = split_o(tensors, layout)
+    if wo is not None:
+        out["o"] = wo
+    return out
+
+
+def shape_problem(layout: QKVLayout, shapes: Mapping[str, tuple[int, ...]]) -> str | None:
+    """Why the named weights cannot hold this layout's heads, or None when their shapes fit."""
+    h, g, d = layout.n_heads, layout.kv_heads, layout.head_dim
+    need = {
+        "separate": {layout.q: h * d, layout.k: g * d},
+        "fused": {layout.q: (h + 2 * g) * d},
+        "fused_per_head": {layout.q: 3 * h * d},
+        "q_kv": {layout.q: h * d, layout.k: 2 * g * d},
+    }[layout.packing]
+    for name in layout.param_names:
+        shape = tuple(shapes[name])
+        if len(shape) != 2:
+            return f"{name!r} has shape {shape}; a projection weight is 2-D"
+        rows = shape[1] if layout.transposed else shape[0]
+        if name in need and rows != need[name]:
+            axis = "columns (transposed)" if layout.transposed else "rows"
+            return (f"{name!r} has shape {shape}: {rows} {axis}, but {layout.describe()} needs {need[name]} "
+                    f"(n_heads={h}, n_kv_heads={g}, head_dim={d})")
+    if layout.o is not None:
+        shape = tuple(shapes[layout.o])
+        axis = "rows (o_transposed)" if layout.o_is_transposed else "columns"
+        if len(shape) != 2 or shape[0 if layout.o_is_transposed else 1] != h * d:
+            return (f"the output projection {layout.o!r} has shape {shape}, but {layout.describe()} needs "
+                    f"{h * d} {axis} (n_heads * head_dim: W_O maps the concatenated heads back)")
+    return None
+
+
+def bias_names(weight: str) -> tuple[str, ...]:
+    """Names the bias of a weight may have, most likely first.
+
+    ``q_proj.weight`` -> ``q_proj.bias``; ``in_proj_weight`` -> ``in_proj_bias``; ``qkv`` -> ``qkv_bias``.
+    """
+    if weight.endswith("weight"):
+        return (weight.removesuffix("weight") + "bias",)
+    return (weight + "_bias", weight + ".bias")
+
+
+def split_qkv_bias(biases: Mapping[str, Tensor], layout: QKVLayout) -> tuple[Tensor | None, Tensor | None]:
+    """Per-head query and key biases (H, D), (G, D), sliced like :func:`split_qkv`; None where absent.
+
+    ``biases`` maps the layout's weight names to their biases (or omits them).
+    """
+    h, g, d = layout.n_heads, layout.kv_heads, layout.head_dim
+    if layout.packing in ("separate", "q_kv"):
+        bq, bk = biases.get(layout.q), biases.get(layout.k)
+        bq = None if bq is None else bq.reshape(h, d)
+        bk = None if bk is None else bk[: g * d].reshape(g, d)
+        return bq, bk
+    fused = biases.get(layout.q)
+    if fused is None:
+        return None, None
+    if layout.packing == "fused":
+        return fused[: h * d].reshape(h, d), fused[h * d : h * d + g * d].reshape(g, d)
+    per_head = fused.reshape(h, 3, d)
+    return per_head[:, 0], per_head[:, 1]
+
+
+@dataclass
+class ModuleView:
+    """What an adapter may look at: a class name, parameter shapes and attributes.
+
+    params: parameter name (relative to the module, e.g. ``c_attn.weight``) -> shape.
+    attrs: head counts and sizes found on the module or its config
+    (``num_heads``, ``head_dim``, ``num_key_value_heads``, ``embed_dim``, ...).
+    """
+
+    name: str
+    cls: str
+    params: dict[str, tuple[int, ...]]
+    attrs: dict[str, int] = field(default_factory=dict)
+
+    def first(self, *keys: str) -> int | None:
+        for key in keys:
+            if self.attrs.get(key):
+                return int(self.attrs[key])
+        return None
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A named recogniser: ``layout(view)`` returns a layout, or None if it does not apply."""
+
+    name: str
+    layout: Callable[[ModuleView], QKVLayout | None]
+    describes: str
+
+
+# Dotted name components (or attributes) that mark cross-attention: BART/Marian/Whisper
+# `encoder_attn`, GPT-2/BERT `crossattention`, T5 `EncDecAttention`, nn.TransformerDecoderLayer
+# `multihead_attn`, and common spellings.
+# Head-count attributes that a module or its config may carry (live and offline alike).
+HEAD_ATTRS = (
+    "num_heads",
+    "num_attention_heads",
+    "n_head",
+    "n_heads",
+    "head_dim",
+    "num_key_value_heads",
+    "n_kv_heads",
+    "embed_dim",
+)
+CROSS_NAMES = ("encoder_attn", "crossattention", "EncDecAttention", "multihead_attn", "cross_attn",
+               "cross_attention", "src_attn")
+HEAD_DIM_KEYS = ("head_dim", "attention_head_size", "key_value_proj_dim", "head_size", "d_kv")
+# Children that normalise q or k after the projection (QK-norm: Qwen3, OLMo2, Gemma3, ...): the
+# kernel's per-head norms then no longer follow x @ Wq_h^T, so the capture checks shapes only.
+QK_NORMS = ("q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_layernorm", "key_layernorm")
+
+
+def _heads(view: ModuleView) -> int | None:
+    return view.first("num_heads", "num_attention_heads", "n_head", "n_heads")
+
+
+def is_cross(view: ModuleView) -> bool:
+    """Cross-attention by name or attribute (see ``CROSS_NAMES``); checked again at capture."""
+    if view.attrs.get("is_cross_attention"):
+        return True
+    return any(part in CROSS_NAMES for part in view.name.split("."))
+
+
+def _with_o(view: ModuleView, layout: QKVLayout | None, names: tuple[str, ...]) -> QKVLayout | None:
+    """The layout with ``o=`` the first of ``names`` the module holds as a 2-D weight taking H*D inputs."""
+    if layout is None:
+        return None
+    axis = 0 if layout.o_is_transposed else 1
+    for name in names:
+        shape = view.params.get(name)
+        if shape is not None and len(shape) == 2 and shape[axis] == layout.n_heads * layout.head_dim:
+            return replace(layout, o=name)
+    return layout
+
+
+# Families that keep W_O beside the attention module, not in it: Hugging Face BERT, RoBERTa, ELECTRA
+# (``attention.self`` holds query/key/value; its sibling ``attention.output.dense`` is W_O).
+# adapter -> (the module's last name component, W_O relative to the parent).
+SIBLING_O = {"hf-bert": ("self", "output.dense.weight")}
+PARENT = "../"
+
+
+def with_sibling_o(name: str, layout: QKVLayout, shapes: Mapping[str, tuple[int, ...]]) -> QKVLayout:
+    """The layout with ``o="../output.dense.weight"`` where its family keeps W_O beside the module
+    (:data:`SIBLING_O`) and ``shapes`` (full parameter names -> shapes) holds it, taking H*D inputs."""
+    rule = SIBLING_O.get(layout.adapter)
+    parent, _, last = name.rpartition(".")
+    if layout.o is not None or rule is None or not parent or last != rule[0]:
+        return layout
+    shape = shapes.get(f"{parent}.{rule[1]}")
+    if shape is None or len(shape) != 2 or shape[1] != layout.n_heads * layout.head_dim:
+        return layout
+    return replace(layout, o=PARENT + rule[1])
+
+
+def resolve(module: str, relative: str) -> str:
+    """The full name of a weight named relative to ``module``; each leading ``../`` climbs one level."""
+    while relative.startswith(PARENT):
+        module, relative = module.rpartition(".")[0], relative[len(PARENT):]
+    return f"{module}.{relative}" if module else relative
+
+
+def _fused(view: ModuleView, param: str, adapter: str) -> QKVLayout | None:
+    shape = view.params.get(param)
+    heads = _heads(view)
+    if shape is None or len(shape) != 2 or heads is None:
+        return None
+    rows, cols = shape
+    if rows == 3 * cols:
+        transposed = False
+    elif cols == 3 * rows:
+        transposed, rows, cols = True, cols, rows
+    else:
+        return None
+    if cols % heads:
+        return None
+    return QKVLayout(heads, cols // heads, q=param, packing="fused", transposed=transposed, adapter=adapter)
+
+
+def _gpt2(view: ModuleView) -> QKVLayout | None:
+    if view.cls != "GPT2Attention" or "q_attn.weight" in view.params:
+        return None
+    return _with_o(view, _fused(view, "c_attn.weight", "hf-gpt2"), ("c_proj.weight",))
+
+
+def _gpt2_cross(view: ModuleView) -> QKVLayout | None:
+    """GPT-2 cross-attention: Conv1D q_attn (E, E) and c_attn (E, 2E) = [K | V], both transposed."""
+    q, kv, heads = view.params.get("q_attn.weight"), view.params.get("c_attn.weight"), _heads(view)
+    if view.cls != "GPT2Attention" or q is None or kv is None or heads is None:
+        return None
+    e = q[1]
+    if q != (q[0], e) or kv != (q[0], 2 * e) or e % heads:
+        return None
+    layout = QKVLayout(heads, e // heads, q="q_attn.weight", k="c_attn.weight", packing="q_kv", transposed=True,
+                       cross=True, adapter="hf-gpt2-cross")
+    return _with_o(view, layout, ("c_proj.weight",))
+
+
+def _neox(view: ModuleView) -> QKVLayout | None:
+    """GPT-NeoX / Pythia: query_key_value (3E, E), rows per head [Q_h | K_h | V_h]."""
+    shape, heads = view.params.get("query_key_value.weight"), _heads(view)
+    if view.cls != "GPTNeoXAttention" or shape is None or heads is None or shape[0] % (3 * heads):
+        return None
+    layout = QKVLayout(heads, shape[0] // 3 // heads, q="query_key_value.weight", packing="fused_per_head",
+                       cross=is_cross(view), adapter="hf-gpt-neox")
+    return _with_o(view, layout, ("dense.weight",))
+
+
+# timm's Attention (timm.layers.Attention: ViT, DeiT, ...) holds these children and nothing else. Other timm
+# classes named Attention pack qkv per head or add biases and position tables (LeViT, BEiT, SAM): not these.
+TIMM_CHILDREN = ("qkv", "q_norm", "k_norm", "norm", "gate", "proj")
+
+
+def _timm(view: ModuleView) -> QKVLayout | None:
+    """timm Attention: Linear qkv (3·H·D, E), rows [all Q | all K | all V], num_heads and head_dim."""
+    shape, heads = view.params.get("qkv.weight"), _heads(view)
+    if view.cls != "Attention" or shape is None or len(shape) != 2 or heads is None:
+        return None
+    if any("." not in name or name.split(".")[0] not in TIMM_CHILDREN for name in view.params):
+        return None
+    head_dim = view.first("head_dim") or shape[1] // heads
+    if shape[0] != 3 * heads * head_dim:
+        return None
+    qk_norm = any(name.split(".")[0] in QK_NORMS for name in view.params)  # LayerNorm per head (qk_norm=True)
+    layout = QKVLayout(heads, head_dim, q="qkv.weight", packing="fused", verify=not qk_norm, adapter="timm")
+    return _with_o(view, layout, ("proj.weight",))
+
+
+def _nanogpt(view: ModuleView) -> QKVLayout | None:
+    return _with_o(view, _fused(view, "c_attn.weight", "nanogpt-c_attn"), ("c_proj.weight",))
+
+
+def _mha(view: ModuleView) -> QKVLayout | None:
+    heads = _heads(view)
+    if heads is None:
+        return None
+    if "in_proj_weight" in view.params:
+        rows, cols = view.params["in_proj_weight"]
+        if rows % 3 or (rows // 3) % heads:
+            return None
+        layout = QKVLayout(heads, rows // 3 // heads, q="in_proj_weight", packing="fused", cross=is_cross(view),
+                           adapter="torch-mha")
+        return _with_o(view, layout, ("out_proj.weight",))
+    names = ("q_proj_weight", "k_proj_weight", "v_proj_weight")
+    if all(n in view.params for n in names):
+        rows = view.params["q_proj_weight"][0]
+        layout = QKVLayout(heads, rows // heads, *names, cross=is_cross(view), adapter="torch-mha")
+        return _with_o(view, layout, ("out_proj.weight",))
+    return None
+
+
+def _separate_named(view: ModuleView, stems: tuple[str, str, str], adapter: str,
+                    o_stems: tuple[str, ...] = ()) -> QKVLayout | None:
+    """Three Linear children (rows, E); heads are contiguous row blocks; G from k rows / head_dim.
+    W_O: the first of ``o_stems`` the module holds with H*D inputs."""
+    names = tuple(f"{stem}.weight" for stem in stems)
+    heads = _heads(view)
+    if heads is None or not all(n in view.params and len(view.params[n]) == 2 for n in names):
+        return None
+    q_rows, k_rows = view.params[names[0]][0], view.params[names[1]][0]
+    head_dim = view.first(*HEAD_DIM_KEYS) or q_rows // heads
+    if q_rows != heads * head_dim or k_rows % head_dim:
+        return None
+    kv = view.first("num_key_value_heads", "n_kv_heads") or k_rows // head_dim
+    if kv * head_dim != k_rows or heads % kv:
+        return None
+    qk_norm = any(name.split(".")[0] in QK_NORMS for name in view.params)
+    layout = QKVLayout(heads, head_dim, *names, n_kv_heads=kv, cross=is_cross(view), verify=not qk_norm,
+                       adapter=adapter)
+    return _with_o(view, layout, tuple(f"{stem}.weight" for stem in o_stems))
+
+
+# Structural discovery: other spellings of three separate projections (LLaMA-original wq/wk/wv,
+# diffusers to_q/to_k/to_v, DistilBERT q_lin/k_lin/v_lin), each with its W_O (diffusers' to_out is a
+# ModuleList, two levels down: not seen). The head split of separate projections is unambiguous given
+# the head count; capture checks it (and the GQA pairing) against the kernel's q/k.
+STRUCTURAL_STEMS = ((("wq", "wk", "wv"), ("wo",)), (("to_q", "to_k", "to_v"), ()),
+                    (("q_lin", "k_lin", "v_lin"), ("out_lin",)))
+# W_O of the named three-projection families: LLaMA/Mistral/ViT o_proj, BART/CLIP out_proj, Phi dense;
+# BERT-style modules hold it only in ALBERT (dense; BERT's sits beside the module, see SIBLING_O); T5 o.
+O_STEMS = {"separate-q_proj": ("o_proj", "out_proj", "dense"), "hf-bert": ("dense",), "hf-t5": ("o",)}
+
+
+def _structural(view: ModuleView) -> QKVLayout | None:
+    for stems, o_stems in STRUCTURAL_STEMS:
+        layout = _separate_named(view, stems, "structural-separate", o_stems)
+        if layout is not None:
+            return layout
+    return None
+
+
+ADAPTERS: list[Adapter] = [
+    Adapter("hf-gpt2", _gpt2, "Hugging Face GPT2Attention: Conv1D c_attn (E, 3E), transposed"),
+    Adapter("hf-gpt2-cross", _gpt2_cross, "GPT2Attention cross-attention: Conv1D q_attn (E, E) + c_attn (E, 2E)"),
+    Adapter("hf-gpt-neox", _neox, "GPTNeoXAttention: query_key_value (3E, E), interleaved per head"),
+    Adapter("torch-mha", _mha, "nn.MultiheadAttention: in_proj_weight (3E, E) or q/k/v_proj_weight"),
+    Adapter("separate-q_proj", lambda v: _separate_named(v, ("q_proj", "k_proj", "v_proj"), "separate-q_proj",
+                                                         O_STEMS["separate-q_proj"]),
+            "q_proj/k_proj/v_proj Linear layers (LLaMA, Mistral, BART, ViT, ...)"),
+    Adapter("hf-bert", lambda v: _separate_named(v, ("query", "key", "value"), "hf-bert", O_STEMS["hf-bert"]),
+            "query/key/value Linear layers (BERT, RoBERTa self-attention)"),
+    Adapter("hf-t5", lambda v: _separate_named(v, ("q", "k", "v"), "hf-t5", O_STEMS["hf-t5"]),
+            "q/k/v Linear layers without bias (T5Attention)"),
+    Adapter("timm", _timm, "timm Attention (ViT, DeiT, ...): Linear qkv (3E, E), num_heads, optional q_norm/k_norm"),
+    Adapter("nanogpt-c_attn", _nanogpt, "nanoGPT CausalSelfAttention: Linear c_attn (3E, E) and n_head"),
+    Adapter("structural-separate", _structural, "three projections wq/wk/wv, to_q/to_k/to_v or q_lin/k_lin/v_lin"),
+]
+
+
+def find_layout(view: ModuleView) -> QKVLayout | None:
+    """The first adapter's layout for this module, or None."""
+    for adapter in ADAPTERS:
+        layout = adapter.layout(view)
+        if layout is not None:
+            return layout
+    return None

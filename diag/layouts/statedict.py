@@ -1,0 +1,173 @@
+"""Attention layers of a state dict: the live discovery's adapters, applied to names and shapes.
+
+Keys are grouped by module prefix into :class:`~diag.layouts.core.ModuleView` objects
+holding, like a live module's view, the module's own parameters and its direct
+children's (``c_attn.weight``, ``q_proj.weight``), with the head counts of the
+config (``config.json``, nanoGPT's ``model_args``) or of ``--heads`` as
+attributes. :func:`~diag.layouts.core.find_layout` then picks the layout, exactly as
+:func:`hooks.discovery.discover` does for a live model.
+
+Layers are numbered in a canonical order, not in file order: safetensors stores
+keys sorted as strings (``h.10`` before ``h.2``, ``decoder`` before ``encoder``).
+Canonical: numeric parts compare as numbers, ``encoder`` before ``decoder``,
+cross-attention after its block's self-attention. For every supported family
+that is the registration order the live Monitor numbers by.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from diag.errors import SpecError
+from diag.layouts.core import (
+    ADAPTERS,
+    CROSS_NAMES,
+    HEAD_ATTRS,
+    ModuleView,
+    QKVLayout,
+    find_layout,
+    resolve,
+    with_sibling_o,
+)
+from diag.outputs.tags import layer_labels
+
+__all__ = ["Heads", "StateDictLayer", "head_attrs", "module_views", "find_layers"]
+
+
+
+# Adapters that need the attention class (GPT-2's Conv1D, GPT-NeoX's interleaving) get it
+# offline from a Hugging Face config's model_type; other views carry no class name.
+MODEL_TYPE_CLASSES = {"gpt2": "GPT2Attention", "gpt_neox": "GPTNeoXAttention"}
+
+
+@dataclass(frozen=True)
+class Heads:
+    """Head-count attributes for every view, and a sentence saying where they came from."""
+
+    attrs: dict[str, int]
+    source: str  # "config.json", "model_args", "--heads", or "assumed"
+    note: str
+    cls: str = ""  # the attention class name the config implies, if any
+
+
+@dataclass(frozen=True)
+class StateDictLayer:
+    index: int
+    label: str  # "L03", as in every tag
+    name: str  # module prefix in the state dict, e.g. "transformer.h.3.attn"
+    layout: QKVLayout
+
+    def keys(self) -> dict[str, str]:
+        """The layout's weight names (Q/K/V and W_O, whose ``../`` climbs to the parent) -> full state-dict keys."""
+        return {n: resolve(self.name, n) for n in self.layout.weight_names}
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+# Config keys of other families that mean the same: BART/Marian/Whisper, T5.
+CONFIG_ALIASES = {"encoder_attention_heads": "num_attention_heads", "d_kv": "head_dim"}
+
+
+def _config_attrs(config: Mapping[str, Any]) -> dict[str, int]:
+    attrs = {k: v for k in HEAD_ATTRS if (v := _int(config.get(k))) is not None}
+    for alias, name in CONFIG_ALIASES.items():
+        value = _int(config.get(alias))
+        if value is not None and name not in attrs:
+            attrs[name] = value
+    decoder = _int(config.get("decoder_attention_heads"))
+    if decoder is not None and decoder != attrs.get("num_attention_heads"):
+        attrs.pop("num_attention_heads", None)  # encoder and decoder differ: no single count to use
+    return attrs
+
+
+def head_attrs(config: Mapping[str, Any], config_source: str, heads: int | None, kv_heads: int | None) -> Heads:
+    """The head counts to analyse with: ``--heads``/``--kv-heads``, else the config, else one head."""
+    attrs = _config_attrs(config)
+    if heads is not None:
+        attrs = {k: v for k, v in attrs.items() if k in ("embed_dim", "num_key_value_heads", "n_kv_heads")}
+        attrs["num_heads"] = heads
+        source, note = "--heads", f"{heads} heads per layer (--heads)"
+    elif any(k in attrs for k in HEAD_ATTRS[:4]):
+        source, note = config_source, f"head counts from {config_source}"
+    else:
+        attrs["num_heads"] = 1
+        source = "assumed"
+        note = ("the checkpoint does not tell the head count: each layer's whole Wq^T Wk is analysed as one "
+                "head; pass --heads N for per-head metrics")
+    if kv_heads is not None:
+        attrs.pop("n_kv_heads", None)
+        attrs["num_key_value_heads"] = kv_heads
+    return Heads(attrs, source, note, MODEL_TYPE_CLASSES.get(str(config.get("model_type", "")), ""))
+
+
+def module_views(shapes: Mapping[str, tuple[int, ...]], attrs: Mapping[str, int], cls: str = "") -> list[ModuleView]:
+    """One view per module prefix, in order of first appearance: own and direct children's params."""
+    params: dict[str, dict[str, tuple[int, ...]]] = {}
+    for key, shape in shapes.items():
+        parts = key.split(".")
+        for depth in range(len(parts)):
+            params.setdefault(".".join(parts[:depth]), {})
+        params[".".join(parts[:-1])][parts[-1]] = shape
+        if len(parts) >= 2:
+            params[".".join(parts[:-2])][".".join(parts[-2:])] = shape
+    return [ModuleView(name, cls, p, dict(attrs)) for name, p in params.items()]
+
+
+_TIMM_QKV = re.compile(r"blocks\.\d+\.attn\.qkv\.weight")
+
+
+def signature_class(shapes: Mapping[str, tuple[int, ...]]) -> str:
+    """The attention class a whole model's key pattern implies when no config names one."""
+    if "patch_embed.proj.weight" in shapes and any(_TIMM_QKV.fullmatch(key) for key in shapes):
+        return "Attention"  # a timm VisionTransformer state dict (timm saves no config beside it)
+    return ""
+
+
+_RANK = {"encoder": 0, "decoder": 1}
+
+
+def canonical_key(name: str, cross: bool) -> tuple:
+    """Sort key of a module path: numbers as numbers, encoder < decoder, self < cross attention."""
+    parts = name.split(".")
+    key: list[tuple] = []
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            key.append((0, int(part), ""))
+        else:
+            last_cross = cross and i == len(parts) - 1
+            rank = 2 if part in CROSS_NAMES or last_cross else _RANK.get(part, 0)
+            key.append((1, rank, part))
+    return tuple(key)
+
+
+def find_layers(shapes: Mapping[str, tuple[int, ...]], heads: Heads) -> list[StateDictLayer]:
+    """Attention layers in canonical order; modules inside a found one are not searched again."""
+    found: list[tuple[str, QKVLayout]] = []
+    for view in module_views(shapes, heads.attrs, heads.cls or signature_class(shapes)):
+        if any(view.name.startswith(f"{name}.") for name, _ in found):
+            continue
+        layout = find_layout(view)
+        if layout is not None:
+            found.append((view.name, with_sibling_o(view.name, layout, shapes)))
+    if not found:
+        raise SpecError(_nothing_found(shapes, heads))
+    found.sort(key=lambda item: canonical_key(item[0], item[1].cross))
+    labels = layer_labels([layout.cross for _, layout in found])
+    return [StateDictLayer(i, label, name, layout) for i, (label, (name, layout)) in enumerate(zip(labels, found))]
+
+
+def _nothing_found(shapes: Mapping[str, tuple[int, ...]], heads: Heads) -> str:
+    suspects = [f"{k} {tuple(s)}" for k, s in shapes.items()
+                if any(w in k.lower() for w in ("attn", "attention", "q_proj", "in_proj"))][:4]
+    count = heads.attrs.get("num_heads") or heads.attrs.get("num_attention_heads") or heads.attrs.get("n_head")
+    tried = "; ".join(a.describes for a in ADAPTERS)
+    return (
+        f"unknown layout: no attention weights recognised with {count} head(s) ({heads.source}) among "
+        f"{len(shapes)} tensors. Tried {tried}. Attention-like tensors: {suspects or 'none'}. The shapes must "
+        "fit the head count (rows a multiple of it); pass --heads N (and --kv-heads G for grouped-query)"
+    )

@@ -1,0 +1,219 @@
+"""Finding, ordering and opening checkpoints: files, folders, globs, Hugging Face model folders.
+
+A *checkpoint* is one of:
+
+* a PyTorch file (``.pt``, ``.pth``, ``.bin``, ``.ckpt``): a state dict or a container;
+* a ``.safetensors`` file, or a sharded one's ``*.index.json``;
+* a model folder: ``config.json`` and/or an index JSON beside the weights
+  (``save_pretrained`` output, ``checkpoint-500/`` of the HF Trainer).
+
+A folder that is not a model folder is a *series*: every checkpoint file and model
+folder directly inside it. A series is ordered by step: the step written in the
+name (``step_100``, ``iter-100``, ``checkpoint-500``, ``ckpt100``) or else the one
+stored inside (``iter_num``, ``step``, ``global_step``; ``trainer_state.json``;
+safetensors metadata), or else the last number in the name.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from diag.offline.loaders import CheckpointError, TensorSource, load_torch, open_safetensors, unwrap_state_dict
+
+__all__ = ["Checkpoint", "CheckpointError", "find_checkpoints", "open_checkpoint", "step_of", "TORCH_SUFFIXES"]
+
+TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+STEP_KEYS = ("iter_num", "step", "global_step", "iteration", "num_updates")
+CONFIG_KEYS = ("model_args", "config", "hyper_parameters", "hparams")
+_NAMED_STEP = re.compile(r"(?:step|iter|iteration|checkpoint|ckpt)[-_=]?(\d+)", re.IGNORECASE)
+_LAST_NUMBER = re.compile(r"(\d+)(?!.*\d)")
+
+
+@dataclass
+class Checkpoint:
+    """One opened checkpoint: its tensors (lazy), its config values and its stored step."""
+
+    path: Path
+    kind: str  # "pytorch", "safetensors", "sharded", "model-folder"
+    tensors: TensorSource
+    config: dict[str, Any] = field(default_factory=dict)
+    config_source: str = ""  # where the config came from, e.g. "config.json" or "model_args"
+    stored_step: int | None = None
+
+
+def _is_checkpoint_file(path: Path) -> bool:
+    return path.suffix in TORCH_SUFFIXES + (".safetensors",) or path.name.endswith(".index.json")
+
+
+def is_model_folder(path: Path) -> bool:
+    return path.is_dir() and (
+        any((path / name).is_file() for name in WEIGHT_FILES[1::2])
+        or ((path / "config.json").is_file() and any((path / name).is_file() for name in WEIGHT_FILES))
+    )
+
+
+def _expand(arg: str) -> list[Path]:
+    path = Path(arg)
+    if path.is_dir() and not is_model_folder(path):
+        found = sorted(p for p in path.iterdir() if (p.is_file() and _is_checkpoint_file(p)) or is_model_folder(p))
+        if not found:
+            raise CheckpointError(
+                f"{path}: the folder holds no checkpoint (looked for {', '.join(TORCH_SUFFIXES)}, .safetensors, "
+                "*.index.json files and model folders with config.json); pass the folder that holds them"
+            )
+        return found
+    if path.exists():
+        return [path]
+    matches = sorted(Path(p) for p in glob.glob(arg)) if glob.has_magic(arg) else []
+    if not matches:
+        raise CheckpointError(f"{arg}: no such file or folder; check the path (quote globs: 'runs/ckpt_*.pt')")
+    return matches
+
+
+def find_checkpoints(args: Iterable[str]) -> tuple[list[Path], list[tuple[str, CheckpointError]]]:
+    """Every checkpoint the arguments name, in argument order, and the arguments that failed."""
+    paths: list[Path] = []
+    failed: list[tuple[str, CheckpointError]] = []
+    for arg in args:
+        try:
+            paths += [p for p in _expand(str(arg)) if p not in paths]
+        except CheckpointError as err:
+            failed.append((str(arg), err))
+    return paths, failed
+
+
+def step_from_name(path: Path, keyword_only: bool = False) -> int | None:
+    name = path.name if path.is_dir() else path.name.split(".")[0]
+    match = _NAMED_STEP.search(name) or (None if keyword_only else _LAST_NUMBER.search(name))
+    return int(match.group(1)) if match else None
+
+
+def step_of(path: Path) -> int | None:
+    """The training step of a checkpoint: in its name, else stored inside, else any number in its name."""
+    step = step_from_name(path, keyword_only=True)
+    if step is None:
+        step = open_checkpoint(path).stored_step
+    return step if step is not None else step_from_name(path)
+
+
+def _int_value(value: Any) -> int | None:
+    if hasattr(value, "item") and getattr(value, "numel", lambda: 0)() == 1:
+        value = value.item()
+    if isinstance(value, str):
+        text = value.strip()
+        # ASCII digits only ("²".isdigit() is True but int() refuses it), and not beyond int()'s digit limit
+        return int(text) if text.isascii() and text.isdigit() and len(text) <= 18 else None
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _stored_step(meta: dict[str, Any]) -> int | None:
+    for key in STEP_KEYS:
+        if key in meta and _int_value(meta[key]) is not None:
+            return _int_value(meta[key])
+    return None
+
+
+def _config(meta: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    for key in CONFIG_KEYS:
+        if isinstance(meta.get(key), dict):
+            return dict(meta[key]), key
+    return {}, ""
+
+
+def _config_beside(path: Path) -> tuple[dict[str, Any], str]:
+    """A Hugging Face ``config.json`` in the file's folder, if there is one."""
+    beside = path.parent / "config.json"
+    return (_read_json(beside), "config.json") if beside.is_file() else ({}, "")
+
+
+def _open_torch(path: Path) -> Checkpoint:
+    state, meta = unwrap_state_dict(load_torch(path), path)
+    config, source = _config(meta)
+    if not config:
+        config, source = _config_beside(path)
+    return Checkpoint(path, "pytorch", TensorSource.from_dict(state), config, source, _stored_step(meta))
+
+
+def _open_file(path: Path) -> tuple[TensorSource, dict[str, Any]]:
+    if path.suffix == ".safetensors":
+        return open_safetensors(path)
+    state, meta = unwrap_state_dict(load_torch(path), path)
+    return TensorSource.from_dict(state), meta
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path}: not readable JSON ({err}); re-copy or re-write the file") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, found {type(data).__name__}")
+    return data
+
+
+def _open_sharded(index: Path) -> tuple[TensorSource, dict[str, Any]]:
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index}: no 'weight_map' in the index; expected {{tensor name: shard file}}")
+    odd = [v for v in weight_map.values() if not isinstance(v, str) or not v]
+    if odd:
+        raise CheckpointError(f"{index}: the 'weight_map' names a shard {odd[0]!r}, not a file name; expected "
+                              "{tensor name: shard file name}: re-write the index")
+    source: TensorSource | None = None
+    meta: dict[str, Any] = {}
+    for shard in dict.fromkeys(weight_map.values()):
+        if not (index.parent / shard).is_file():
+            raise CheckpointError(f"{index}: names the shard {shard!r}, which is missing beside it; copy every shard")
+        part, part_meta = _open_file(index.parent / shard)
+        source = part if source is None else source.merged(part)
+        meta.update(part_meta)
+    assert source is not None
+    return source, meta
+
+
+def _open_folder(path: Path) -> Checkpoint:
+    config = _read_json(path / "config.json") if (path / "config.json").is_file() else {}
+    weights = next((path / n for n in WEIGHT_FILES if (path / n).is_file()), None)
+    if weights is None:
+        indexes = sorted(path.glob("*.index.json"))
+        weights = indexes[0] if indexes else None
+    if weights is None:
+        raise CheckpointError(f"{path}: a model folder without weights; expected one of {list(WEIGHT_FILES)}")
+    tensors, meta = _open_sharded(weights) if weights.name.endswith(".index.json") else _open_file(weights)
+    step = _stored_step(meta)
+    if (path / "trainer_state.json").is_file():
+        step = _stored_step(_read_json(path / "trainer_state.json"))
+    return Checkpoint(path, "model-folder", tensors, config, "config.json" if config else "", step)
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    """Open one checkpoint lazily; raises :class:`CheckpointError` with one clear line."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or folder; check the path")
+    if path.is_dir():
+        return _open_folder(path)
+    if path.name.endswith(".index.json"):
+        tensors, meta = _open_sharded(path)
+        return Checkpoint(path, "sharded", tensors, *_config_beside(path), _stored_step(meta))
+    if path.suffix == ".safetensors":
+        tensors, meta = open_safetensors(path)
+        return Checkpoint(path, "safetensors", tensors, *_config_beside(path), _stored_step(meta))
+    if path.suffix in TORCH_SUFFIXES:
+        return _open_torch(path)
+    raise CheckpointError(
+        f"{path}: unknown checkpoint format {path.suffix!r}; expected {', '.join(TORCH_SUFFIXES)}, .safetensors, "
+        "an *.index.json or a model folder"
+    )

@@ -1,0 +1,199 @@
+"""Outputs behind one small protocol: TensorBoard, JSONL, and a fault-isolating fan-out.
+
+A :class:`Record` holds everything measured at one step. Sinks write records;
+:class:`FanOut` calls every sink, and a sink that raises is reported once (a
+warning and the ``diag`` logger) while the others go on. Nothing here raises into
+the training loop after construction.
+
+A sink may also have ``write_layout(layout)``: the custom-scalars layout of the run
+(``{category: {chart: ["Multiline", [tag regex, ...]]}}``, see :mod:`diag.outputs.tb_layout`),
+which :class:`FanOut` passes only to the sinks that have it.
+
+Chosen libraries: ``torch.utils.tensorboard.SummaryWriter`` (the official
+writer, from the ``tensorboard`` package) for event files; the standard
+library's ``json`` for JSONL, one whole step per ``write`` call and a flush, so a
+killed process never leaves a torn line behind.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from diag.errors import SinkError
+
+__all__ = ["Record", "Sink", "TensorBoardSink", "JsonlSink", "MemorySink", "FanOut", "check_logdir"]
+
+log = logging.getLogger("diag")
+
+
+@dataclass
+class Record:
+    """What one step produced. Scalars may be NaN; histograms are 1-D arrays; images are
+    (height, width, 3) uint8 RGB arrays (see :mod:`diag.outputs.images`)."""
+
+    step: int
+    scalars: dict[str, float] = field(default_factory=dict)
+    histograms: dict[str, np.ndarray] = field(default_factory=dict)
+    texts: dict[str, str] = field(default_factory=dict)
+    images: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Sink(Protocol):
+    def write(self, record: Record) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def check_logdir(logdir: str | os.PathLike) -> Path:
+    """Create ``logdir`` and prove it writable now, not in the middle of training."""
+    path = Path(logdir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".diag-write-probe"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as err:
+        raise SinkError(
+            f"logdir {str(path)!r} is not writable ({err.strerror or err}); "
+            "pass a directory you can write to, e.g. logdir='runs/exp1'"
+        ) from err
+    return path
+
+
+class TensorBoardSink:
+    """Event files through TensorBoard's own writer; no flush per write."""
+
+    def __init__(self, logdir: str | os.PathLike, purge_step: int | None = None) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(logdir), purge_step=purge_step)
+
+    def write(self, record: Record) -> None:
+        for tag, value in record.scalars.items():
+            self.writer.add_scalar(tag, value, record.step)
+        for tag, values in record.histograms.items():
+            finite = values[np.isfinite(values)]
+            if finite.size:
+                self.writer.add_histogram(tag, finite, record.step)
+        for tag, text in record.texts.items():
+            self.writer.add_text(tag, text, record.step)
+        for tag, image in record.images.items():
+            self.writer.add_image(tag, image, record.step, dataformats="HWC")
+
+    def write_layout(self, layout: dict) -> None:
+        """The custom-scalars layout; TensorBoard shows the newest one of the run."""
+        self.writer.add_custom_scalars(layout)
+
+    def flush(self) -> None:
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def _json_value(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+class JsonlSink:
+    """``metrics.jsonl``: one ``{"step", "tag", "value"}`` object per scalar (null if not finite).
+
+    Each step goes out as one ``os.write`` on a file opened with ``O_APPEND``, with
+    no user-space buffer in between, so a killed process leaves whole lines only.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def write(self, record: Record) -> None:
+        lines = [
+            json.dumps({"step": record.step, "tag": tag, "value": _json_value(float(value))})
+            for tag, value in record.scalars.items()
+        ]
+        if lines and self._fd is not None:
+            if os.fstat(self._fd).st_nlink == 0:  # deleted (e.g. the logdir removed mid-run): say so
+                raise SinkError(f"{self.path} was deleted while the run was writing it; later steps are "
+                                "not in any metrics.jsonl (the other sinks go on)")
+            data = ("\n".join(lines) + "\n").encode("utf-8")
+            while data:
+                data = data[os.write(self._fd, data) :]
+
+    def flush(self) -> None:
+        pass  # nothing is buffered
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+class MemorySink:
+    """Keeps every record in a list: for tests, notebooks and the detectors' replay."""
+
+    def __init__(self) -> None:
+        self.records: list[Record] = []
+        self.layouts: list[dict] = []
+
+    def write(self, record: Record) -> None:
+        self.records.append(record)
+
+    def write_layout(self, layout: dict) -> None:
+        self.layouts.append(layout)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def scalars(self, tag: str) -> list[tuple[int, float]]:
+        return [(r.step, r.scalars[tag]) for r in self.records if tag in r.scalars]
+
+
+class FanOut:
+    """Calls every sink; a failing sink is reported once and the others go on."""
+
+    def __init__(self, sinks: list[Sink]) -> None:
+        self.sinks = list(sinks)
+        self._reported: set[int] = set()
+
+    def add(self, sink: Sink) -> None:
+        self.sinks.append(sink)
+
+    def _call(self, method: str, *args: object, optional: bool = False) -> None:
+        for sink in self.sinks:
+            if optional and not hasattr(sink, method):
+                continue
+            try:
+                getattr(sink, method)(*args)
+            except Exception as err:  # a sink must never kill training
+                if id(sink) not in self._reported:
+                    self._reported.add(id(sink))
+                    msg = f"diag: sink {type(sink).__name__}.{method} failed ({err!r}); other sinks go on"
+                    log.error(msg)
+                    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+    def write(self, record: Record) -> None:
+        self._call("write", record)
+
+    def write_layout(self, layout: dict) -> None:
+        self._call("write_layout", layout, optional=True)  # only sinks that have it
+
+    def flush(self) -> None:
+        self._call("flush")
+
+    def close(self) -> None:
+        self._call("close")

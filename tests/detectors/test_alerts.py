@@ -1,0 +1,254 @@
+"""Detectors driven by scripted observations: exact alerts at exact steps; the channels."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import pytest
+
+from diag.detectors.core import AlertConfig, AlertSink, Detectors, Observation, TrainingHalted, attention_state
+from diag.errors import ConfigError
+from diag.outputs.sinks import FanOut, MemorySink
+
+
+def attn(entropy, rank, rows=64.0, uniform=3.5):
+    return {"attn_entropy": np.array(entropy, float), "attn_rank": np.array(rank, float),
+            "attn_rows": np.array([rows]), "attn_entropy_uniform": np.array([uniform])}
+
+
+def kinds(alerts):
+    return [(a.step, a.kind, a.where) for a in alerts]
+
+
+def test_attention_states():
+    cfg = AlertConfig()
+    assert attention_state(0.1, 2.0, 64, cfg) == "malignant"
+    assert attention_state(0.1, 50.0, 64, cfg) == "benign"
+    assert attention_state(3.0, 1.5, 64, cfg, uniform_entropy=3.5) == "uniform"
+    assert attention_state(1.0, 1.5, 64, cfg, uniform_entropy=3.5) == "normal"  # a shared sink key, not flat
+    assert attention_state(3.0, 1.5, 64, cfg) == "normal"  # without the uniform reference: never "uniform"
+    assert attention_state(3.0, 40.0, 64, cfg, uniform_entropy=3.5) == "normal"
+
+
+def test_malignant_collapse_fires_once_after_persisting():
+    det = Detectors(AlertConfig(collapse_persist=2))
+    script = [attn([2.0, 2.0], [40, 40]), attn([0.1, 2.0], [2, 40]), attn([0.1, 2.0], [2, 40]),
+              attn([0.1, 2.0], [2, 40]), attn([2.0, 2.0], [40, 40]), attn([0.1, 2.0], [2, 40]),
+              attn([0.1, 2.0], [2, 40])]
+    out = []
+    for i, m in enumerate(script):
+        out += det.observe(Observation(i * 10, None, {"L00": m}))
+    assert kinds(out) == [(20, "malignant_collapse", "L00/H00"), (60, "malignant_collapse", "L00/H00")]
+    assert all(a.level == "critical" for a in out)
+
+
+def test_benign_and_uniform_are_reported_as_info_on_entry():
+    det = Detectors()
+    out = []
+    for i, m in enumerate([attn([0.1, 3.0], [60, 1.2]), attn([0.1, 3.0], [60, 1.2]), attn([2.0, 2.0], [40, 40])]):
+        out += det.observe(Observation(i, None, {"L01": m}))
+    assert kinds(out) == [(0, "benign_collapse", "L01/H00"), (0, "uniform_attention", "L01/H01")]
+    assert {a.level for a in out} == {"info"}
+
+
+def test_early_warning_needs_fast_growth_and_concentration():
+    det = Detectors(AlertConfig(sigma_growth=4.0, sec_warn=0.5))
+    # (step, sigma_1 per head, SEC per head); growth is per 10 steps between samples
+    seq = [(0, [1.0, 1.0], [0.2, 0.2]),
+           (10, [5.0, 1.0], [0.3, 0.2]),  # fast but not concentrated
+           (20, [9.0, 1.0], [0.9, 0.2]),  # concentrated but 1.8x: slow
+           (40, [150.0, 1.0], [0.9, 0.2]),  # 16.7x over 20 steps = 4.1x per 10 steps
+           (50, [1e4, 1.0], [0.9, 0.2])]  # already warned for this layer
+    out = []
+    for step, sigma, sec in seq:
+        m = {"qk_sigma1": np.array(sigma), "qk_sec": np.array(sec)}
+        out += det.observe(Observation(step, None, {"L00": m}))
+    assert kinds(out) == [(40, "collapse_warning", "L00/H00")]
+    assert out[0].values["sigma1_growth"] == pytest.approx((150 / 9) ** 0.5)
+
+
+def test_steady_growth_does_not_warn():
+    det = Detectors()
+    out = []
+    for i in range(30):  # 1.5x per 10 steps for 300 steps: a healthy run's steady growth
+        m = {"qk_sigma1": np.array([0.1 * 1.5**i]), "qk_sec": np.array([0.99])}
+        out += det.observe(Observation(10 * i, None, {"L00": m}))
+    assert out == []
+
+
+def test_early_warning_from_large_update_ratio():
+    det = Detectors(AlertConfig(sigma_growth=4.0, tau_warn=0.01))
+    det.observe(Observation(0, None, {"L00": {"qk_sigma1": np.array([1.0]), "qk_sec": np.array([0.1])}}))
+    det.observe(Observation(0, None, {"L00": {"update_ratio_q": np.array([0.05])}}))
+    out = det.observe(Observation(10, None, {"L00": {"qk_sigma1": np.array([5.0]), "qk_sec": np.array([0.1])}}))
+    assert kinds(out) == [(10, "collapse_warning", "L00/H00")]
+    assert "update ratios" in out[0].message
+
+
+def _plateau_run(det, losses, ratio):
+    out = []
+    for i, loss in enumerate(losses):
+        layers = {"L00": {"grad_ratio_qk_v": np.array([ratio])}}
+        out += det.observe(Observation(i, loss, layers))
+    return out
+
+
+def test_plateau_then_eureka_moment():
+    det = Detectors(AlertConfig(plateau_window=6, plateau_rel=0.02, plateau_qk_ratio=0.3, eureka_drop=0.3))
+    losses = [2.3, 2.3, 2.3, 2.3, 2.3, 2.3, 2.3, 2.29, 1.2, 0.5]
+    out = _plateau_run(det, losses, ratio=0.05)
+    assert kinds(out) == [(5, "eureka_plateau", ""), (8, "eureka_moment", "")]
+
+
+def test_no_plateau_when_qk_gradients_are_healthy_or_loss_falls():
+    det = Detectors(AlertConfig(plateau_window=6))
+    assert _plateau_run(det, [2.3] * 12, ratio=0.9) == []
+    det = Detectors(AlertConfig(plateau_window=6))
+    assert _plateau_run(det, [3.0 * 0.9**i for i in range(12)], ratio=0.05) == []
+
+
+def test_slowly_sinking_plateau_is_flagged_with_the_defaults():
+    # the Eureka reproduction's plateau: the loss still sinks ~0.3% per sample while the indicator is not read;
+    # halves of the 20-sample window then differ by ~3% (<= plateau_rel 0.05); Q/K gradients at 0.35x of V's
+    losses = [2.3, 2.0, 1.7] + [1.4 * 0.997**i for i in range(30)] + [1.0, 0.8, 0.5]
+    assert _plateau_run(Detectors(), losses, ratio=0.45) == []  # a slow healthy run (the demo's warmup twin)
+    out = _plateau_run(Detectors(), losses, ratio=0.35)
+    assert kinds(out) == [(21, "eureka_plateau", ""), (34, "eureka_moment", "")]  # 1.0 at 33 is only 27% down
+    assert out[0].values["loss"] == pytest.approx(np.mean(losses[12:22]))
+    assert out[1].values["plateau"] == pytest.approx(np.mean(losses[12:22]))
+
+
+def test_converged_low_loss_is_not_a_plateau():
+    # flat at 0.1 after starting at 2.3: below plateau_min_frac (0.25) of the first loss, so a finished run,
+    # not a stuck one; the same flat stretch at 1.1 (48% of the start) is a plateau
+    losses = [2.3, 1.0, 0.3] + [0.1] * 30
+    assert _plateau_run(Detectors(), losses, ratio=0.05) == []
+    out = _plateau_run(Detectors(), [2.3, 1.5] + [1.1] * 30, ratio=0.05)
+    assert kinds(out) == [(20, "eureka_plateau", "")]
+    out = _plateau_run(Detectors(AlertConfig(plateau_min_frac=0.01)), losses, ratio=0.05)
+    assert kinds(out) == [(22, "eureka_plateau", "")]
+
+
+def test_nonfinite_fires_on_entry_only():
+    det = Detectors()
+    seq = [1.0, float("nan"), float("nan"), 1.0, float("inf")]
+    out = []
+    for i, loss in enumerate(seq):
+        out += det.observe(Observation(i, loss, {}))
+    assert kinds(out) == [(1, "nonfinite_loss", ""), (4, "nonfinite_loss", "")]
+    out = det.observe(Observation(5, 1.0, {"L00": {"qk_sigma1": np.array([np.nan])}}))
+    assert kinds(out) == [(5, "nonfinite_weights", "")]
+    # an observation that shows neither loss nor weights (the update ratios) changes nothing
+    assert det.observe(Observation(5, None, {"L00": {"update_ratio_q": np.array([0.1])}})) == []
+    assert det.observe(Observation(6, 1.0, {"L00": {"qk_sigma1": np.array([np.nan])}})) == []
+
+
+def test_loss_spike():
+    det = Detectors(AlertConfig(spike_warmup=5, spike_sigma=6.0))
+    rng = np.random.default_rng(0)
+    losses = list(2.0 + 0.01 * rng.standard_normal(30)) + [5.0] + [2.0] * 3
+    out = []
+    for i, loss in enumerate(losses):
+        out += [a for a in det.observe(Observation(i, float(loss), {})) if a.kind == "loss_spike"]
+    assert kinds(out) == [(30, "loss_spike", "")]
+
+
+def test_state_dict_round_trip_continues_identically():
+    cfg = AlertConfig(plateau_window=6, collapse_persist=3)
+    script = [(2.3, attn([0.1], [2])) for _ in range(10)] + [(1.0, attn([0.1], [2]))]
+    whole, first = Detectors(cfg), Detectors(cfg)
+    out_whole = [a for i, (loss, m) in enumerate(script)
+                 for a in whole.observe(Observation(i, loss, {"L00": {**m, "grad_ratio_qk_v": np.array([0.1])}}))]
+    out_split = [a for i, (loss, m) in enumerate(script[:4])
+                 for a in first.observe(Observation(i, loss, {"L00": {**m, "grad_ratio_qk_v": np.array([0.1])}}))]
+    state = json.loads(json.dumps(first.state_dict()))  # must be plain JSON
+    resumed = Detectors(cfg)
+    resumed.load_state_dict(state)
+    out_split += [a for i, (loss, m) in enumerate(script[4:], start=4)
+                  for a in resumed.observe(Observation(i, loss, {"L00": {**m, "grad_ratio_qk_v": np.array([0.1])}}))]
+    assert kinds(out_whole) == kinds(out_split)
+    assert {k for _, k, _ in kinds(out_whole)} == {"malignant_collapse", "eureka_plateau", "eureka_moment"}
+
+
+def test_config_checks_itself():
+    with pytest.raises(ConfigError, match="sparse_entropy"):
+        AlertConfig(sparse_entropy=-1)
+    with pytest.raises(ConfigError, match="plateau_window"):
+        AlertConfig(plateau_window=0)
+
+
+def test_alert_channels(tmp_path, caplog):
+    mem = MemorySink()
+    seen = []
+    sink = AlertSink(FanOut([mem]), tmp_path / "alerts.jsonl", seen.append, stop_on_critical=False)
+    det = Detectors(AlertConfig(collapse_persist=1))
+    alerts = det.observe(Observation(7, None, {"L02": attn([0.1], [1.0])}))
+    with caplog.at_level(logging.INFO, logger="diag"):
+        sink.emit(alerts)
+    assert [a.kind for a in seen] == ["malignant_collapse"]
+    assert mem.records[0].scalars == {"alerts/malignant_collapse": 1.0}
+    assert "L02/H00" in mem.records[0].texts["alerts/malignant_collapse"]
+    line = json.loads((tmp_path / "alerts.jsonl").read_text().splitlines()[0])
+    assert line["kind"] == "malignant_collapse" and line["step"] == 7 and line["level"] == "critical"
+    assert any("malignant" in r.message for r in caplog.records)
+
+
+def test_stop_on_critical_raises_after_writing(tmp_path):
+    mem = MemorySink()
+    sink = AlertSink(FanOut([mem]), tmp_path / "alerts.jsonl", None, stop_on_critical=True)
+    alerts = Detectors(AlertConfig(collapse_persist=1)).observe(Observation(3, None, {"L00": attn([0.1], [1.0])}))
+    with pytest.raises(TrainingHalted) as info:
+        sink.emit(alerts)
+    assert info.value.alert.kind == "malignant_collapse"
+    assert (tmp_path / "alerts.jsonl").exists() and mem.records
+
+
+def test_failing_callback_does_not_propagate(tmp_path):
+    def boom(alert):
+        raise RuntimeError("user bug")
+
+    sink = AlertSink(FanOut([]), None, boom)
+    sink.emit(Detectors(AlertConfig(collapse_persist=1)).observe(Observation(0, None, {"L00": attn([0.1], [1.0])})))
+
+
+def test_monitor_raises_nonfinite_alert_once_per_episode():
+    import torch
+    import zoo
+
+    from hooks import Monitor
+
+    case = zoo.nanogpt()
+    seen = []
+    monitor = Monitor(case.model, every=1, sinks=[MemorySink()], on_alert=seen.append)
+    gen = torch.Generator().manual_seed(0)
+    with pytest.warns(RuntimeWarning, match="non-finite"):
+        for step in range(4):
+            loss = case.loss(case.model, case.make_batch(gen))
+            loss.backward()
+            monitor.step(step, loss=float("nan"))
+            case.model.zero_grad()
+    monitor.close()
+    assert [(a.step, a.kind) for a in seen if a.kind.startswith("nonfinite")] == [(0, "nonfinite_loss")]
+
+
+def test_skipped_step_numbers_warn_that_attention_was_not_captured():
+    import torch
+    import zoo
+
+    from hooks import Monitor
+
+    case = zoo.nanogpt()
+    mem = MemorySink()
+    monitor = Monitor(case.model, every=10, sinks=[mem])
+    gen = torch.Generator().manual_seed(0)
+    with pytest.warns(RuntimeWarning, match="not captured"):
+        for step in (0, 4, 8, 12, 16, 20):
+            case.loss(case.model, case.make_batch(gen)).backward()
+            monitor.step(step)
+            case.model.zero_grad()
+    monitor.close()
+    assert any(t.startswith("attn_entropy") for t in mem.records[0].scalars)
+    step20 = [r for r in mem.records if r.step == 20 and "qk_sigma1/L00/max" in r.scalars][0]
+    assert not any(t.startswith("attn_entropy") for t in step20.scalars)

@@ -1,0 +1,140 @@
+"""One training run of a tiny nanoGPT with the Monitor, for tests/integration/test_distributed.py.
+
+    python tests/integration/dist_worker.py single OUT                              # one process, the whole batch
+    torchrun --standalone --nproc_per_node 2 tests/integration/dist_worker.py ddp OUT
+    torchrun --standalone --nproc_per_node 2 tests/integration/dist_worker.py fsdp OUT
+
+Every step draws a global batch of 4 sequences from a generator seeded by the step;
+rank r of a 2-process job trains on sequences 2r and 2r+1. The loss is the mean over
+the rank's tokens, so DDP's and FSDP2's averaged gradients equal the single process's
+gradient of the mean loss over the whole batch. Rank 0's sequences are the single
+process's first two, and the Monitor analyses ``attn_seqs=2`` sequences, so the
+attention statistics are comparable too.
+
+Writes (rank 0): the Monitor's logdir ``OUT/logs`` (``metrics.jsonl``), ``OUT/collectives.json``
+(collectives issued inside each ``monitor.step`` call, counted with a dispatch mode);
+every rank writes ``OUT/last_rank{r}.json`` (its ``monitor.last``), ``OUT/losses_rank{r}.json``
+(its losses) and ``OUT/halted_rank{r}.json`` (the step TrainingHalted stopped it, or null).
+Not a test module (no ``test_`` prefix): pytest does not collect it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/zoo.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # hooks, diag
+
+from zoo import NanoGPT  # noqa: E402
+
+from diag.detectors.core import TrainingHalted  # noqa: E402
+from hooks import Monitor  # noqa: E402
+
+GLOBAL_BATCH, SEQ, VOCAB = 4, 12, 50
+COLLECTIVE_WORDS = ("gather", "reduce", "broadcast", "scatter", "alltoall", "all_to_all", "barrier", "send", "recv")
+
+
+def build() -> torch.nn.Module:
+    """n_embd=15 (3 heads of 5): the fused c_attn weight has 45 rows and W_O (c_proj) 15, so FSDP2's shards
+    are uneven (23 + 22, 8 + 7)."""
+    torch.manual_seed(0)
+    return NanoGPT(vocab=VOCAB, block=16, n_layer=2, n_head=3, n_embd=15, dropout=0.0)
+
+
+def batch(step: int, rank: int, world: int) -> torch.Tensor:
+    ids = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(1000 + step))
+    per = GLOBAL_BATCH // world
+    return ids[rank * per : (rank + 1) * per]
+
+
+class CountCollectives(TorchDispatchMode):
+    """Counts c10d collectives (``dist.*`` and functional collectives alike) dispatched while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        if name.split(".")[0] in ("c10d", "_c10d_functional") and any(w in name for w in COLLECTIVE_WORDS):
+            self.names.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def wrap(model: torch.nn.Module, mode: str) -> torch.nn.Module:
+    if mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model)
+    if mode == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.h:
+            fully_shard(block)
+        fully_shard(model)
+    return model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=("single", "ddp", "fsdp"))
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--steps", type=int, default=7)
+    parser.add_argument("--every", type=int, default=3)
+    parser.add_argument("--nan-loss", action="append", default=[], metavar="RANK:STEP",
+                        help="this rank reports a NaN loss at this step (stop_on_critical is then on)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.mode != "single":
+        dist.init_process_group("gloo")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if args.mode != "single" else (0, 1)
+    model = wrap(build(), args.mode)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    nan_at = {tuple(int(x) for x in spec.split(":")) for spec in args.nan_loss}
+    monitor = Monitor(model, logdir=args.out / "logs", every=args.every, attn_seqs=2, images=False,
+                      stop_on_critical=bool(nan_at))
+    collectives: dict[int, list[str]] = {}
+    losses = []
+    halted = None
+    for step in range(args.steps):
+        ids = batch(step, rank, world)
+        logits = model(ids)
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+        loss.backward()
+        reported = float("nan") if (rank, step) in nan_at else loss
+        with CountCollectives() as counter:
+            try:
+                monitor.step(step, loss=reported)
+            except TrainingHalted:
+                halted = step
+        collectives[step] = counter.names
+        if halted is not None:
+            break
+        losses.append(float(loss.detach()))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    with CountCollectives() as counter:
+        monitor.close()
+    collectives[args.steps] = counter.names  # close() measures the last sampled step's update
+    (args.out / f"last_rank{rank}.json").write_text(json.dumps(monitor.last))
+    (args.out / f"halted_rank{rank}.json").write_text(json.dumps(halted))
+    (args.out / f"losses_rank{rank}.json").write_text(json.dumps(losses))
+    if rank == 0:
+        (args.out / "collectives.json").write_text(json.dumps(collectives))
+    if args.mode != "single":
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

@@ -1,0 +1,112 @@
+"""DDP and FSDP2 on CPU (gloo, 2 processes via torchrun) give the single process's numbers.
+
+tests/integration/dist_worker.py trains the same tiny nanoGPT on the same global batches in
+three ways; rank 0's metrics.jsonl must equal the single process's within float
+tolerance, tag for tag, except the loss (each rank logs the loss it passes: its
+own half of the batch); the update ratios of W_O (``c_proj``, sharded unevenly like
+``c_attn``) among them. The worker counts the collectives issued inside every
+``monitor.step``: none under DDP; under FSDP2 exactly one all-gather on a sampled
+step (Q/K/V and O weights and Q/K/V gradients packed) and one at the next call
+(weights after the optimizer step, for the update ratios), none on other steps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).with_name("dist_worker.py")
+ROOT = WORKER.parents[2]
+EVERY, STEPS = 3, 7  # sampled: 0, 3, 6; update ratios measured at 1, 4 and at close
+GLOBAL = ("qk_", "grad_", "update_")  # the same on every rank: weights, reduced gradients, updates
+
+
+def _run(mode: str, out: Path, *extra: str) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    if mode == "single":
+        cmd = [sys.executable, str(WORKER), mode, str(out), *extra]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(WORKER), mode, str(out), *extra]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, f"{mode} worker failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+
+
+def _metrics(out: Path) -> dict[tuple[int, str], float | None]:
+    lines = (out / "logs" / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
+    keys = [(r["step"], r["tag"]) for r in rows]
+    assert len(keys) == len(set(keys)), "a (step, tag) was written twice: more than one rank writes"
+    return {(r["step"], r["tag"]): r["value"] for r in rows}
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("single")
+    _run("single", out)
+    return out
+
+
+def _close(a: float, b: float, rtol: float = 1e-5) -> bool:
+    return math.isclose(a, b, rel_tol=rtol, abs_tol=1e-9)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_ranks_log_the_single_process_numbers(mode, single, tmp_path):
+    _run(mode, tmp_path)
+    ref, got = _metrics(single), _metrics(tmp_path)
+    assert set(got) == set(ref)
+    families = {tag.split("/")[0] for _, tag in ref}
+    assert {"qk_sigma1", "grad_norm_q", "update_ratio_q", "update_ratio_o", "update_fro_o", "attn_entropy",
+            "loss"} <= families
+    assert {(s, f"update_ratio_o/L0{i}") for s in (0, 3, 6) for i in (0, 1)} <= set(ref)
+    assert {step for step, _ in ref} == {0, 3, 6}
+    bad = [(k, ref[k], got[k]) for k in ref if k[1] != "loss" and not _close(ref[k], got[k])]
+    assert not bad, f"{len(bad)} of {len(ref)} values differ, e.g. {bad[:5]}"
+    # The loss is what rank 0 passed: the mean over its own sequences, not the global batch.
+    # The single process's loss is the mean of the two ranks' (equal token counts).
+    losses = [json.loads((tmp_path / f"losses_rank{r}.json").read_text()) for r in (0, 1)]
+    for step in (0, 3, 6):
+        assert got[(step, "loss")] == pytest.approx(losses[0][step], rel=1e-6)
+        assert ref[(step, "loss")] == pytest.approx((losses[0][step] + losses[1][step]) / 2, rel=1e-5)
+        assert losses[0][step] != pytest.approx(losses[1][step], rel=1e-6)
+    # Rank 1 computes but writes nothing; its weight-side metrics are rank 0's, its attention its own.
+    last0 = json.loads((tmp_path / "last_rank0.json").read_text())
+    last1 = json.loads((tmp_path / "last_rank1.json").read_text())
+    assert set(last0) == set(last1)
+    shared = [t for t in last0 if t.startswith(GLOBAL)]
+    assert shared and all(_close(last0[t], last1[t], 1e-9) for t in shared)
+    assert any(not _close(last0[t], last1[t]) for t in last0 if t.startswith("attn_entropy"))
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir() if not p.name.startswith("events")) == [
+        "metrics.jsonl"
+    ]
+    _check_collectives(mode, tmp_path)
+
+
+def _check_collectives(mode: str, out: Path) -> None:
+    """DDP: none. FSDP2: one all-gather at a sampled step and one at the call after it (7 = close)."""
+    counted = {int(k): v for k, v in json.loads((out / "collectives.json").read_text()).items()}
+    assert sorted(counted) == list(range(STEPS + 1))
+    gathered = {0, 1, 3, 4, 6, 7} if mode == "fsdp" else set()
+    for step, names in counted.items():
+        assert len(names) == (1 if step in gathered else 0), (mode, step, names)
+        assert all("allgather" in n or "all_gather" in n for n in names), names
+
+
+def test_stop_on_critical_agrees_across_ranks(tmp_path):
+    """Rank 0's observation is judged on every rank: a NaN loss on rank 1 alone (step 3) halts no rank
+    (else rank 0 would wait in DDP's all-reduce for ever); one on rank 0 (step 6) halts both there."""
+    _run("ddp", tmp_path, "--nan-loss", "1:3", "--nan-loss", "0:6")
+    halted = [json.loads((tmp_path / f"halted_rank{r}.json").read_text()) for r in (0, 1)]
+    assert halted == [6, 6]
+    # The agreement costs one broadcast_object_list (two c10d broadcasts) per sampled step, nothing else.
+    counted = {int(k): v for k, v in json.loads((tmp_path / "collectives.json").read_text()).items()}
+    assert sorted(counted) == [0, 1, 2, 3, 4, 5, 6, STEPS]
+    for step, names in counted.items():
+        assert names == (["c10d.broadcast_"] * 2 if step % EVERY == 0 and step < STEPS else []), (step, names)

@@ -1,0 +1,115 @@
+"""Each example in examples/ runs as a script (``sys.executable``, a temporary ``--logdir``) and writes
+what it says: the tags at the sampled steps, alerts that agree with what it printed, the Trainer's
+TensorBoard run beside the Monitor's with the step convention the docs state, the detector state in
+a Lightning checkpoint, a checkpoint analysis that equals the live run. (examples/timm_vit.py runs
+in tests/integration/test_timm.py, in .venv-timm.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_example(name: str, *args: str) -> str:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / name), *args], capture_output=True, text=True,
+                            timeout=300, cwd=ROOT, env=env)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def steps_of(rows: list[dict], tag: str) -> list[int]:
+    return sorted(r["step"] for r in rows if r["tag"] == tag)
+
+
+def printed_alerts(stdout: str) -> list[tuple[int, str, str, str]]:
+    rows = [line.split() for line in stdout.splitlines() if line.startswith("alert ")]
+    return sorted((int(r[2]), r[3], r[4], r[5] if len(r) > 5 else "") for r in rows)
+
+
+def written_alerts(path: Path) -> list[tuple[int, str, str, str]]:
+    alerts = [json.loads(line) for line in path.read_text().splitlines()]
+    return sorted((a["step"], a["level"], a["kind"], a["where"]) for a in alerts)
+
+
+def check_live_run(logdir: Path, stdout: str, sampled: list[int]) -> list[dict]:
+    """The four signal families and the loss at the sampled steps; alerts written == alerts printed."""
+    rows = metrics(logdir / "metrics.jsonl")
+    for tag in ("qk_sigma1/L00/H00", "attn_entropy/L01/H01", "grad_norm_q/L00/H00", "update_ratio_q/L01", "loss"):
+        assert steps_of(rows, tag) == sampled, tag
+    assert all(r["value"] is not None for r in rows if r["tag"] == "loss")
+    assert list(logdir.glob("events.out.tfevents.*"))
+    alerts = printed_alerts(stdout)
+    assert alerts == (written_alerts(logdir / "alerts.jsonl") if alerts else [])
+    return rows
+
+
+def test_plain_loop(tmp_path):
+    out = run_example("plain_loop.py", "--logdir", str(tmp_path), "--steps", "15")
+    check_live_run(tmp_path, out, [0, 5, 10])
+    # no warmup, lr 5e-3: the example's stated point is the early warning
+    assert any(kind == "collapse_warning" for _, _, kind, _ in printed_alerts(out))
+    assert f"tensorboard --logdir {tmp_path}" in out
+
+
+def test_hf_trainer(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = run_example("hf_trainer.py", "--logdir", str(tmp_path), "--steps", "10")
+    rows = check_live_run(tmp_path / "attnscope", out, [0, 5])
+    (hf_run,) = [p for p in (tmp_path / "runs").iterdir() if p.is_dir()]
+    events = EventAccumulator(str(hf_run))
+    events.Reload()
+    hf_loss = {e.step: e.value for e in events.Scalars("train/loss")}
+    assert sorted(hf_loss) == list(range(1, 11))
+    for row in rows:
+        if row["tag"] == "loss":  # the Trainer logs optimizer step t's loss at global_step t + 1
+            assert row["value"] == pytest.approx(hf_loss[row["step"] + 1], rel=1e-5)
+    assert f"tensorboard --logdir {tmp_path}" in out
+
+
+def test_lightning_fit(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = run_example("lightning_fit.py", "--logdir", str(tmp_path), "--steps", "10")
+    version = tmp_path / "lightning_logs" / "version_0"
+    check_live_run(version / "attnscope", out, [0, 5])
+    events = EventAccumulator(str(version))
+    events.Reload()
+    assert "train_loss" in events.Tags()["scalars"]
+    state = torch.load(tmp_path / "last.ckpt", weights_only=False)["callbacks"]["MonitorCallback"]
+    assert len(state["detectors"]["losses"]) == 2  # the losses of sampled steps 0 and 5
+    assert f"tensorboard --logdir {tmp_path / 'lightning_logs'}" in out
+
+
+def test_analyze_checkpoints(tmp_path):
+    out = run_example("analyze_checkpoints.py", "--logdir", str(tmp_path), "--steps", "15")
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "ckpt_0000.pt", "ckpt_0005.pt", "ckpt_0010.pt"]
+    live, offline = metrics(tmp_path / "live" / "metrics.jsonl"), metrics(tmp_path / "analyze" / "metrics.jsonl")
+    spectra = {(r["step"], r["tag"]): r["value"] for r in live if r["tag"].startswith("qk_")}
+    compared = 0
+    for row in offline:
+        if row["tag"].startswith("qk_") and (row["step"], row["tag"]) in spectra:
+            assert row["value"] == pytest.approx(spectra[row["step"], row["tag"]], rel=1e-6), row
+            compared += 1
+    assert compared >= 3 * 2 * 2 * 4  # 3 checkpoints x 2 layers x 2 heads x 4 spectral metrics at least
+    assert steps_of(offline, "update_ratio_q/L00") == [0, 5]  # between consecutive checkpoints
+    assert (tmp_path / "analyze" / "report" / "index.html").exists()
+    assert (tmp_path / "analyze" / "report" / "sigma1.png").exists()
+    table = [line.split() for line in out.splitlines() if line[:4].strip().isdigit() and "L0" in line]
+    assert len(table) == 6 and all(float(r[2]) == pytest.approx(float(r[3]), rel=1e-5) for r in table)
+    assert written_alerts(tmp_path / "analyze" / "alerts.jsonl")  # the sigma_1 growth warning, as live

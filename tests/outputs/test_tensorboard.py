@@ -1,0 +1,505 @@
+"""The TensorBoard side, read back by a real TensorBoard server over its HTTP data interface.
+
+One server for the module (``python -m tensorboard.main`` on 127.0.0.1, legacy loader,
+loading once before it serves) reads one monitored training run. The tests compare:
+the runs and plugins it lists; every scalar series with ``metrics.jsonl`` and the
+Monitor's own records; the custom-scalars layout with what the Monitor wrote, and
+every chart's regex, resolved by the server itself, with the written tags; the images
+(PNG, decoded) pixel for pixel with the arrays the Monitor drew; the histograms and
+alert texts. Unit tests pin the image building (pixel layout, colours, scales) and the
+layout rules; the Monitor's image options and fault isolation are checked without a
+server.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import zoo
+from PIL import Image
+from test_outputs import run_training
+
+from diag.detectors.core import Alert, AlertConfig, TrainingHalted
+from diag.errors import ConfigError
+from diag.outputs.images import (
+    ALERT_MAPS_PER_STEP,
+    MISSING,
+    VIRIDIS_ANCHORS,
+    UpdateRatioHistory,
+    attention_map_image,
+    colormap,
+    flagged_heads,
+    heatmap,
+    layer_head_grid,
+    layer_head_heatmaps,
+    update_ratio_image,
+)
+from diag.outputs.sinks import MemorySink, Record
+from diag.outputs.tags import LAYER_METRICS, PER_HEAD_METRICS, update_metric_names
+from diag.outputs.tb_layout import CHART_STAT, build_layout, chart_regexes, family
+from hooks import Monitor
+
+LUT = colormap()
+STEPS = 5
+RUN = "run1"
+
+# ------------------------------------------------------------------ the run
+
+
+def train(case: zoo.Case, monitor: Monitor, steps: int = STEPS) -> list[float]:
+    return run_training(case, monitor, steps)
+
+
+# Every head "sparse" (entropy below 100 nats): each head's state changes at the first sample,
+# so alerts name all 8 heads of the 2 x 4 nanoGPT at step 0.
+EVERY_HEAD_ALERTS = AlertConfig(sparse_entropy=100.0, collapse_persist=1)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tb")
+    case, memory = zoo.nanogpt(), MemorySink()
+    with Monitor(case.model, logdir=root / RUN, every=1, image_every=2, sinks=[memory],
+                 alerts=EVERY_HEAD_ALERTS) as monitor:
+        train(case, monitor)
+    rows = [json.loads(line) for line in (root / RUN / "metrics.jsonl").read_text().splitlines()]
+    return {"root": root, "monitor": monitor, "memory": memory, "jsonl": rows}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(base: str, path: str, **params: str) -> bytes:
+    url = base + path + ("?" + urllib.parse.urlencode(params) if params else "")
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return response.read()
+
+
+def _json(base: str, path: str, **params: str):
+    return json.loads(_get(base, path, **params))
+
+
+@pytest.fixture(scope="module")
+def server(run):
+    port = _free_port()
+    log_path = run["root"].parent / f"tensorboard-{port}.log"
+    # --load_fast=false: the Python loader (the Rust data server is an optional binary);
+    # --reload_interval=0 --reload_task=blocking: read the logdir once, before serving.
+    cmd = [sys.executable, "-m", "tensorboard.main", "--logdir", str(run["root"]), "--host", "127.0.0.1",
+           "--port", str(port), "--load_fast=false", "--reload_interval=0", "--reload_task=blocking"]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"tensorboard exited with {proc.returncode}: {log_path.read_text()[-2000:]}")
+            try:
+                _get(base, "/data/runs")
+                break
+            except (urllib.error.URLError, ConnectionError) as err:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"tensorboard did not answer in 120 s: {log_path.read_text()[-2000:]}") from err
+                time.sleep(0.2)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _memory_scalars(memory: MemorySink) -> dict[str, dict[int, float]]:
+    out: dict[str, dict[int, float]] = {}
+    for record in memory.records:
+        for tag, value in record.scalars.items():
+            out.setdefault(tag, {})[record.step] = value
+    return out
+
+
+def _same_float32(expected: float, got: float) -> bool:
+    if not math.isfinite(expected):
+        return not math.isfinite(got)
+    return got == float(np.float32(expected))
+
+
+# ------------------------------------------------------------- the server
+
+
+def test_server_lists_the_run_and_its_plugins(server):
+    assert _json(server, "/data/runs") == [RUN]
+    listing = _json(server, "/data/plugins_listing")
+    for plugin in ("scalars", "histograms", "images", "text", "custom_scalars"):
+        assert listing[plugin]["enabled"], (plugin, listing[plugin])
+
+
+def test_every_scalar_series_matches_jsonl_and_the_monitor(server, run):
+    tags = _json(server, "/data/plugin/scalars/tags")[RUN]
+    jsonl: dict[str, dict[int, float | None]] = {}
+    for row in run["jsonl"]:
+        jsonl.setdefault(row["tag"], {})[row["step"]] = row["value"]
+    memory = _memory_scalars(run["memory"])
+    assert set(tags) == set(jsonl) == set(memory)
+    for family_tag in ("loss", "qk_sigma1/L01/max", "attn_entropy/L00/H03", "update_ratio_q/L01",
+                       "grad_ratio_qk_v/L00", "alerts/benign_collapse"):
+        assert family_tag in tags, family_tag
+    for tag in sorted(tags):
+        series = _json(server, "/data/plugin/scalars/scalars", run=RUN, tag=tag)  # [[wall_time, step, value]]
+        got = {step: value for _, step, value in series}
+        assert set(got) == set(jsonl[tag]) == set(memory[tag]), tag
+        for step, value in got.items():
+            assert _same_float32(memory[tag][step], value), (tag, step, memory[tag][step], value)
+            json_value = jsonl[tag][step]
+            assert _same_float32(math.nan if json_value is None else json_value, value), (tag, step)
+    assert [step for _, step, _ in _json(server, "/data/plugin/scalars/scalars", run=RUN, tag="loss")] == \
+        list(range(STEPS))
+
+
+def test_layout_is_what_the_monitor_wrote_and_every_chart_matches_written_tags(server, run):
+    written = run["memory"].layouts
+    assert len(written) == 1, "the layout is written once per Monitor"
+    served = _json(server, "/data/plugin/custom_scalars/layout")
+    as_dict = {cat["title"]: {chart["title"]: ["Multiline", chart["multiline"]["tag"]] for chart in cat["chart"]}
+               for cat in served["category"]}
+    assert as_dict == written[0]
+    assert list(as_dict) == ["training", "spectra", "attention", "grads", "updates", "alerts"]
+    assert {"update_ratio_o, all layers", "update_fro_o, all layers"} <= set(as_dict["updates"])
+
+    tags = set(_json(server, "/data/plugin/scalars/tags")[RUN])
+    layers = ["L00", "L01"]
+    for (category, title), regexes in chart_regexes(written[0]).items():
+        for regex in regexes:
+            # the server resolves the chart's regex itself (re.match over the run's scalar tags)
+            answer = _json(server, "/data/plugin/custom_scalars/scalars", run=RUN, tag=regex)
+            assert answer["regex_valid"], regex
+            matched = set(answer["tag_to_events"])
+            assert matched, f"chart {category}/{title}: {regex} matches no written tag"
+            assert matched == {t for t in tags if re.match(regex, t)}
+            if category not in ("training", "alerts"):  # one line per layer
+                assert sorted(t.split("/")[1] for t in matched) == layers, (regex, matched)
+            for tag, events in answer["tag_to_events"].items():
+                assert [e[1] for e in events] == [e[1] for e in _json(
+                    server, "/data/plugin/scalars/scalars", run=RUN, tag=tag)], tag
+    # each written per-head metric and layer metric has its chart
+    metrics = {t.split("/")[0] for t in tags if "/L" in t}
+    charted = {r.split("/")[0].lstrip("^") for rs in chart_regexes(written[0]).values() for r in rs}
+    assert metrics <= charted, metrics - charted
+
+
+def _png(server: str, tag: str) -> list[tuple[int, np.ndarray]]:
+    samples = _json(server, "/data/plugin/images/images", run=RUN, tag=tag, sample="0")
+    out = []
+    for sample in samples:
+        data = _get(server, "/data/plugin/images/individualImage?" + sample["query"])
+        out.append((sample["step"], np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))))
+    return out
+
+
+def test_images_are_served_pixel_for_pixel(server, run):
+    tags = _json(server, "/data/plugin/images/tags")[RUN]
+    drawn: dict[str, dict[int, np.ndarray]] = {}
+    for record in run["memory"].records:
+        for tag, image in record.images.items():
+            drawn.setdefault(tag, {})[record.step] = image
+    heatmaps = {"heatmap/qk_sigma1", "heatmap/qk_sec", "heatmap/attn_entropy"}
+    steps = {f"step_size/update_ratio_{x}" for x in "qkvo"}
+    maps = {f"attention_map/L{i:02d}/H{h:02d}" for i in range(2) for h in range(4)}
+    assert set(tags) == set(drawn) == heatmaps | steps | maps
+    for tag in heatmaps:
+        assert sorted(drawn[tag]) == [0, 2, 4]  # image_every=2
+    for tag in steps:
+        assert sorted(drawn[tag]) == [2, 4]  # the updates of steps 0..1, then 0..3
+    for tag in maps:
+        assert sorted(drawn[tag]) == [0]  # the alerts fired at step 0 only
+    for tag in sorted(set(drawn)):
+        served = dict(_png(server, tag))
+        assert sorted(served) == sorted(drawn[tag]), tag
+        for step, pixels in served.items():
+            np.testing.assert_array_equal(pixels, drawn[tag][step], err_msg=f"{tag} at step {step}")
+    # the update-ratio image at step 4 has one column per update step 0..3 (8 pixels each), one row per layer
+    assert drawn["step_size/update_ratio_q"][4].shape == (2 * 16, 4 * 8, 3)
+    # attention maps: causal, queries down, keys across: key j > query i has probability 0 (darkest)
+    # and the first query puts all its mass on key 0 (brightest)
+    image = drawn["attention_map/L01/H02"][0]
+    cell = image.shape[0] // zoo.SEQ
+    assert image.shape == (zoo.SEQ * cell, zoo.SEQ * cell, 3)
+    grid = image[::cell, ::cell]
+    upper = np.triu(np.ones((zoo.SEQ, zoo.SEQ), dtype=bool), k=1)
+    assert (grid[upper] == LUT[0]).all()
+    assert (grid[0, 0] == LUT[-1]).all()
+
+
+def test_histograms_and_alert_texts_are_served(server, run):
+    tags = set(_json(server, "/data/plugin/histograms/tags")[RUN])
+    written = {tag for r in run["memory"].records for tag, v in r.histograms.items() if np.isfinite(v).any()}
+    assert tags == written
+    assert {"qk_spectrum/L00", "qk_spectrum/L01", "qk_sigma1/L00/heads", "attn_entropy/L01/heads"} <= tags
+    # the spectrum histogram holds every singular value of every head: n_heads * d_head per layer
+    layer = run["monitor"].layers[0]
+    n_heads, d_head = layer.layout.n_heads, layer.layout.head_dim
+    first = [r for r in run["memory"].records if "qk_spectrum/L00" in r.histograms][0]
+    assert first.histograms["qk_spectrum/L00"].size == n_heads * d_head
+    series = _json(server, "/data/plugin/histograms/histograms", run=RUN, tag="qk_spectrum/L00")
+    wall, step, buckets = series[0]
+    assert step == first.step
+    assert sum(count for _, _, count in buckets) == pytest.approx(n_heads * d_head)
+    assert buckets[0][0] == pytest.approx(first.histograms["qk_spectrum/L00"].min(), rel=1e-6)
+    # SummaryWriter.add_text appends "/text_summary" to the tag
+    assert _json(server, "/data/plugin/text/tags")[RUN] == ["alerts/benign_collapse/text_summary"]
+    (entry,) = _json(server, "/data/plugin/text/text", run=RUN, tag="alerts/benign_collapse/text_summary")
+    assert entry["step"] == 0
+    assert all(f"L{i:02d}/H{h:02d}" in entry["text"] for i in range(2) for h in range(4))
+
+
+# ------------------------------------------------------------- image building
+
+
+def test_heatmap_pixel_layout():
+    values = np.array([[0.0, 1.0, 2.0], [3.0, np.nan, 4.0]])
+    image = heatmap(values, lo=0.0, hi=4.0, cell=5)
+    assert image.shape == (10, 15, 3) and image.dtype == np.uint8
+    for i in range(2):
+        for j in range(3):
+            block = image[5 * i: 5 * i + 5, 5 * j: 5 * j + 5]
+            expected = MISSING if np.isnan(values[i, j]) else LUT[int(round(values[i, j] / 4.0 * 255))]
+            assert (block == expected).all(), (i, j)
+    # row 0 at the top, column 0 at the left; clipped outside [lo, hi]
+    assert (heatmap(np.array([[-9.0, 99.0]]), 0.0, 1.0, cell=1)[0] == [LUT[0], LUT[-1]]).all()
+    # rectangular cells
+    assert heatmap(values, 0.0, 4.0, cell=(2, 7)).shape == (4, 21, 3)
+    with pytest.raises(ValueError, match="2-D"):
+        heatmap(np.zeros(3), 0.0, 1.0)
+
+
+def test_colormap_is_matplotlib_viridis():
+    from matplotlib import colormaps
+
+    reference = np.array([colormaps["viridis"](i / 255)[:3] for i in range(256)]) * 255
+    assert LUT.shape == (256, 3)
+    assert np.abs(LUT.astype(float) - reference).max() <= 6.0
+    assert (LUT[0] == VIRIDIS_ANCHORS[0]).all() and (LUT[-1] == VIRIDIS_ANCHORS[-1]).all()
+    assert not (LUT == MISSING).all(axis=1).any()  # grey is not a viridis colour
+    luminance = LUT.astype(float) @ [0.299, 0.587, 0.114]
+    assert (np.diff(luminance) > -1.0).all()  # dark to bright
+
+
+def test_layer_head_heatmaps_scales():
+    arrays = {
+        "L00": {"qk_sigma1": np.array([1.0, 4.0]), "qk_sec": np.array([0.0, 1.0]),
+                "attn_entropy": np.array([0.0, 2.0]), "attn_entropy_uniform": np.array([2.0])},
+        # L01 refused (no metrics); L02 has one head fewer
+        "L02": {"qk_sigma1": np.array([2.0]), "qk_sec": np.array([0.5]),
+                "attn_entropy": np.array([0.5]), "attn_entropy_uniform": np.array([1.0])},
+    }
+    labels = ["L00", "L01", "L02"]
+    grid = layer_head_grid(arrays, labels, "qk_sigma1")
+    np.testing.assert_array_equal(grid, [[1.0, 4.0], [np.nan, np.nan], [2.0, np.nan]])
+    images = layer_head_heatmaps(arrays, labels)
+    assert set(images) == {"heatmap/qk_sigma1", "heatmap/qk_sec", "heatmap/attn_entropy"}
+    cell = images["heatmap/qk_sec"].shape[0] // 3
+    assert images["heatmap/qk_sec"].shape == (3 * cell, 2 * cell, 3)
+    pix = {tag: image[::cell, ::cell] for tag, image in images.items()}
+    # sigma_1 on 0 .. max of the image (4): 1 -> 1/4, 4 -> top, 2 -> half
+    assert (pix["heatmap/qk_sigma1"][0, 0] == LUT[64]).all() and (pix["heatmap/qk_sigma1"][0, 1] == LUT[255]).all()
+    assert (pix["heatmap/qk_sigma1"][2, 0] == LUT[128]).all()
+    assert (pix["heatmap/qk_sigma1"][1] == MISSING).all() and (pix["heatmap/qk_sigma1"][2, 1] == MISSING).all()
+    # SEC on the fixed 0 .. 1
+    assert (pix["heatmap/qk_sec"][0] == [LUT[0], LUT[255]]).all() and (pix["heatmap/qk_sec"][2, 0] == LUT[128]).all()
+    # entropy as a fraction of uniform attention's: 0/2, 2/2, 0.5/1
+    assert (pix["heatmap/attn_entropy"][0] == [LUT[0], LUT[255]]).all()
+    assert (pix["heatmap/attn_entropy"][2, 0] == LUT[128]).all()
+    assert layer_head_heatmaps({"L00": {"grad_norm_q": np.ones(2)}}, ["L00"]) == {}
+
+
+def test_attention_map_image_is_on_a_fixed_scale():
+    probs = np.array([[1.0, 0.0], [0.5, 0.5]])
+    image = attention_map_image(probs)
+    assert image.shape == (16, 16, 3)  # 2 x 2 values, 8 pixels each at most
+    pix = image[::8, ::8]
+    assert (pix[0] == [LUT[255], LUT[0]]).all() and (pix[1] == [LUT[128], LUT[128]]).all()
+    assert attention_map_image(np.full((128, 128), 1 / 128)).shape == (256, 256, 3)
+
+
+def test_update_ratio_image_is_log_scaled_over_steps():
+    values = np.array([[1e-4, 1e-3, 1e-2], [0.0, np.nan, 1e-2]])  # (layers, steps)
+    image = update_ratio_image(values)
+    assert image.shape == (2 * 16, 3 * 8, 3)
+    pix = image[::16, ::8]
+    assert (pix[0] == [LUT[0], LUT[128], LUT[255]]).all()  # log10: -4 .. -2 over the image
+    assert (pix[1, 0] == LUT[0]).all() and (pix[1, 1] == MISSING).all()  # 0: the low end; NaN: grey
+
+
+def test_update_ratio_history_keeps_steps_and_stays_bounded():
+    history = UpdateRatioHistory(most=4)
+    for step in range(20):
+        history.write(Record(step, {"update_ratio_q/L00": float(step), "update_fro_q/L00": 9.0, "loss": 1.0}))
+        assert len(history.series) <= 8
+    steps = history.steps()
+    assert steps[-1] == 19 and steps == sorted(steps) and len(steps) >= 4
+    np.testing.assert_array_equal(history.matrix("update_ratio_q", ["L00", "L01"]),
+                                  [[float(s) for s in steps], [np.nan] * len(steps)])
+    assert set(history.images(["L00"])) == {"step_size/update_ratio_q"}
+
+
+def test_flagged_heads_most_severe_first_each_once_and_capped():
+    def alert(where: str, level: str) -> Alert:
+        return Alert(3, "x", level, where, "m")
+
+    alerts = [alert("L00/H01", "info"), alert("L01", "warning"), alert("", "critical"),
+              alert("L02/H00", "critical"), alert("L00/H01", "warning"), alert("L00.cross/H11", "info")]
+    assert flagged_heads(alerts) == [("L02/H00", "L02", 0), ("L00/H01", "L00", 1), ("L00.cross/H11", "L00.cross", 11)]
+    many = [alert(f"L00/H{h:02d}", "info") for h in range(20)]
+    assert len(flagged_heads(many)) == ALERT_MAPS_PER_STEP
+
+
+# ------------------------------------------------------------------ layout rules
+
+
+def test_layout_rules_follow_the_tag_scheme():
+    assert set(CHART_STAT) <= set(PER_HEAD_METRICS), "a chart rule for a metric that is no longer written"
+    assert all(family(m) != "other" for m in PER_HEAD_METRICS + LAYER_METRICS)
+    tags = ["loss", "qk_sigma1/L00/max", "qk_sigma1/L00/min", "qk_sigma1/L00/mean", "qk_sigma1/L00/H00",
+            "attn_rows/L00", "new_metric/L03/max", "alerts/loss_spike", "limit/scale"]
+    layout = build_layout(tags)
+    assert layout == {
+        "training": {"loss": ["Multiline", ["^loss$"]]},
+        "spectra": {"qk_sigma1 (max over heads), all layers": ["Multiline", [r"^qk_sigma1/L\d+(?:\.cross)?/max$"]]},
+        "attention": {"attn_rows, all layers": ["Multiline", [r"^attn_rows/L\d+(?:\.cross)?$"]]},
+        "other": {"new_metric (max over heads), all layers": ["Multiline", [r"^new_metric/L\d+(?:\.cross)?/max$"]]},
+        "alerts": {"alerts per step, by kind": ["Multiline", [r"^alerts/.+$"]]},
+    }
+    with_updates = build_layout(tags, updates=update_metric_names())["updates"]
+    assert sorted(with_updates) == sorted(f"{m}, all layers" for m in LAYER_METRICS if m.startswith("update_"))
+    assert with_updates["update_ratio_o, all layers"] == ["Multiline", [r"^update_ratio_o/L\d+(?:\.cross)?$"]]
+    without_o = build_layout(tags, updates=update_metric_names("qkv"))["updates"]  # no layer has W_O
+    assert sorted(without_o) == [f"update_{m}_{x}, all layers" for m in ("fro", "ratio") for x in "kqv"]
+
+
+# --------------------------------------------------------------- Monitor options
+
+
+def test_image_options_are_checked():
+    case = zoo.nanogpt()
+    with pytest.raises(ConfigError, match=r"image_every=15.*multiple of every=10.*image_every=100"):
+        Monitor(case.model, every=10, image_every=15)
+    with pytest.raises(ConfigError, match="image_every=0"):
+        Monitor(case.model, image_every=0)
+    with pytest.raises(ConfigError, match="images='yes'"):
+        Monitor(case.model, images="yes")
+
+
+def test_images_need_pillow(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "PIL" else real(name, *a))
+    case = zoo.nanogpt()
+    with pytest.raises(ConfigError, match="needs Pillow.*pip install pillow"):
+        Monitor(case.model, logdir=tmp_path / "a", images=True)
+    with Monitor(case.model, logdir=tmp_path / "b") as monitor:  # the default: no images, nothing fails
+        assert monitor.images is False
+
+
+def test_images_default_off_without_logdir_and_layout_still_written():
+    case, memory = zoo.nanogpt(), MemorySink()
+    with Monitor(case.model, every=1, sinks=[memory], alerts=EVERY_HEAD_ALERTS) as monitor:
+        train(case, monitor, steps=2)
+    assert not any(r.images for r in memory.records)
+    assert len(memory.layouts) == 1 and "spectra" in memory.layouts[0]
+
+
+def test_per_head_off_and_fewer_signals_give_a_matching_layout():
+    case, memory = zoo.nanogpt(), MemorySink()
+    with Monitor(case.model, every=1, sinks=[memory], per_head=False, signals=("spectra", "grads")) as monitor:
+        train(case, monitor, steps=2)
+    (layout,) = memory.layouts
+    assert list(layout) == ["training", "spectra", "grads", "alerts"]
+    tags = {t for r in memory.records for t in r.scalars}
+    for (category, _), regexes in chart_regexes(layout).items():
+        if category != "alerts":  # no alert fired
+            assert all(any(re.match(rx, t) for t in tags) for rx in regexes), regexes
+
+
+def test_image_faults_never_reach_training(monkeypatch):
+    import hooks.monitor as monitor_module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("drawing failed")
+
+    monkeypatch.setattr(monitor_module, "layer_head_heatmaps", broken)
+    case, memory = zoo.nanogpt(), MemorySink()
+    seen: list[Alert] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Monitor(case.model, every=1, images=True, image_every=1, sinks=[memory],
+                     alerts=EVERY_HEAD_ALERTS, on_alert=seen.append) as monitor:
+            losses = train(case, monitor, steps=3)
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+    messages = [str(w.message) for w in caught if str(w.message).startswith("diag:")]
+    assert len(messages) == 1 and "tensorboard failed" in messages[0] and "drawing failed" in messages[0], messages
+    assert len(seen) == 8  # the alerts still went out
+    assert [s for s, _ in memory.scalars("loss")] == [0, 1, 2]
+
+
+def test_attention_maps_are_written_before_a_critical_alert_stops_training():
+    # sparse (entropy < 100 nats) and low-rank (rank <= 50 x rows): malignant at once
+    cfg = AlertConfig(sparse_entropy=100.0, low_rank_frac=50.0, collapse_persist=1)
+    case, memory = zoo.nanogpt(), MemorySink()
+    monitor = Monitor(case.model, every=1, images=True, sinks=[memory], alerts=cfg, stop_on_critical=True)
+    with pytest.raises(TrainingHalted):
+        train(case, monitor, steps=2)
+    monitor.close()
+    maps = {tag for r in memory.records if r.step == 0 for tag in r.images if tag.startswith("attention_map/")}
+    assert len(maps) == ALERT_MAPS_PER_STEP == 8
+
+
+def test_resumed_run_writes_the_layout_again_and_tensorboard_keeps_the_newest(tmp_path):
+    from tensorboard import context
+    from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
+    from tensorboard.data import provider
+    from tensorboard.plugins.custom_scalar import layout_pb2
+    from tensorboard.plugins.custom_scalar import metadata as cs_metadata
+
+    case = zoo.nanogpt()
+    logdir = tmp_path / RUN
+    with Monitor(case.model, logdir=logdir, every=1, signals=("spectra",)) as monitor:
+        train(case, monitor, steps=3)
+    time.sleep(1.1)  # a new event file name (its timestamp has a resolution of one second)
+    with Monitor(case.model, logdir=logdir, every=1, purge_step=2) as monitor:
+        gen = torch.Generator().manual_seed(1)
+        for step in (2, 3):
+            loss = case.loss(case.model, case.make_batch(gen))
+            loss.backward()
+            monitor.step(step, loss=loss)
+            case.model.zero_grad()
+    assert len(list(logdir.glob("events.out.tfevents.*"))) == 2
+    # what TensorBoard's layout route reads (the legacy loader, as the server above)
+    mux = plugin_event_multiplexer.EventMultiplexer()
+    mux.AddRunsFromDirectory(str(tmp_path))
+    mux.Reload()
+    dp = data_provider.MultiplexerDataProvider(mux, str(tmp_path))
+    data = dp.read_tensors(context.RequestContext(), experiment_id="", plugin_name=cs_metadata.PLUGIN_NAME,
+                           run_tag_filter=provider.RunTagFilter(tags=[cs_metadata.CONFIG_SUMMARY_TAG]), downsample=1)
+    layout = layout_pb2.Layout()
+    layout.ParseFromString(data[RUN][cs_metadata.CONFIG_SUMMARY_TAG][0].numpy.item())
+    assert [c.title for c in layout.category] == ["training", "spectra", "attention", "grads", "updates", "alerts"]
