@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from diag.layouts.core import split_qkv
+from diag.layouts.vocab import split_qkv
 from diag.math.spectral import qk_singular_values, qk_singular_values_reference
 from diag.outputs.sinks import MemorySink
 from hooks import Monitor

@@ -5,7 +5,8 @@ The live capture lives in the sibling package ``hooks`` (``from hooks import Mon
 
 from diag.detectors.core import Alert, AlertConfig, Detectors, Observation, TrainingHalted, attention_state
 from diag.errors import ConfigError, DiagError, SinkError, SpecError
-from diag.layouts.core import ADAPTERS, ModuleView, QKVLayout, find_layout, split_o, split_projections, split_qkv
+from diag.layouts.adapters import ADAPTERS, ModuleView, find_layout
+from diag.layouts.vocab import QKVLayout, split_o, split_projections, split_qkv
 from diag.math.attention import AttentionStats, attention_logits, stats_from_logits
 from diag.math.metrics import grad_metrics, spectrum_metrics, update_metrics
 from diag.math.spectral import (

@@ -5,7 +5,7 @@
 """
 
 from diag.detectors.core import Alert, AlertConfig, TrainingHalted
-from diag.layouts.core import QKVLayout
+from diag.layouts.vocab import QKVLayout
 from hooks.discovery import AttentionLayer, discover
 from hooks.monitor import SIGNALS, Monitor
 

@@ -10,16 +10,8 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from diag.errors import SpecError
-from diag.layouts.core import (
-    ADAPTERS,
-    HEAD_ATTRS,
-    ModuleView,
-    QKVLayout,
-    find_layout,
-    resolve,
-    shape_problem,
-    with_sibling_o,
-)
+from diag.layouts.adapters import ADAPTERS, HEAD_ATTRS, ModuleView, find_layout, resolve, with_sibling_o
+from diag.layouts.vocab import QKVLayout, shape_problem
 from diag.outputs.tags import layer_labels
 
 __all__ = ["AttentionLayer", "discover", "module_view"]

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from diag.detectors.core import Alert, AlertConfig, AlertSink, Detectors, Observation, TrainingHalted
 from diag.errors import ConfigError
-from diag.layouts.core import QKVLayout, split_projections, split_qkv
+from diag.layouts.vocab import QKVLayout, split_projections, split_qkv
 from diag.math.metrics import DEFAULT_SEC_TOP, UpdateTracker, grad_metrics, layer_spectra
 from diag.outputs.images import UpdateRatioHistory, attention_map_image, flagged_heads, layer_head_heatmaps
 from diag.outputs.records import attention_metrics, build_record, host_arrays, per_head_default

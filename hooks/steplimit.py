@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from diag.errors import ConfigError
-from diag.layouts.core import QKVLayout, split_qkv
+from diag.layouts.vocab import QKVLayout, split_qkv
 from diag.outputs.tags import stat_tag
 
 __all__ = ["SpectralStepLimit", "LimitedMatrix", "STATE_KEY"]

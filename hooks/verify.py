@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from diag.layouts.core import bias_names, split_qkv, split_qkv_bias
+from diag.layouts.vocab import bias_names, split_qkv, split_qkv_bias
 from hooks.discovery import AttentionLayer
 
 __all__ = ["Inputs", "Verdict", "module_inputs", "check_call", "spec_hint"]

@@ -4,14 +4,7 @@ The layout vocabulary (`QKVLayout`, `split_qkv`), the adapters that find it, and
 or adapter goes here.
 """
 
-from diag.layouts.core import (
-    ADAPTERS,
-    ModuleView,
-    QKVLayout,
-    find_layout,
-    split_o,
-    split_projections,
-    split_qkv,
-)
+from diag.layouts.adapters import ADAPTERS, ModuleView, find_layout
+from diag.layouts.vocab import QKVLayout, split_o, split_projections, split_qkv
 
 __all__ = ["ADAPTERS", "ModuleView", "QKVLayout", "find_layout", "split_o", "split_projections", "split_qkv"]

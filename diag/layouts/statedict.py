@@ -1,10 +1,10 @@
 """Attention layers of a state dict: the live discovery's adapters, applied to names and shapes.
 
-Keys are grouped by module prefix into :class:`~diag.layouts.core.ModuleView` objects
+Keys are grouped by module prefix into :class:`~diag.layouts.ModuleView` objects
 holding, like a live module's view, the module's own parameters and its direct
 children's (``c_attn.weight``, ``q_proj.weight``), with the head counts of the
 config (``config.json``, nanoGPT's ``model_args``) or of ``--heads`` as
-attributes. :func:`~diag.layouts.core.find_layout` then picks the layout, exactly as
+attributes. :func:`~diag.layouts.find_layout` then picks the layout, exactly as
 :func:`hooks.discovery.discover` does for a live model.
 
 Layers are numbered in a canonical order, not in file order: safetensors stores
@@ -22,16 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from diag.errors import SpecError
-from diag.layouts.core import (
-    ADAPTERS,
-    CROSS_NAMES,
-    HEAD_ATTRS,
-    ModuleView,
-    QKVLayout,
-    find_layout,
-    resolve,
-    with_sibling_o,
-)
+from diag.layouts.adapters import ADAPTERS, CROSS_NAMES, HEAD_ATTRS, ModuleView, find_layout, resolve, with_sibling_o
+from diag.layouts.vocab import QKVLayout
 from diag.outputs.tags import layer_labels
 
 __all__ = ["Heads", "StateDictLayer", "head_attrs", "module_views", "find_layers"]

@@ -1,6 +1,6 @@
 """The weight-side signal families, batched: spectra, gradient norms, update ratios.
 
-Pure functions from per-head tensors (see :func:`diag.layouts.core.split_qkv`) to
+Pure functions from per-head tensors (see :func:`diag.layouts.split_qkv`) to
 dictionaries of float64 tensors; the monitor and the checkpoint analysis call
 the same functions, so their numbers agree.
 """
@@ -63,7 +63,7 @@ def _metrics_of_spectra(sv: Tensor, sec_top: int) -> dict[str, Tensor]:
 def layer_spectra(qk: Sequence[tuple[Tensor, Tensor]], sec_top: int = DEFAULT_SEC_TOP) -> list[dict[str, Tensor]]:
     """:func:`spectrum_metrics` of many layers: one batched call per group of equal shapes.
 
-    qk: per layer, the per-head (wq, wk) of :func:`diag.layouts.core.split_qkv`. Returns the
+    qk: per layer, the per-head (wq, wk) of :func:`diag.layouts.split_qkv`. Returns the
     metrics of each layer, in the order given.
     """
     groups: dict[tuple, list[int]] = {}
@@ -122,7 +122,7 @@ def _storage_order(w: Tensor) -> Tensor:
 
 def qkv_update_metrics(before: Projections, after: Projections) -> dict[str, Tensor]:
     """:func:`update_metrics` of Q, K, V (and O) of one layer: per-head (heads, D, E) tensors in the order
-    q, k, v, or a mapping such as :func:`diag.layouts.core.split_projections` gives (``"o"``: (E_out, H*D))."""
+    q, k, v, or a mapping such as :func:`diag.layouts.split_projections` gives (``"o"``: (E_out, H*D))."""
     out: dict[str, Tensor] = {}
     after_named = dict(_named(after))
     for name, b in _named(before):
@@ -152,8 +152,8 @@ class UpdateTracker:
     before the step (all heads at once). sigma_1 comes from :class:`diag.math.spectral.Sigma1`,
     warm-started across calls per group (so keep one tracker per run and feed it the
     layers in the same order). A snapshot is measured once: ``measure`` turns it into the update.
-    layers: per layer, the per-head (wq, wk, wv) of :func:`diag.layouts.core.split_qkv`, or a
-    mapping name -> matrix such as :func:`diag.layouts.core.split_projections` gives (``q``,
+    layers: per layer, the per-head (wq, wk, wv) of :func:`diag.layouts.split_qkv`, or a
+    mapping name -> matrix such as :func:`diag.layouts.split_projections` gives (``q``,
     ``k``, ``v`` and, where the layer has one, ``o``); the same names before and after.
     """
 

@@ -28,8 +28,8 @@ from torch import Tensor
 
 from diag.detectors.core import Alert, AlertConfig, AlertSink, Detectors, Observation
 from diag.errors import DiagError, SpecError
-from diag.layouts.core import split_projections
 from diag.layouts.statedict import Heads, StateDictLayer, find_layers, head_attrs
+from diag.layouts.vocab import split_projections
 from diag.math.metrics import DEFAULT_SEC_TOP, UpdateTracker, layer_spectra
 from diag.offline.checkpoint import Checkpoint, find_checkpoints, open_checkpoint, step_of
 from diag.outputs.records import LayerArrays, build_record, host_arrays, per_head_default

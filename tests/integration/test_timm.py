@@ -35,7 +35,7 @@ import torch.nn.functional as F
 import zoo
 from torch import nn
 
-from diag.layouts.core import find_layout
+from diag.layouts.adapters import find_layout
 from diag.math.attention import stats_from_probabilities_reference
 from diag.outputs.sinks import MemorySink
 from hooks import Monitor

@@ -33,7 +33,7 @@ import zoo
 from torch import nn
 
 from diag.errors import SpecError
-from diag.layouts.core import QKVLayout
+from diag.layouts.vocab import QKVLayout
 from diag.math.attention import stats_from_probabilities_reference
 from diag.outputs.sinks import MemorySink
 from hooks import Monitor, discover

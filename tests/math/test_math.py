@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diag.layouts.core import QKVLayout, split_qkv
+from diag.layouts.vocab import QKVLayout, split_qkv
 from diag.math.attention import LazyLogits, attention_logits, stats_from_logits, stats_from_probabilities_reference
 from diag.math.metrics import spectrum_metrics
 from diag.math.spectral import (
