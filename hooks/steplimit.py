@@ -22,7 +22,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -70,8 +70,10 @@ class LimitedMatrix:
 
 @runtime_checkable
 class StepReporter(Protocol):
-    """What the step limit needs from a ``hooks.Monitor``: when to report and where (and, optionally,
-    a ``layers`` attribute: the attention layers whose fused Q/K/V weights are bounded per slice)."""
+    """What the step limit needs from a ``hooks.Monitor``: its attention layers (whose fused Q/K/V weights
+    are bounded per slice and whose blocks name the tags), when to report, and where."""
+
+    layers: Sequence  # hooks.discovery.AttentionLayer
 
     def should_sample(self, step: int) -> bool: ...
 
@@ -119,7 +121,7 @@ class SpectralStepLimit(torch.optim.Optimizer):
         _check_args(optimizer, tau, iters, model)
         self.optimizer, self.tau, self.iters, self.exact, self.audit = optimizer, float(tau), iters, exact, audit
         if monitor is not None and not isinstance(monitor, StepReporter):
-            raise ConfigError(f"SpectralStepLimit(monitor=...) needs a hooks.Monitor (should_sample and "
+            raise ConfigError(f"SpectralStepLimit(monitor=...) needs a hooks.Monitor (layers, should_sample and "
                               f"log_scalars), got {type(monitor).__name__}")
         self.monitor, self._warn = monitor, WarnOnce(log, stacklevel=3)
         self.step_count = 0  # calls of step() that reached the inner optimizer
@@ -131,7 +133,7 @@ class SpectralStepLimit(torch.optim.Optimizer):
         self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
         self._patch_step_function()
         self._warned_capturable_if_run_uncaptured = True
-        layers = list(attention) if attention is not None else list(getattr(monitor, "layers", None) or [])
+        layers = list(attention if attention is not None else monitor.layers if monitor is not None else [])
         self.matrices = _select(optimizer, model, select, include, list(exclude), layers, split_qkv)
         gen = torch.Generator().manual_seed(0)  # private: the global RNG is never touched
         for m in self.matrices:
