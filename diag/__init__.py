@@ -8,7 +8,7 @@ from diag.errors import ConfigError, DiagError, SinkError, SpecError
 from diag.layouts.adapters import ADAPTERS, ModuleView, find_layout
 from diag.layouts.vocab import QKVLayout, split_o, split_projections, split_qkv
 from diag.math.attention import AttentionStats, attention_logits, stats_from_logits
-from diag.math.metrics import grad_metrics, spectrum_metrics, update_metrics
+from diag.math.metrics import grad_metrics, spectrum_metrics
 from diag.math.spectral import (
     effective_rank,
     qk_singular_values,
@@ -75,6 +75,5 @@ __all__ = [
     "split_qkv",
     "stable_rank",
     "stats_from_logits",
-    "update_metrics",
     "write_report",
 ]

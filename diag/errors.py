@@ -1,12 +1,18 @@
-"""One exception family for the whole toolkit.
+"""One exception family for the whole toolkit, and the one way a fault is reported without raising.
 
 Every error names the thing that was wrong, what was seen, what was expected and
-the fix, so that a user can act on the message alone.
+the fix, so that a user can act on the message alone. A fault that must not stop
+training (a sink that fails, a signal that cannot be computed) is reported once per
+kind through :class:`WarnOnce`.
 """
 
 from __future__ import annotations
 
-__all__ = ["DiagError", "SpecError", "ConfigError", "SinkError"]
+import logging
+import warnings
+from collections.abc import Hashable
+
+__all__ = ["DiagError", "SpecError", "ConfigError", "SinkError", "WarnOnce"]
 
 
 class DiagError(Exception):
@@ -23,3 +29,22 @@ class ConfigError(DiagError, ValueError):
 
 class SinkError(DiagError):
     """An output (TensorBoard, JSONL, ...) cannot be opened or written."""
+
+
+class WarnOnce:
+    """``warn(kind, message)`` reports ``message`` the first time ``kind`` is seen, on ``logger`` at ``level``
+    and as a ``RuntimeWarning`` (``stacklevel`` counted from the caller of ``warn``, as for
+    ``warnings.warn``); later calls with the same kind are silent. Returns whether it reported.
+    ``seen`` holds the kinds reported so far."""
+
+    def __init__(self, logger: logging.Logger, level: int = logging.WARNING, stacklevel: int = 2) -> None:
+        self.logger, self.level, self.stacklevel = logger, level, stacklevel
+        self.seen: set[Hashable] = set()
+
+    def __call__(self, kind: Hashable, message: str) -> bool:
+        if kind in self.seen:
+            return False
+        self.seen.add(kind)
+        self.logger.log(self.level, message)
+        warnings.warn(message, RuntimeWarning, stacklevel=self.stacklevel + 1)
+        return True

@@ -20,17 +20,18 @@ import importlib.util
 import logging
 import math
 import os
-import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
 from diag.detectors.core import Alert, AlertConfig, AlertSink, Detectors, Observation, TrainingHalted
-from diag.errors import ConfigError
+from diag.errors import ConfigError, WarnOnce
 from diag.layouts.vocab import QKVLayout, split_projections, split_qkv
-from diag.math.metrics import DEFAULT_SEC_TOP, UpdateTracker, grad_metrics, layer_spectra
+from diag.math.metrics import DEFAULT_SEC_TOP, grad_metrics, layer_spectra
+from diag.math.updates import UpdateTracker
 from diag.outputs.images import UpdateRatioHistory, attention_map_image, flagged_heads, layer_head_heatmaps
 from diag.outputs.records import attention_metrics, build_record, host_arrays, per_head_default
 from diag.outputs.sinks import FanOut, JsonlSink, Record, Sink, TensorBoardSink, check_logdir
@@ -136,7 +137,7 @@ class Monitor:
         self.last: dict[str, float] = {}
         self.updates = UpdateTracker()
         self._snapshot: tuple[int, list] | None = None
-        self._warned: set[str] = set()
+        self._warn_once = WarnOnce(log, stacklevel=3)  # (kind, message): each kind of fault reported once
         # Layers whose captured attention disagreed with their layout: every metric of theirs is
         # suspect (the head split may be wrong), so none is logged from then on.
         self.refused: dict[int, str] = {}
@@ -215,12 +216,6 @@ class Monitor:
         except Exception as err:  # noqa: BLE001 - the training run must go on
             self._warn_once(what, f"diag: {what} failed at this step ({err!r}); training continues")
 
-    def _warn_once(self, kind: str, message: str) -> None:
-        if kind not in self._warned:
-            self._warned.add(kind)
-            log.warning(message)
-            warnings.warn(message, RuntimeWarning, stacklevel=4)
-
     def _sample(self, step: int, loss: Tensor | float | None) -> None:
         if "attention" in self.signals and not self.capture.armed:
             self._warn_once("unarmed", f"diag: step {step} is sampled but step {step - 1} was not "
@@ -230,15 +225,15 @@ class Monitor:
         results, problems = self.capture.take() if "attention" in self.signals else ({}, {})
         spectra_failed = False
         with torch.no_grad():
-            per_layer = [self._weight_side(layer) for layer in self.layers]
+            sides = [self._weight_side(layer) for layer in self.layers]
+            per_layer, weights = [values for values, _ in sides], [w for _, w in sides]
             if "spectra" in self.signals:
-                spectra_failed = not self._spectra(step, per_layer)
+                spectra_failed = not self._spectra(step, per_layer, weights)
             for layer, values in zip(self.layers, per_layer):
                 self._attention(layer, values, results, problems)
                 if layer.index in self.refused:
-                    for metric in [m for m in values if not m.startswith("_")]:
-                        del values[metric]
-            record, arrays = self._record(step, per_layer)
+                    values.clear()  # its weights are still snapshotted: the update is dropped when measured
+            record, arrays = self._record(step, per_layer, weights)
         loss_value = None
         if loss is not None:
             loss_value = float(loss.detach()) if isinstance(loss, Tensor) else float(loss)
@@ -267,7 +262,8 @@ class Monitor:
         return any(not np.isfinite(values).all() for metrics in arrays.values()
                    for metric, values in metrics.items() if metric.startswith("grad_"))
 
-    def _weight_side(self, layer: AttentionLayer) -> dict[str, Tensor]:
+    def _weight_side(self, layer: AttentionLayer) -> tuple[dict[str, Tensor], _Weights]:
+        """The layer's gradient metrics, and its weights split per head for the spectra and the update."""
         values: dict[str, Tensor] = {}
         weights, grads = self._reader.weights_and_grads(layer)  # whole tensors, float32 or better
         if "grads" in self.signals:
@@ -276,15 +272,13 @@ class Monitor:
             else:
                 self._warn_once("no-grad", f"diag: {layer.name} has no .grad at a sampled step; "
                                 "call monitor.step after loss.backward()")
-        values["_qkv"] = split_qkv(weights, layer.layout)
-        if "updates" in self.signals:
-            values["_updates"] = split_projections(weights, layer.layout)
-        return values
+        projections = split_projections(weights, layer.layout) if "updates" in self.signals else None
+        return values, _Weights(split_qkv(weights, layer.layout), projections)
 
-    def _spectra(self, step: int, per_layer: list[dict]) -> bool:
+    def _spectra(self, step: int, per_layer: Sequence[dict], weights: Sequence[_Weights]) -> bool:
         """The spectra of every layer; if the linear algebra fails (an eigensolver or SVD that does
         not converge raises), they are NaN at this step and the other families are still logged."""
-        qk = [values["_qkv"][:2] for values in per_layer]
+        qk = [w.qkv[:2] for w in weights]
         try:
             out = layer_spectra(qk, self.sec_top)
         except Exception as err:  # noqa: BLE001 - e.g. torch.linalg.LinAlgError
@@ -305,9 +299,9 @@ class Monitor:
         if stats is not None:
             values.update(attention_metrics(stats))
 
-    def _record(self, step: int, per_layer: list[dict]) -> tuple[Record, dict]:
+    def _record(self, step: int, per_layer: Sequence[dict], weights: Sequence[_Weights]) -> tuple[Record, dict]:
         if "updates" in self.signals:
-            self._snapshot = (step, self.updates.snapshot([v["_updates"] for v in per_layer]))
+            self._snapshot = (step, self.updates.snapshot([w.projections for w in weights]))
         arrays = host_arrays([(layer.label, values) for layer, values in zip(self.layers, per_layer)])
         return build_record(step, arrays, self.per_head), arrays
 
@@ -386,6 +380,13 @@ class Monitor:
                 images[f"attention_map/{where}"] = attention_map_image(maps[head].float().cpu().numpy())
         if images:
             self.sinks.write(Record(record.step, images=images))
+
+
+class _Weights(NamedTuple):
+    """One layer's weights read at a sampled step, kept apart from its metrics (never logged)."""
+
+    qkv: tuple[Tensor, Tensor, Tensor]  # per head: wq (H, D, E), wk (G, D, E), wv (G, D, E)
+    projections: dict[str, Tensor] | None  # q, k, v (and o) of split_projections, for the update ratio
 
 
 def _nan_spectra(wq: Tensor) -> dict[str, Tensor]:

@@ -21,19 +21,21 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
 
-from diag.errors import ConfigError
+from diag.errors import ConfigError, WarnOnce
 from diag.layouts.vocab import QKVLayout, split_qkv
+from diag.math.norms import largest_row, power_sigma1
+from diag.math.updates import Stack, stack_by_shape, update_of, work_dtype
 from diag.outputs.tags import stat_tag
 
-__all__ = ["SpectralStepLimit", "LimitedMatrix", "STATE_KEY"]
+__all__ = ["SpectralStepLimit", "LimitedMatrix", "StepReporter", "STATE_KEY"]
 
 log = logging.getLogger("diag")
 
@@ -66,13 +68,16 @@ class LimitedMatrix:
         return f"{self.label}/{self.role}" if self.label else self.role
 
 
-@dataclass
-class _Group:
-    """Matrices of one shape and compute dtype, stacked: before the step, and (after it) dW."""
+@runtime_checkable
+class StepReporter(Protocol):
+    """What the step limit needs from a ``hooks.Monitor``: its attention layers (whose fused Q/K/V weights
+    are bounded per slice and whose blocks name the tags), when to report, and where."""
 
-    idx: list[int]  # positions in SpectralStepLimit.matrices
-    before: Tensor  # (B, rows, cols)
-    delta: Tensor | None = None
+    layers: Sequence  # hooks.discovery.AttentionLayer
+
+    def should_sample(self, step: int) -> bool: ...
+
+    def log_scalars(self, step: int, scalars: Mapping[str, float]) -> None: ...
 
 
 class SpectralStepLimit(torch.optim.Optimizer):
@@ -110,16 +115,15 @@ class SpectralStepLimit(torch.optim.Optimizer):
         split_qkv: bool = True,
         iters: int = 2,
         exact: bool = False,
-        monitor: object | None = None,
+        monitor: StepReporter | None = None,
         audit: bool = False,
     ) -> None:
         _check_args(optimizer, tau, iters, model)
         self.optimizer, self.tau, self.iters, self.exact, self.audit = optimizer, float(tau), iters, exact, audit
-        if monitor is not None and not all(callable(getattr(monitor, a, None)) for a in ("should_sample",
-                                                                                          "log_scalars")):
-            raise ConfigError(f"SpectralStepLimit(monitor=...) needs a hooks.Monitor (should_sample and "
+        if monitor is not None and not isinstance(monitor, StepReporter):
+            raise ConfigError(f"SpectralStepLimit(monitor=...) needs a hooks.Monitor (layers, should_sample and "
                               f"log_scalars), got {type(monitor).__name__}")
-        self.monitor, self._report_failed = monitor, False
+        self.monitor, self._warn = monitor, WarnOnce(log, stacklevel=3)
         self.step_count = 0  # calls of step() that reached the inner optimizer
         self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()  # what Optimizer.__init__ would set:
         self._optimizer_step_post_hooks: OrderedDict = OrderedDict()  # the state lives in the inner one
@@ -129,13 +133,13 @@ class SpectralStepLimit(torch.optim.Optimizer):
         self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
         self._patch_step_function()
         self._warned_capturable_if_run_uncaptured = True
-        layers = list(attention) if attention is not None else list(getattr(monitor, "layers", []) or [])
+        layers = list(attention if attention is not None else monitor.layers if monitor is not None else [])
         self.matrices = _select(optimizer, model, select, include, list(exclude), layers, split_qkv)
         gen = torch.Generator().manual_seed(0)  # private: the global RNG is never touched
         for m in self.matrices:
             cols = m.matrix(m.param.detach()).shape[-1]
             v = torch.randn(cols, generator=gen, dtype=torch.float64)
-            v = (v / v.norm()).to(device=m.param.device, dtype=_compute_dtype(m.param))
+            v = (v / v.norm()).to(device=m.param.device, dtype=work_dtype(m.param))
             m.v_w, m.v_dw = v.clone(), v.clone()
         self.totals = {m.name: {"steps": 0, "limited": 0, "scale": 0.0, "lr": 0.0} for m in self.matrices}
         self._cold = True  # the vectors are random until the first step: it iterates COLD_ITERS times
@@ -215,11 +219,11 @@ class SpectralStepLimit(torch.optim.Optimizer):
     # ------------------------------------------------------------------ the step
 
     def step(self, closure: Callable[[], float] | None = None):  # noqa: ANN201 - what the inner step returns
-        with torch.no_grad():
-            groups = self._snapshot()
+        with torch.no_grad():  # the selected matrices before the inner step, stacked by shape: the base of dW
+            stacks = stack_by_shape([(i, m.matrix(m.param.detach())) for i, m in enumerate(self.matrices)])
         loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
         with torch.no_grad():
-            self._limit(groups)
+            self._limit(stacks)
         self.step_count += 1
         self._cold = False
         return loss
@@ -229,35 +233,22 @@ class SpectralStepLimit(torch.optim.Optimizer):
         return {name: {"mean_scale": t["scale"] / max(t["steps"], 1), "mean_lr": t["lr"] / max(t["steps"], 1),
                        "limited": t["limited"] / max(t["steps"], 1)} for name, t in self.totals.items()}
 
-    def _snapshot(self) -> list[_Group]:
-        """The selected matrices before the inner step, stacked by shape in their compute dtype:
-        one copy, which after the step becomes the base of dW (no per-parameter clones)."""
-        keyed: dict[tuple, list[int]] = {}
-        for i, m in enumerate(self.matrices):
-            w = m.matrix(m.param.detach())
-            keyed.setdefault((tuple(w.shape), _compute_dtype(w), w.device), []).append(i)
-        groups = []
-        for (shape, dtype, device), idx in keyed.items():
-            before = torch.empty((len(idx), *shape), dtype=dtype, device=device)
-            for j, i in enumerate(idx):
-                before[j].copy_(self.matrices[i].matrix(self.matrices[i].param.detach()))
-            groups.append(_Group(idx, before))
-        return groups
-
-    def _limit(self, groups: list[_Group]) -> None:
-        sig_w, sig_dw = self._sigmas(groups)
+    def _limit(self, stacks: list[Stack[int]]) -> None:
+        deltas = [update_of(g, [self.matrices[i].matrix(self.matrices[i].param.detach()) for i in g.members],
+                            in_place=False) for g in stacks]  # dW per stack; g.before kept
+        sig_w, sig_dw = self._sigmas(stacks, deltas)
         ratios = (sig_dw / sig_w.clamp_min(_TINY)).where(sig_w > 0, torch.zeros_like(sig_w))
         host = ratios.cpu().tolist()  # the one host transfer per step
-        where = {i: (g, j) for g in groups for j, i in enumerate(g.idx)}
+        where = {i: (k, j) for k, g in enumerate(stacks) for j, i in enumerate(g.members)}
         lrs = self._lrs()
         self.last = {}
         for i, (m, ratio) in enumerate(zip(self.matrices, host)):
             scale = 1.0
             if ratio == ratio and ratio != float("inf") and ratio > self.tau:  # non-finite: left as is
                 scale = self.tau / ratio
-                g, j = where[i]
+                k, j = where[i]
                 target = m.view(m.param.data)
-                target.copy_(torch.add(g.before[j], g.delta[j], alpha=scale).reshape(target.shape))
+                target.copy_(torch.add(stacks[k].before[j], deltas[k][j], alpha=scale).reshape(target.shape))
             lr = lrs.get(id(m.param), float("nan")) * scale
             self.last[m.name] = {"scale": scale, "ratio": ratio * scale, "lr": lr}
             t = self.totals[m.name]
@@ -266,43 +257,36 @@ class SpectralStepLimit(torch.optim.Optimizer):
             t["scale"] += scale
             t["lr"] += lr
         if self.monitor is not None and self.monitor.should_sample(self.step_count):
-            self._report({self.matrices[i].name: g.before[j] for i, (g, j) in where.items()})
+            self._report({self.matrices[i].name: stacks[k].before[j] for i, (k, j) in where.items()})
 
     def _report(self, before: dict[str, Tensor]) -> None:
         """Reporting never stops training: a failure is warned about once, the limit itself went on."""
         try:
             self.monitor.log_scalars(self.step_count, self._scalars(before))
         except Exception as err:  # noqa: BLE001 - the training run must go on
-            if not self._report_failed:
-                self._report_failed = True
-                message = f"diag: SpectralStepLimit could not report step {self.step_count} ({err!r}); " \
-                          "the limit is still applied, training continues"
-                log.warning(message)
-                warnings.warn(message, RuntimeWarning, stacklevel=3)
+            self._warn("report", f"diag: SpectralStepLimit could not report step {self.step_count} ({err!r}); "
+                       "the limit is still applied, training continues")
 
-    def _sigmas(self, groups: list[_Group]) -> tuple[Tensor, Tensor]:
-        """sigma_1 of every W_prev and dW (computed here, into ``group.delta``), batched per group, in
-        the matrices' order."""
+    def _sigmas(self, stacks: list[Stack[int]], deltas: list[Tensor]) -> tuple[Tensor, Tensor]:
+        """sigma_1 of every W_prev and dW, batched per stack, in the matrices' order."""
         out_w: list[Tensor | None] = [None] * len(self.matrices)
         out_dw: list[Tensor | None] = [None] * len(self.matrices)
-        for g in groups:
-            mats = [self.matrices[i] for i in g.idx]
-            g.delta = torch.stack([m.matrix(m.param.detach()) for m in mats]).to(g.before.dtype)
-            g.delta -= g.before  # in place: the stacked weights after the step become dW
-            w, dw = g.before, g.delta
+        for g, dw in zip(stacks, deltas):
+            mats = [self.matrices[i] for i in g.members]
+            w = g.before
             if self.exact:
                 s_w, s_dw = (torch.linalg.matrix_norm(a, ord=2) for a in (w, dw))
             else:
                 iters = max(self.iters, COLD_ITERS) if self._cold else self.iters
-                s_w, v_w = _power(w, torch.stack([m.v_w for m in mats]).unsqueeze(1), iters)
+                s_w, v_w = power_sigma1(w, torch.stack([m.v_w for m in mats]).unsqueeze(1), iters)
                 warm = torch.stack([m.v_dw for m in mats])  # (B, n)
-                s_dw, v_dw = _power(dw, torch.stack([warm, _largest_row(dw, warm)], dim=1), iters)
+                s_dw, v_dw = power_sigma1(dw, torch.stack([warm, largest_row(dw, warm)], dim=1), iters)
                 for j, m in enumerate(mats):
                     if bool(torch.isfinite(v_w[j]).all()):  # a NaN update must not poison the warm start
                         m.v_w.copy_(v_w[j])
                     if bool(torch.isfinite(v_dw[j]).all()):
                         m.v_dw.copy_(v_dw[j])
-            for j, i in enumerate(g.idx):
+            for j, i in enumerate(g.members):
                 out_w[i], out_dw[i] = s_w[j], s_dw[j]
         device = self.matrices[0].param.device
         return torch.stack([s.to(device, torch.float64) for s in out_w]), torch.stack(
@@ -351,35 +335,6 @@ def _check_args(optimizer: object, tau: object, iters: object, model: object) ->
         raise ConfigError(f"SpectralStepLimit(iters={iters!r}): expected an integer >= 1, e.g. iters=2")
     if model is not None and not isinstance(model, nn.Module):
         raise ConfigError(f"SpectralStepLimit(model=...) needs an nn.Module, got {type(model).__name__}")
-
-
-def _compute_dtype(p: Tensor) -> torch.dtype:
-    return torch.promote_types(p.dtype, torch.float32)
-
-
-def _power(a: Tensor, v: Tensor, iters: int) -> tuple[Tensor, Tensor]:
-    """Warm-started power iteration on a (B, m, n) batch from k unit start vectors v (B, k, n), each
-    iterated on its own: sigma_1 (the largest of the k estimates |A^T u|, u = Av/|Av|: a lower bound)
-    and the right vector that gave it (a start vector stays where A v = 0)."""
-    vecs = v.transpose(1, 2)  # (B, n, k)
-    sigma = torch.zeros(v.shape[:2], dtype=a.dtype, device=a.device)  # (B, k)
-    for _ in range(iters):
-        u = torch.bmm(a, vecs)  # (B, m, k)
-        u = u / u.norm(dim=1, keepdim=True).clamp_min(_TINY)
-        w = torch.bmm(a.transpose(1, 2), u)  # (B, n, k)
-        sigma = w.norm(dim=1)  # (B, k)
-        vecs = torch.where(sigma.unsqueeze(1) > 0, w / sigma.clamp_min(_TINY).unsqueeze(1), vecs)
-    best = sigma.argmax(dim=1)  # (B,)
-    return sigma.max(dim=1).values, vecs[torch.arange(a.shape[0], device=a.device), :, best]
-
-
-def _largest_row(a: Tensor, fallback: Tensor) -> Tensor:
-    """The unit largest row of each (B, m, n) matrix: a second start in dW's row space that catches a
-    step whose top direction jumped away from the warm start (fallback where the matrix is 0)."""
-    norms = a.norm(dim=2)  # (B, m)
-    top = norms.max(dim=1)
-    row = a[torch.arange(a.shape[0], device=a.device), top.indices]  # (B, n)
-    return torch.where(top.values.unsqueeze(1) > 0, row / top.values.clamp_min(_TINY).unsqueeze(1), fallback)
 
 
 def _names(optimizer: torch.optim.Optimizer, model: nn.Module | None) -> list[tuple[str, nn.Parameter, bool]]:

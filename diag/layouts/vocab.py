@@ -165,7 +165,7 @@ def split_o(tensors: Mapping[str, Tensor], layout: QKVLayout) -> Tensor | None:
 
 def split_projections(tensors: Mapping[str, Tensor], layout: QKVLayout) -> dict[str, Tensor]:
     """``{"q": (H, D, E), "k": (G, D, E), "v": (G, D, E)}`` and ``"o": (E_out, H*D)`` where the layout has W_O:
-    the matrices whose update ratios are measured (:class:`diag.math.metrics.UpdateTracker`)."""
+    the matrices whose update ratios are measured (:class:`diag.math.updates.UpdateTracker`)."""
     out = dict(zip("qkv", split_qkv(tensors, layout)))
     wo = split_o(tensors, layout)
     if wo is not None:

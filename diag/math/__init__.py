@@ -1,4 +1,6 @@
-"""Pure tensor math: spectra of Wq^T Wk, attention statistics, update ratios, gradient norms.
+"""Pure tensor math: spectra of Wq^T Wk, sigma_1 estimators, attention statistics, update ratios, gradient norms.
 
-Given tensors, no nn.Module, no I/O. A new metric goes here.
+Given tensors, no nn.Module, no I/O. ``spectral`` (per-head spectra and their summaries), ``norms`` (sigma_1:
+exact, block Krylov, power iteration; Frobenius), ``attention`` (entropy, rank, max logit), ``metrics`` (the
+per-layer families), ``updates`` (the snapshot/update routine and update ratios). A new metric goes here.
 """

@@ -30,7 +30,8 @@ from diag.detectors.core import Alert, AlertConfig, AlertSink, Detectors, Observ
 from diag.errors import DiagError, SpecError
 from diag.layouts.statedict import Heads, StateDictLayer, find_layers, head_attrs
 from diag.layouts.vocab import split_projections
-from diag.math.metrics import DEFAULT_SEC_TOP, UpdateTracker, layer_spectra
+from diag.math.metrics import DEFAULT_SEC_TOP, layer_spectra
+from diag.math.updates import UpdateTracker
 from diag.offline.checkpoint import Checkpoint, find_checkpoints, open_checkpoint, step_of
 from diag.outputs.records import LayerArrays, build_record, host_arrays, per_head_default
 from diag.outputs.sinks import FanOut, Record, Sink

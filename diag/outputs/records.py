@@ -49,15 +49,13 @@ def attention_metrics(stats: AttentionStats) -> dict[str, Tensor]:
 def host_arrays(per_layer: Sequence[tuple[str, dict[str, Tensor]]]) -> LayerArrays:
     """``{label: {metric: float64 array}}`` with one host sync for all layers.
 
-    per_layer: (layer label, {metric: tensor}) in layer order; metrics whose name
-    starts with ``_`` are internal and skipped.
+    per_layer: (layer label, {metric: tensor}) in layer order.
     """
     names, tensors = [], []
     for label, values in per_layer:
         for metric, t in values.items():
-            if not metric.startswith("_"):
-                names.append((label, metric))
-                tensors.append(t.reshape(-1).double())
+            names.append((label, metric))
+            tensors.append(t.reshape(-1).double())
     flat = torch.cat(tensors).cpu().numpy() if tensors else np.zeros(0)  # one host sync
     arrays: LayerArrays = {}
     offset = 0

@@ -21,14 +21,13 @@ import json
 import logging
 import math
 import os
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from diag.errors import SinkError
+from diag.errors import SinkError, WarnOnce
 
 __all__ = ["Record", "Sink", "TensorBoardSink", "JsonlSink", "MemorySink", "FanOut", "check_logdir"]
 
@@ -168,7 +167,7 @@ class FanOut:
 
     def __init__(self, sinks: list[Sink]) -> None:
         self.sinks = list(sinks)
-        self._reported: set[int] = set()
+        self._report = WarnOnce(log, logging.ERROR, stacklevel=3)  # once per sink
 
     def add(self, sink: Sink) -> None:
         self.sinks.append(sink)
@@ -180,11 +179,8 @@ class FanOut:
             try:
                 getattr(sink, method)(*args)
             except Exception as err:  # a sink must never kill training
-                if id(sink) not in self._reported:
-                    self._reported.add(id(sink))
-                    msg = f"diag: sink {type(sink).__name__}.{method} failed ({err!r}); other sinks go on"
-                    log.error(msg)
-                    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+                self._report(id(sink), f"diag: sink {type(sink).__name__}.{method} failed ({err!r}); "
+                             "other sinks go on")
 
     def write(self, record: Record) -> None:
         self._call("write", record)

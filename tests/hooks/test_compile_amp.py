@@ -199,7 +199,7 @@ def test_model_cast_to_bf16_metrics_in_float32_or_better():
     monitor.close()
     first = sink.records[0].scalars
     check_against_reference(first, reference, rtol=1e-5)
-    assert not monitor._warned, monitor._warned
+    assert not monitor._warn_once.seen, monitor._warn_once.seen
     # The update ratio of step 0 (logged at step 0, measured at step 1) against a float64 full SVD.
     updates = {t: v for r in sink.records if r.step == 0 for t, v in r.scalars.items() if t.startswith("update_")}
     expected = torch.linalg.matrix_norm(weights - before, 2) / torch.linalg.matrix_norm(before, 2)

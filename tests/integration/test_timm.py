@@ -33,6 +33,7 @@ import timm
 import torch
 import torch.nn.functional as F
 import zoo
+from references import assert_max_logits
 from torch import nn
 
 from diag.layouts.adapters import find_layout
@@ -217,10 +218,8 @@ def test_entropy_and_rank_match_probabilities_by_hand(ran):
 def test_max_logit_matches_logits_by_hand(ran):
     for i, layer in enumerate(ran.monitor.layers):
         logits = logits_by_hand(ran.attns[i], ran.inputs[i][:N_SEQ])
-        for h in range(H):
-            ref = logits[:, h].max().item()
-            got = ran.record.scalars[f"attn_max_logit/{layer.label}/H{h:02d}"]
-            assert got == pytest.approx(ref, rel=REL)
+        assert logits.shape[1] == H
+        assert_max_logits(ran.record.scalars, layer.label, logits, rel=REL)
 
 
 def test_gradient_norms_match_hand_sliced_grad(ran):

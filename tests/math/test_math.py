@@ -217,7 +217,7 @@ def test_chunked_rows_equal_unchunked(monkeypatch):
 
 @pytest.mark.parametrize("kind", ["gaussian", "low-rank", "sign"])
 def test_top_singular_value_krylov_path_matches_full_svd(kind):
-    from diag.math.spectral import top_singular_value
+    from diag.math.norms import top_singular_value
 
     g = torch.Generator().manual_seed(11)
     w = torch.randn(3, 200, 300, generator=g)
@@ -243,7 +243,7 @@ def _adam_like_updates(seed: int, n: int = 6, rows: int = 192, cols: int = 160):
 
 
 def test_sigma1_warm_start_accurate_and_cheaper():
-    from diag.math.spectral import Sigma1
+    from diag.math.norms import Sigma1
 
     sigma = Sigma1(rtol=1e-3, exact_below=64)
     dims = []
@@ -259,7 +259,7 @@ def test_sigma1_warm_start_accurate_and_cheaper():
 
 
 def test_sigma1_nonfinite_matrix_is_nan_others_measured():
-    from diag.math.spectral import Sigma1
+    from diag.math.norms import Sigma1
 
     w, _ = _adam_like_updates(3)
     w[1, 0, 0] = float("nan")
@@ -268,7 +268,7 @@ def test_sigma1_nonfinite_matrix_is_nan_others_measured():
 
 
 def test_update_tracker_matches_exact_per_matrix():
-    from diag.math.metrics import UpdateTracker
+    from diag.math.updates import UpdateTracker
 
     g = torch.Generator().manual_seed(5)
     layers = [tuple(0.02 * torch.randn(4, 48, 160, generator=g) for _ in range(3)) for _ in range(3)]

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 import zoo
+from references import assert_max_logits
 
 from diag.math.attention import stats_from_probabilities_reference
 from diag.outputs.sinks import MemorySink
@@ -222,9 +223,7 @@ def test_max_logit_matches_logits_by_hand(ran):
     for layer, module, (args, kw) in zip(monitor.layers, attention_modules(case), calls):
         q, k = _q_k_by_hand(case, module, args, kw)  # (n, H, L, D) each, float64
         logits = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-        for h in range(q.shape[1]):
-            ref = logits[:, h].masked_fill(~allowed, -math.inf).max().item()
-            assert record.scalars[f"attn_max_logit/{layer.label}/H{h:02d}"] == pytest.approx(ref, rel=REL)
+        assert_max_logits(record.scalars, layer.label, logits, allowed, rel=REL)
 
 
 def _q_k_by_hand(case: zoo.Case, module: torch.nn.Module, args: tuple, kw: dict) -> tuple:

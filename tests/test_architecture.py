@@ -1,0 +1,161 @@
+"""The direction of imports between the packages (docs/architecture.md#import-directions), read from the source.
+
+Every import statement of every module is checked, function-level imports included, by parsing the source
+with ``ast`` (nothing is imported to check it). Each rule names the packages it restricts, what they may
+not import and the sanctioned exceptions.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Attributes that walk or hook a live nn.Module: the pure math never touches a model.
+MODULE_WALKING = frozenset({
+    "Module", "named_modules", "modules", "named_children", "children", "named_parameters", "parameters",
+    "named_buffers", "buffers", "register_forward_hook", "register_forward_pre_hook", "register_full_backward_hook",
+    "register_module_forward_hook", "register_module_forward_pre_hook",
+})
+
+
+@dataclass(frozen=True)
+class Import:
+    module: str  # the importing module, e.g. "diag.math.spectral"
+    target: str  # the imported module, e.g. "hooks.monitor" (for ``from a import b``: "a.b" and "a")
+    function: str | None  # the enclosing function, None at module level
+    line: int
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(source: str, module: str, is_package: bool = False) -> list[Import]:
+    """Every import in ``source`` (the module ``module``), with the function it sits in, relative imports resolved."""
+    out: list[Import] = []
+
+    def visit(node: ast.AST, function: str | None) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else function
+            if isinstance(child, ast.Import):
+                out.extend(Import(module, alias.name, function, child.lineno) for alias in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    anchor = module.split(".")
+                    anchor = anchor[: len(anchor) - child.level + (1 if is_package else 0)]
+                    base = ".".join([*anchor, base] if base else anchor)
+                out.append(Import(module, base, function, child.lineno))
+                out.extend(Import(module, f"{base}.{alias.name}", function, child.lineno) for alias in child.names)
+            visit(child, inner)
+
+    visit(ast.parse(source), None)
+    return out
+
+
+def sources() -> dict[str, tuple[Path, str]]:
+    files = sorted([*ROOT.glob("diag/**/*.py"), *ROOT.glob("hooks/**/*.py")])
+    return {module_name(p): (p, p.read_text(encoding="utf-8")) for p in files}
+
+
+def under(name: str, *packages: str) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Modules under ``packages`` (but not under ``exempt``) may not import anything under ``forbidden``,
+    except ``allowed`` targets and the ``(module, function)`` places in ``sanctioned``."""
+
+    name: str
+    packages: tuple[str, ...]
+    forbidden: tuple[str, ...]
+    allowed: tuple[str, ...] = ()
+    exempt: tuple[str, ...] = ()
+    sanctioned: tuple[tuple[str, str], ...] = ()
+
+    def violations(self, imports: list[Import]) -> list[str]:
+        return [f"{i.module}:{i.line} imports {i.target}" + (f" (in {i.function})" if i.function else "")
+                for i in imports
+                if under(i.module, *self.packages) and not under(i.module, *self.exempt)
+                and under(i.target, *self.forbidden) and not under(i.target, *self.allowed)
+                and (i.module, i.function) not in self.sanctioned]
+
+
+RULES = [
+    Rule("the tensor math needs no layout, judgement, output, offline, CLI or live code", ("diag.math",),
+         ("diag.layouts", "diag.detectors", "diag.outputs", "diag.offline", "diag.cli", "hooks", "torch.nn"),
+         allowed=("torch.nn.functional",)),
+    Rule("diag never imports hooks, except the CLI and the lazy diag.SpectralStepLimit", ("diag",), ("hooks",),
+         exempt=("diag.cli",), sanctioned=(("diag", "__getattr__"),)),
+    Rule("the layouts import no judgement and no output but the tag vocabulary", ("diag.layouts",),
+         ("diag.detectors", "diag.outputs", "diag.offline", "diag.cli"), allowed=("diag.outputs.tags",)),
+    Rule("nothing but the command line imports the CLI", ("diag", "hooks"), ("diag.cli",),
+         exempt=("diag.cli", "diag.__main__")),
+]
+DETECTORS = Rule("the detectors import no sink or output module but the tag vocabulary", ("diag.detectors",),
+                 ("diag.outputs", "diag.offline", "diag.cli", "hooks"), allowed=("diag.outputs.tags",))
+
+
+def _all_imports() -> list[Import]:
+    return [i for name, (path, text) in sources().items()
+            for i in imports_of(text, name, is_package=path.name == "__init__.py")]
+
+
+def _check(rule: Rule) -> None:
+    bad = rule.violations(_all_imports())
+    assert not bad, f"{rule.name}:\n  " + "\n  ".join(bad)
+
+
+@pytest.mark.parametrize("rule", RULES, ids=lambda r: r.name)
+def test_import_directions(rule):
+    _check(rule)
+
+
+@pytest.mark.xfail(strict=True, reason="diag/detectors/core.py imports diag.outputs.sinks for AlertSink; "
+                   "the detectors rewrite (issue 17) moves AlertSink into diag/outputs")
+def test_detectors_import_no_sink():
+    _check(DETECTORS)
+
+
+def test_the_math_walks_no_module():
+    """No nn.Module attribute (``.named_modules()``, ``.parameters()``, hooks, ``nn.Module``) in diag/math."""
+    bad = []
+    for name, (_, text) in sources().items():
+        if under(name, "diag.math"):
+            bad += [f"{name}:{node.lineno} .{node.attr}" for node in ast.walk(ast.parse(text))
+                    if isinstance(node, ast.Attribute) and node.attr in MODULE_WALKING]
+    assert not bad, bad
+
+
+def test_the_checker_sees_every_kind_of_forbidden_import():
+    """A forbidden import added anywhere (module level, inside a function, relative) is caught."""
+    samples = {
+        "from hooks.monitor import Monitor\n": "hooks.monitor",
+        "def f():\n    import hooks\n": "hooks",
+        "class A:\n    def g(self):\n        from ..outputs import sinks\n": "diag.outputs.sinks",
+        "import torch.nn as nn\n": "torch.nn",
+    }
+    for source, target in samples.items():
+        found = RULES[0].violations(imports_of(source, "diag.math.spectral"))
+        assert any(f"imports {target}" in v for v in found), (source, found)
+    assert not RULES[0].violations(imports_of("import torch.nn.functional as F\n", "diag.math.x"))
+    lazy = "def __getattr__(name):\n    from hooks.steplimit import SpectralStepLimit\n"
+    assert not RULES[1].violations(imports_of(lazy, "diag", is_package=True))
+    assert RULES[1].violations(imports_of(lazy.replace("__getattr__", "helper"), "diag", is_package=True))
+    assert RULES[1].violations(imports_of("import hooks.demo\n", "diag.offline.series"))
+    assert DETECTORS.violations(imports_of("from diag.outputs.sinks import FanOut\n", "diag.detectors.core"))
+    assert not DETECTORS.violations(imports_of("from diag.outputs.tags import head_label\n", "diag.detectors.x"))
+    assert RULES[2].violations(imports_of("from diag.detectors import Alert\n", "diag.layouts.vocab"))
+
+
+def test_every_module_is_checked():
+    names = set(sources())
+    for package in ("diag.math", "diag.layouts", "diag.detectors", "diag.outputs", "diag.cli", "hooks.demo"):
+        assert any(under(n, package) and n != package for n in names), package
