@@ -122,6 +122,7 @@ class AttentionCapture:
         self._active: AttentionLayer | None = None
         self._inputs: tuple[Inputs, Inputs] | None = None  # batch-first, time-first
         self._calls: dict[int, int] = {}  # attention calls per layer in the captured forward
+        self._skipped: dict[int, str] = {}  # layers whose forward ran while armed, but not for training
         self._model_mask: Tensor | None = None
         self._mode: _Mode | None = None
 
@@ -133,7 +134,7 @@ class AttentionCapture:
         if self._handles:
             return
         self.results, self.problems, self.checked, self.layout_refused = {}, {}, {}, {}
-        self.notes, self._calls = {}, {}
+        self.notes, self._calls, self._skipped = {}, {}, {}
         if self.model is not None:
             self._handles.append(self.model.register_forward_pre_hook(self._root_hook, with_kwargs=True))
         for layer in self.layers:
@@ -151,6 +152,11 @@ class AttentionCapture:
     def take(self) -> tuple[dict[int, AttentionStats], dict[int, str]]:
         """Results of the armed forward (then disarmed and cleared)."""
         self.disarm()
+        for index, why in self._skipped.items():
+            if index not in self.results and index not in self.problems:
+                self.problems[index] = (f"its forward ran only {why} while the capture was armed; attention is read "
+                                        "from a training forward (module.train(), grad enabled)")
+        self._skipped = {}
         results, problems = self.results, self.problems
         self.results, self.problems = {}, {}
         return results, problems
@@ -161,7 +167,10 @@ class AttentionCapture:
     def _pre_hook(self, layer: AttentionLayer):
         def hook(module, args, kwargs):
             done = layer.index in self.results or layer.index in self.problems
-            if done or self._mode is not None or not module.training or not torch.is_grad_enabled():
+            if done or self._mode is not None:
+                return
+            if not module.training or not torch.is_grad_enabled():
+                self._skipped.setdefault(layer.index, "in eval mode" if not module.training else "under no_grad")
                 return
             impl = _attn_implementation(module)
             if impl not in (None, "eager", "sdpa"):

@@ -248,3 +248,21 @@ def test_the_capture_sees_every_product_form():
         p = product_operands(func, args, {}, func(*args))
         assert torch.equal(p.q, a) and torch.equal(p.k, b), (func, args[0])
     assert product_operands(torch.einsum, ("bhid,bhid->bhi", a, a), {}, torch.einsum("bhid,bhid->bhi", a, a)) is None
+
+
+def test_a_sampled_step_without_a_training_forward_is_reported():
+    """The module ran, but only in eval mode (a frozen block): said once, with the reason, not silently absent."""
+    model = Model("einsum").train()
+    model.blocks[1].eval()
+    ids, pad = batch()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monitor = Monitor(model, every=1, sinks=[MemorySink()], spec=SPEC, signals=("attention",))
+        model(ids, pad).square().mean().backward()
+        monitor.step(0)
+        model(ids, pad).square().mean().backward()
+        monitor.step(1)
+        monitor.close()
+    messages = [str(w.message) for w in caught]
+    assert sum("blocks.1 not measured" in m and "only in eval mode" in m for m in messages) == 1, messages
+    assert not any("blocks.0" in m for m in messages)
