@@ -242,9 +242,18 @@ class AttentionCapture:
         if confirmed is not None:
             return Verdict(checked=confirmed)
         batch_first, time_first = self._inputs or (None, None)
+        length = None if seen.q is None else seen.q.shape[2]
+
+        def fits(inputs: Inputs | None) -> bool:  # the input's second dim is the query length
+            return inputs is not None and inputs.x is not None and inputs.x.shape[1] == length
+
+        if fits(time_first) and not fits(batch_first):  # (T, B, E): fairseq, MHA without batch_first
+            batch_first, time_first = time_first, None
+        elif not fits(time_first):
+            time_first = None
         verdict = check_call(layer, seen, batch_first, self.n_seqs)
         if (verdict.problem is not None or verdict.checked in ("shapes", "q")) and time_first is not None:
-            other = check_call(layer, seen, time_first, self.n_seqs)
+            other = check_call(layer, seen, time_first, self.n_seqs)  # B == T: either reading fits the shapes
             if other.problem is None and other.checked in ("q", "q,k") and other.checked != verdict.checked:
                 verdict = other
         if verdict.problem is None and verdict.checked in ("q,k", "exact"):  # settled for good
@@ -260,5 +269,7 @@ class AttentionCapture:
             return None
         mask = self._model_mask
         if mask is not None and mask.shape == (seen.batch, excluded.shape[1]):
-            return valid_query_rows(excluded, mask[: excluded.shape[0]])
-        return valid_query_rows(excluded)
+            rows = valid_query_rows(excluded, mask[: excluded.shape[0]])
+        else:
+            rows = valid_query_rows(excluded)
+        return None if bool(rows.all()) else rows  # no padding: the statistics skip the row masking

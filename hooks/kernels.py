@@ -4,15 +4,17 @@ The capture's ``TorchFunctionMode`` (:mod:`hooks.capture`) hands every call it s
 inside a monitored module to :func:`read_call`. Four kinds of call are attention:
 
 * ``F.scaled_dot_product_attention``: q, k, mask, ``is_causal``, scale as passed;
-* ``softmax`` over the last dim of 4-D ``(B, H, T, S)`` logits (eager attention), or of
-  3-D ``(B*H, T, S)`` logits (fairseq style, split as ``B`` sequences of ``H`` heads);
+* ``softmax`` over the last dim of 4-D ``(B, H, T, S)`` logits (eager attention), of
+  3-D ``(B*H, T, S)`` logits (fairseq style, split as ``B`` sequences of ``H`` heads), or of
+  5-D grouped-query ``(B, G, R, T, S)`` logits (query head ``g*R + r``);
 * ``F.multi_head_attention_forward`` (``nn.MultiheadAttention``): q and k projected
   here from its inputs with its own weights.
 
 A softmax's q and k are those of the latest product of two tensors whose output has the
 softmax input's shape (up to a reshape between ``(B*H, ...)`` and ``(B, H, ...)``):
-``matmul``/``@`` (3-D or 4-D), ``bmm``, ``baddbmm``, or a two-operand ``einsum`` that
-contracts one index (``'bhid,bhjd->bhij'``, ``'bqhd,bkhd->bhqk'``, ``'...id,...jd->...ij'``).
+``matmul``/``@`` (3-D to 5-D), ``bmm``, ``baddbmm``, or a two-operand ``einsum`` that
+contracts one index (``'bhid,bhjd->bhij'``, ``'bqhd,bkhd->bhqk'``, ``'...id,...jd->...ij'``,
+grouped ``'bgrid,bgjd->bgrij'``).
 :func:`product_operands` turns each into q ``(.., T, D)`` and k ``(.., S, D)``.
 """
 
@@ -78,7 +80,7 @@ _BADDBMMS = {torch.baddbmm: "baddbmm", torch.Tensor.baddbmm: "baddbmm"}
 
 def product_operands(func, args: tuple, kwargs: dict, out) -> Product | None:
     """q and k of a 3-D or 4-D product ``q @ k^T`` (matmul, bmm, baddbmm, einsum), else None."""
-    if not isinstance(out, Tensor) or out.dim() not in (3, 4):
+    if not isinstance(out, Tensor) or out.dim() not in (3, 4, 5):
         return None
     if func in _MATMULS:
         a, b = (args + (kwargs.get("other", kwargs.get("mat2")),))[:2]
@@ -121,13 +123,14 @@ def _einsum(args: tuple, out: Tensor) -> Product | None:
         (sa, a), (sb, b) = (sb, b), (sa, a)
     contracted = [c for c in sa if c in sb and c not in right]
     batch = right[:-2]
+    kv_batch = "".join(c for c in batch if c in sb)  # a batch index only q has: query heads sharing a key head
     if (len(contracted) != 1 or query not in sa or query in sb or key not in sb or key in sa
-            or any(c not in sa or c not in sb for c in batch) or len(set(sa)) != len(sa) or len(set(sb)) != len(sb)
-            or set(sa) != set(batch + query + contracted[0]) or set(sb) != set(batch + key + contracted[0])):
+            or any(c not in sa for c in batch) or len(set(sa)) != len(sa) or len(set(sb)) != len(sb)
+            or set(sa) != set(batch + query + contracted[0]) or set(sb) != set(kv_batch + key + contracted[0])):
         return None
     d = contracted[0]
     q = a.permute([sa.index(c) for c in batch + query + d])
-    k = b.permute([sb.index(c) for c in batch + key + d])
+    k = b.permute([sb.index(c) for c in kv_batch + key + d])
     return Product(q, k, out.shape, "einsum")
 
 
@@ -158,23 +161,31 @@ def _from_sdpa(args: tuple, kwargs: dict, n: int, heads: int, product: Product |
 
 
 def _by_heads(t: Tensor, batch: int, heads: int) -> Tensor | None:
-    """(B, H, T, D) from (B, H, T, D) or (B*H, T, D) (sequence-major, as fairseq and torch split), else None."""
+    """(B, heads, T, D) from (B, heads, T, D) or (B*heads, T, D) (sequence-major, as fairseq and torch split),
+    or from grouped (B, G, R, T, D) (query head g*R + r); grouped keys (B, G, 1 or absent, S, D) keep G heads."""
+    if t.shape[0] != batch and not (t.dim() == 3 and t.shape[0] == batch * heads):
+        return None
+    if t.dim() == 5:
+        return t[:, :, 0] if t.shape[2] == 1 else t.flatten(1, 2)
     if t.dim() == 4:
-        return t if t.shape[0] == batch else None
-    return t.reshape(batch, heads, *t.shape[1:]) if t.shape[0] == batch * heads else None
+        return t
+    return t.reshape(batch, heads, *t.shape[1:])
 
 
 def _from_softmax(args: tuple, kwargs: dict, n: int, heads: int, product: Product | None) -> Seen | None:
     x = args[0]
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
-    if not isinstance(x, Tensor) or x.dim() not in (3, 4) or dim not in (-1, x.dim() - 1):
+    if not isinstance(x, Tensor) or x.dim() not in (3, 4, 5) or dim not in (-1, x.dim() - 1):
         return None
     if x.dim() == 3 and x.shape[0] % heads:
         raise Unsupported(f"softmax over 3-D logits {tuple(x.shape)} whose first dim is not a multiple of "
                           f"n_heads={heads}")
-    batch = x.shape[0] if x.dim() == 4 else x.shape[0] // heads
-    heads = x.shape[1] if x.dim() == 4 else heads
-    logits = x[:n] if x.dim() == 4 else x[: n * heads].reshape(-1, heads, *x.shape[1:])  # (n, H, T, S)
+    batch = x.shape[0] if x.dim() > 3 else x.shape[0] // heads
+    heads = math.prod(x.shape[1:-2]) if x.dim() > 3 else heads
+    if x.dim() == 3:
+        logits = x[: n * heads].reshape(-1, heads, *x.shape[1:])  # (n, H, T, S)
+    else:  # 5-D: grouped-query logits (B, G, R, T, S), query head g*R + r pairs with key head g
+        logits = x[:n] if x.dim() == 4 else x[:n].flatten(1, 2)
     q = k = None
     if product is not None and product.shape[-2:] == x.shape[-2:] and math.prod(product.shape) == x.numel():
         q, k = _by_heads(product.q, batch, heads), _by_heads(product.k, batch, heads)
@@ -253,7 +264,7 @@ def is_attention_call(func, args: tuple, kwargs: dict) -> bool:
         return True
     x = args[0] if args else None
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
-    return isinstance(x, Tensor) and x.dim() in (3, 4) and dim in (-1, x.dim() - 1)
+    return isinstance(x, Tensor) and x.dim() in (3, 4, 5) and dim in (-1, x.dim() - 1)
 
 
 def read_call(func, args: tuple, kwargs: dict, n: int, heads: int, product: Product | None) -> Seen | None:

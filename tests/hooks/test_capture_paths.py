@@ -58,11 +58,21 @@ class Attention(nn.Module):
             s = torch.einsum("bqhd,bkhd->bhqk", q.transpose(1, 2), k.transpose(1, 2)) * D**-0.5
         elif self.style == "einsum-ellipsis":
             s = torch.einsum("...id,...jd->...ij", q * D**-0.5, k)
+        elif self.style == "einsum-grouped":  # GQA without repeating k: (B, G, R, T, D) queries
+            r = H // self.kv_heads
+            qg = self.heads(self.q_proj(x), H).unflatten(1, (self.kv_heads, r))
+            kg = self.heads(self.k_proj(x), self.kv_heads)
+            s = torch.einsum("bgrid,bgjd->bgrij", qg, kg) / math.sqrt(D)  # (B, G, R, T, S)
+        elif self.style == "matmul-grouped":
+            r = H // self.kv_heads
+            qg = self.heads(self.q_proj(x), H).unflatten(1, (self.kv_heads, r))  # (B, G, R, T, D)
+            kg = self.heads(self.k_proj(x), self.kv_heads)[:, :, None]  # (B, G, 1, S, D)
+            s = qg @ kg.transpose(-1, -2) / math.sqrt(D)  # (B, G, R, T, S)
         else:  # "broadcast": no product the capture recognises
             s = (q.unsqueeze(3) * k.unsqueeze(2)).sum(-1) / math.sqrt(D)
         if pad is not None:
-            s = s.masked_fill(pad[:, None, None, :], -math.inf)
-        y = s.softmax(dim=-1) @ v
+            s = s.masked_fill(pad.view(-1, *(1,) * (s.dim() - 2), pad.shape[-1]), -math.inf)
+        y = s.softmax(dim=-1).reshape(-1, H, *s.shape[-2:]) @ v
         return self.out_proj(y.transpose(1, 2).flatten(2))
 
     def fairseq(self, x: torch.Tensor, pad: torch.Tensor | None) -> torch.Tensor:
@@ -181,6 +191,16 @@ def test_each_path_is_exact_and_verified_per_head(style, with_pad):
     assert_matches(scalars, reference(model, inputs, with_pad))
 
 
+@pytest.mark.parametrize("style", ["einsum-grouped", "matmul-grouped"])
+def test_grouped_query_logits_without_repeated_keys(style):
+    """5-D (B, G, R, T, S) logits from keys that were never repeated: query head g*R + r, key head g."""
+    model = Model(style, kv_heads=2).train()
+    spec = {"blocks.*": QKVLayout(H, D, "q_proj.weight", "k_proj.weight", "v_proj.weight", n_kv_heads=2)}
+    scalars, checked, notes, inputs, caught = run(model, spec)
+    assert checked == {0: "q,k", 1: "q,k"} and notes == {} and not caught, (checked, notes, caught)
+    assert_matches(scalars, reference(model, inputs))
+
+
 @pytest.mark.parametrize("style", ["bmm", "einsum"])
 def test_rank_takes_the_first_token_rows(style):
     """Left padding: the rank's 4 rows are the first 4 tokens (rows 3-6 of the padded sequence), not rows 0-3."""
@@ -266,3 +286,15 @@ def test_a_sampled_step_without_a_training_forward_is_reported():
     messages = [str(w.message) for w in caught]
     assert sum("blocks.1 not measured" in m and "only in eval mode" in m for m in messages) == 1, messages
     assert not any("blocks.0" in m for m in messages)
+
+
+def test_time_first_input_as_long_as_the_batch_is_still_verified():
+    """(T, B, E) with T == B: both readings fit the shapes; the one whose projections match is taken."""
+    model = Model("bmm").train()
+    ids = torch.randint(0, 50, (4, 4), generator=torch.Generator().manual_seed(2))
+    monitor = Monitor(model, every=1, sinks=[MemorySink()], spec=SPEC, signals=("attention",))
+    model(ids).square().mean().backward()
+    checked = dict(monitor.capture.checked)
+    monitor.step(0)
+    monitor.close()
+    assert checked == {0: "q,k", 1: "q,k"} and not monitor.refused
