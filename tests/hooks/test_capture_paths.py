@@ -298,3 +298,41 @@ def test_time_first_input_as_long_as_the_batch_is_still_verified():
     monitor.step(0)
     monitor.close()
     assert checked == {0: "q,k", 1: "q,k"} and not monitor.refused
+
+
+# ------------------------------------------------------------------ third-party code (PyPI: x-transformers)
+
+
+@pytest.mark.parametrize("flash", [False, True])
+def test_x_transformers_padded_batch_matches_its_own_attention(flash):
+    """x-transformers (einsum logits, or SDPA with attn_flash), key padding through its ``mask`` argument (not
+    called attention_mask: the padding is read from the kernel). Entropy and rank per head equal its own
+    post-softmax attention (return_intermediates) over the token rows; q and k checked per head."""
+    xt = pytest.importorskip("x_transformers")
+    torch.manual_seed(0)
+    model = xt.TransformerWrapper(num_tokens=50, max_seq_len=16, attn_layers=xt.Encoder(
+        dim=E, depth=2, heads=H, attn_dim_head=D, attn_flash=flash))
+    layout = QKVLayout(H, D, "to_q.weight", "to_k.weight", "to_v.weight")
+    spec = {"attn_layers.layers.0.1": layout, "attn_layers.layers.2.1": layout}
+    ids, pad = batch(left=True)
+    sink = MemorySink()
+    monitor = Monitor(model, every=1, sinks=[sink], spec=spec, signals=("attention",), attn_rank_rows=4)
+    model.train()
+    model(ids, mask=~pad).logsumexp(-1).mean().backward()
+    checked = dict(monitor.capture.checked)
+    monitor.step(0)
+    monitor.close()
+    assert checked == {0: "q,k", 1: "q,k"} and not monitor.refused
+    model.eval()
+    with torch.no_grad():  # flash=True returns no probabilities: the same weights without flash give them
+        ref_model = xt.TransformerWrapper(num_tokens=50, max_seq_len=16, attn_layers=xt.Encoder(
+            dim=E, depth=2, heads=H, attn_dim_head=D))
+        ref_model.load_state_dict(model.state_dict())
+        _, inter = ref_model.eval()(ids[:2], mask=~pad[:2], return_intermediates=True)
+    tokens = ~pad[:2]
+    for i, a in enumerate(inter.attn_intermediates):
+        p = a.post_softmax_attn.double()  # (2, H, T, T)
+        entropy, rank = stats_from_probabilities_reference(p, tokens[:, None, :].expand(2, T, T), 4, tokens)
+        for metric, ref in (("attn_entropy", entropy), ("attn_rank", rank)):
+            got = [sink.records[0].scalars[f"{metric}/L{i:02d}/H{h:02d}"] for h in range(H)]
+            assert got == pytest.approx(ref.tolist(), rel=1e-5), (metric, i)
