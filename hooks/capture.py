@@ -54,26 +54,30 @@ def _attn_implementation(module) -> str | None:
     return impl if isinstance(impl, str) else None
 
 
+_PRODUCTS = 4  # products remembered per module forward
+
+
 class _Mode(TorchFunctionMode):
     """Watches the calls of one attention module's forward.
 
-    ``product`` keeps the operands of the latest 3-D or 4-D product (``q @ k^T``, ``bmm``,
-    ``baddbmm``, ``einsum``), so that the softmax after it knows its q and k.
+    ``products`` keeps the operands of the latest few 3-D to 5-D products (``q @ k^T``, ``bmm``,
+    ``baddbmm``, ``einsum``; DeBERTa makes two relative-position products after ``q @ k^T``), so
+    that the softmax after them knows its q and k.
     """
 
     def __init__(self, capture: AttentionCapture) -> None:
         super().__init__()
         self.capture = capture
-        self.product: Product | None = None
+        self.products: tuple[Product, ...] = ()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         product = product_operands(func, args, kwargs, out)
         if product is not None:
-            self.product = product
+            self.products = self.products[-(_PRODUCTS - 1):] + (product,)
         elif is_attention_call(func, args, kwargs):
-            self.capture._record(func, args, kwargs, self.product)
+            self.capture._record(func, args, kwargs, self.products)
         return out
 
 
@@ -209,7 +213,7 @@ class AttentionCapture:
             mode, self._mode, self._active, self._inputs = self._mode, None, None, None
             mode.__exit__(None, None, None)
 
-    def _record(self, func, args: tuple, kwargs: dict, product: Product | None) -> None:
+    def _record(self, func, args: tuple, kwargs: dict, products: tuple[Product, ...]) -> None:
         layer = self._active
         if layer is None:
             return
@@ -218,7 +222,7 @@ class AttentionCapture:
             return
         try:
             with torch.no_grad():
-                seen = read_call(func, args, kwargs, self.n_seqs, layer.layout.n_heads, product)
+                seen = read_call(func, args, kwargs, self.n_seqs, layer.layout.n_heads, products)
                 if seen is None:
                     return
                 verdict = self._verify(layer, seen)

@@ -10,8 +10,9 @@ inside a monitored module to :func:`read_call`. Four kinds of call are attention
 * ``F.multi_head_attention_forward`` (``nn.MultiheadAttention``): q and k projected
   here from its inputs with its own weights.
 
-A softmax's q and k are those of the latest product of two tensors whose output has the
-softmax input's shape (up to a reshape between ``(B*H, ...)`` and ``(B, H, ...)``):
+A softmax's q and k are those of the latest product of two tensors (of the last few in the
+module's forward) whose output has the softmax input's shape (up to a reshape between
+``(B*H, ...)`` and ``(B, H, ...)``):
 ``matmul``/``@`` (3-D to 5-D), ``bmm``, ``baddbmm``, or a two-operand ``einsum`` that
 contracts one index (``'bhid,bhjd->bhij'``, ``'bqhd,bkhd->bhqk'``, ``'...id,...jd->...ij'``,
 grouped ``'bgrid,bgjd->bgrij'``).
@@ -79,7 +80,7 @@ _BADDBMMS = {torch.baddbmm: "baddbmm", torch.Tensor.baddbmm: "baddbmm"}
 
 
 def product_operands(func, args: tuple, kwargs: dict, out) -> Product | None:
-    """q and k of a 3-D or 4-D product ``q @ k^T`` (matmul, bmm, baddbmm, einsum), else None."""
+    """q and k of a 3-D to 5-D product ``q @ k^T`` (matmul, bmm, baddbmm, einsum), else None."""
     if not isinstance(out, Tensor) or out.dim() not in (3, 4, 5):
         return None
     if func in _MATMULS:
@@ -147,7 +148,7 @@ def _slice_mask(mask: Tensor | None, batch: int, n: int) -> Tensor | None:
     return mask[:n]
 
 
-def _from_sdpa(args: tuple, kwargs: dict, n: int, heads: int, product: Product | None) -> Seen:
+def _from_sdpa(args: tuple, kwargs: dict, n: int, heads: int, products: tuple[Product, ...]) -> Seen:
     a = _sdpa_args(args, kwargs)
     q, k = a["query"], a["key"]
     if q.dim() == 3:
@@ -172,7 +173,7 @@ def _by_heads(t: Tensor, batch: int, heads: int) -> Tensor | None:
     return t.reshape(batch, heads, *t.shape[1:])
 
 
-def _from_softmax(args: tuple, kwargs: dict, n: int, heads: int, product: Product | None) -> Seen | None:
+def _from_softmax(args: tuple, kwargs: dict, n: int, heads: int, products: tuple[Product, ...]) -> Seen | None:
     x = args[0]
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
     if not isinstance(x, Tensor) or x.dim() not in (3, 4, 5) or dim not in (-1, x.dim() - 1):
@@ -187,8 +188,11 @@ def _from_softmax(args: tuple, kwargs: dict, n: int, heads: int, product: Produc
     else:  # 5-D: grouped-query logits (B, G, R, T, S), query head g*R + r pairs with key head g
         logits = x[:n] if x.dim() == 4 else x[:n].flatten(1, 2)
     q = k = None
-    if product is not None and product.shape[-2:] == x.shape[-2:] and math.prod(product.shape) == x.numel():
-        q, k = _by_heads(product.q, batch, heads), _by_heads(product.k, batch, heads)
+    for product in reversed(products):  # the latest of that shape: later relative-position products differ
+        if product.shape[-2:] == x.shape[-2:] and math.prod(product.shape) == x.numel():
+            q, k = _by_heads(product.q, batch, heads), _by_heads(product.k, batch, heads)
+            if q is not None and k is not None:
+                break
     if q is None or k is None:
         if x.dim() == 3:
             raise Unsupported(f"softmax over 3-D (B*H, T, S) logits {tuple(x.shape)} whose q and k were not seen "
@@ -220,7 +224,7 @@ def _mha_masks(
     return tuple(out)
 
 
-def _from_mha(args: tuple, kwargs: dict, n: int, heads: int, product: Product | None) -> Seen:
+def _from_mha(args: tuple, kwargs: dict, n: int, heads: int, products: tuple[Product, ...]) -> Seen:
     a = _MHA_SIGNATURE.bind(*args, **kwargs).arguments
     if a.get("bias_k") is not None or a.get("add_zero_attn") or a.get("static_k") is not None:
         raise Unsupported("nn.MultiheadAttention with bias_k/add_zero_attn/static_k is not measured")
@@ -267,13 +271,13 @@ def is_attention_call(func, args: tuple, kwargs: dict) -> bool:
     return isinstance(x, Tensor) and x.dim() in (3, 4, 5) and dim in (-1, x.dim() - 1)
 
 
-def read_call(func, args: tuple, kwargs: dict, n: int, heads: int, product: Product | None) -> Seen | None:
+def read_call(func, args: tuple, kwargs: dict, n: int, heads: int, products: tuple[Product, ...]) -> Seen | None:
     """The call as a :class:`Seen` (None: not attention); ``Unsupported`` for a form not measured.
 
-    n: sequences analysed; heads: the layout's head count (splits 3-D logits); product: the latest
-    product seen before this call in the same module's forward."""
+    n: sequences analysed; heads: the layout's head count (splits 3-D logits); products: the latest
+    products seen before this call in the same module's forward, oldest first."""
     handler = _HANDLERS.get(func)
-    return None if handler is None else handler(args, kwargs, n, heads, product)
+    return None if handler is None else handler(args, kwargs, n, heads, products)
 
 
 def excluded_keys(logits: Tensor | LazyLogits) -> Tensor:

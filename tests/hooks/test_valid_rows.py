@@ -165,3 +165,55 @@ def test_stats_with_token_rows_match_per_head_loops():
         ok = allowed & tokens[:, :, None]
         ref_max = masked.double().masked_fill(~ok[:, None], -float("inf")).amax(dim=(0, 2, 3))
         torch.testing.assert_close(stats.max_logit, ref_max)
+
+
+# ------------------------------------------------------------------ Hugging Face families whose logits come from bmm
+
+
+def _bmm_family(name: str) -> tuple[torch.nn.Module, dict]:
+    import transformers
+
+    from diag.layouts.vocab import QKVLayout
+
+    torch.manual_seed(0)
+    if name == "bloom":  # alibi.baddbmm(q, k^T) viewed (B, H, T, S); fused per head [Q_h | K_h | V_h]
+        cfg = transformers.BloomConfig(vocab_size=zoo.VOCAB, hidden_size=32, n_head=4, n_layer=2,
+                                       attention_dropout=0.0, hidden_dropout=0.0)
+        model = transformers.BloomForCausalLM._from_config(cfg, attn_implementation="eager")
+        return model, {"transformer.h.*.self_attention": QKVLayout(4, 8, q="query_key_value.weight",
+                                                                    packing="fused_per_head")}
+    # DeBERTa-v2: bmm(q, k^T / scale) of (B*H, T, D), then two relative-position bmm products, then a 4-D softmax
+    cfg = transformers.DebertaV2Config(vocab_size=zoo.VOCAB, hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
+                                       intermediate_size=64, relative_attention=True, pos_att_type=["p2c", "c2p"],
+                                       max_position_embeddings=64, hidden_dropout_prob=0.0,
+                                       attention_probs_dropout_prob=0.0)
+    model = transformers.DebertaV2ForMaskedLM._from_config(cfg, attn_implementation="eager")
+    return model, {"deberta.encoder.layer.*.attention.self": QKVLayout(4, 8, "query_proj.weight", "key_proj.weight",
+                                                                        "value_proj.weight")}
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("name", ["bloom", "deberta-v2"])
+def test_bmm_families_padded_match_their_eager_attention(name, side):
+    model, spec = _bmm_family(name)
+    batch = zoo._padded_tokens(torch.Generator().manual_seed(3))
+    if side == "left":
+        batch["attention_mask"] = batch["attention_mask"].flip(1)
+    sink = MemorySink()
+    monitor = Monitor(model, every=1, sinks=[sink], spec=spec, signals=("attention",), attn_rank_rows=RANK_ROWS)
+    model.train()
+    model(**batch, labels=batch["input_ids"]).loss.backward()
+    checked = dict(monitor.capture.checked)
+    monitor.step(0)
+    monitor.close()
+    assert checked == {0: "q,k", 1: "q,k"} and not monitor.refused, checked
+    model.eval()
+    with torch.no_grad():
+        out = model(**{k: v[:N] for k, v in batch.items()}, output_attentions=True)
+    tokens = batch["attention_mask"][:N].bool()
+    for layer, p in zip(monitor.layers, out.attentions):
+        p = p.double()
+        entropy, rank = stats_from_probabilities_reference(p, (p > 0).any(1), RANK_ROWS, query_valid=tokens)
+        for metric, ref in (("attn_entropy", entropy), ("attn_rank", rank)):
+            got = np.array([sink.records[0].scalars[f"{metric}/{layer.label}/H{h:02d}"] for h in range(4)])
+            np.testing.assert_allclose(got, ref.numpy(), rtol=REL, err_msg=f"{metric} {layer.name}")
