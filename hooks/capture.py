@@ -235,6 +235,11 @@ class AttentionCapture:
                 self.results[layer.index] = stats_from_logits(logits, self.rank_rows, rows)
                 if seen.note is not None:
                     self.notes[layer.index] = seen.note
+                elif verdict.checked == "shapes" and layer.layout.verify:
+                    self.notes[layer.index] = (
+                        "not verifiable: the kernel's q and k were seen, but not the module input they are projected "
+                        "from (not the first positional argument nor hidden_states/x/query/input, or not of the "
+                        "projections' width), so only shapes were checked against the layout")
         except Unsupported as err:
             self.problems[layer.index] = str(err)
         except Exception as err:  # noqa: BLE001 - a fault here must never reach the forward pass

@@ -336,3 +336,37 @@ def test_x_transformers_padded_batch_matches_its_own_attention(flash):
         for metric, ref in (("attn_entropy", entropy), ("attn_rank", rank)):
             got = [sink.records[0].scalars[f"{metric}/L{i:02d}/H{h:02d}"] for h in range(H)]
             assert got == pytest.approx(ref.tolist(), rel=1e-5), (metric, i)
+
+
+class KeywordInput(nn.Module):
+    """SDPA on q and k the capture sees, but the input arrives as ``feats=``: nothing to project and compare."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.n_heads = nn.Linear(E, 3 * E), H
+
+    def forward(self, *, feats: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.unflatten(-1, (H, D)).transpose(1, 2) for t in self.qkv(feats).chunk(3, -1))
+        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
+
+
+def test_q_and_k_without_a_visible_input_are_reported_not_verifiable():
+    class Wrap(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = KeywordInput()
+
+        def forward(self, x):
+            return self.attn(feats=x)
+
+    model = Wrap().train()
+    spec = {"attn": QKVLayout(H, D, "qkv.weight", packing="fused")}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monitor = Monitor(model, every=1, sinks=[MemorySink()], spec=spec, signals=("attention",))
+        model(torch.randn(2, 5, E)).sum().backward()
+        checked = dict(monitor.capture.checked)
+        monitor.step(0)
+        monitor.close()
+    assert checked == {0: "shapes"}
+    assert sum("not verifiable" in str(w.message) and "module input" in str(w.message) for w in caught) == 1
