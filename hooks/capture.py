@@ -139,8 +139,9 @@ class AttentionCapture:
             return
         self.results, self.problems, self.checked, self.layout_refused = {}, {}, {}, {}
         self.notes, self._calls, self._skipped = {}, {}, {}
-        if self.model is not None:
+        if self.model is not None:  # the root's attention_mask, for the attention calls inside its forward only
             self._handles.append(self.model.register_forward_pre_hook(self._root_hook, with_kwargs=True))
+            self._handles.append(self.model.register_forward_hook(self._root_done, always_call=True))
         for layer in self.layers:
             pre = layer.module.register_forward_pre_hook(self._pre_hook(layer), with_kwargs=True)
             post = layer.module.register_forward_hook(self._post_hook(layer), always_call=True)
@@ -167,6 +168,9 @@ class AttentionCapture:
 
     def _root_hook(self, module, args, kwargs):
         self._model_mask = _attention_mask(module, args, kwargs)
+
+    def _root_done(self, module, args, output):
+        self._model_mask = None
 
     def _pre_hook(self, layer: AttentionLayer):
         def hook(module, args, kwargs):
