@@ -2,158 +2,46 @@
 
 While armed, each monitored attention module gets a forward pre-hook and a
 forward hook. Around that module's forward (training mode, grad enabled, first
-call since arming) a ``TorchFunctionMode`` watches three functions:
-
-* ``F.scaled_dot_product_attention``: q and k as the kernel receives them (after
-  RoPE, grouped-query heads as passed), its mask, ``is_causal`` and scale;
-* ``softmax`` over the last dim of a 4-D tensor: the logits of eager attention,
-  masks and biases already added (the operands of the 4-D matmul just before it,
-  eager attention's ``q @ k^T``, are kept for the layout check);
-* ``F.multi_head_attention_forward`` (``nn.MultiheadAttention``): q and k are
-  projected from its inputs with its own weights; calls made inside it (its SDPA)
-  are not dispatched to the mode again.
+call since arming) a ``TorchFunctionMode`` watches the attention kernels that
+:mod:`hooks.kernels` reads (SDPA; softmax over 4-D ``(B, H, T, S)`` or 3-D
+``(B*H, T, S)`` logits, with the q and k of the ``matmul``/``bmm``/``baddbmm``/``einsum``
+that made them; ``F.multi_head_attention_forward``) and the products before them.
 
 Each call is reduced at once to per-head statistics of the first ``n_seqs``
 sequences of the batch (:mod:`diag.math.attention`); nothing larger survives the call.
 The real call runs first, unchanged: outputs, RNG and autograd are untouched.
+Padded query rows do not count (:meth:`AttentionCapture._query_rows`): they are read
+from the model's own ``attention_mask`` (a keyword or positional argument of the root
+module's forward, recorded by a pre-hook on it) when it describes the kernel's
+sequence, else from the keys the kernel excludes from every row.
 
 Before a call counts, it is checked against the layer's layout (:mod:`hooks.verify`):
 head count and head size, self- versus cross-attention, and, where the kernel's q
-and k are visible (SDPA), their per-head norms against the module input projected
-with the layout. A disagreement refuses the layer's attention statistics with a
-message that names the module and the spec to pass. Hugging Face models configured
-for another kernel than eager or SDPA (flex, flash) are refused before the mode is
+and k are known (SDPA, MHA, and a softmax whose product was seen), their per-head
+norms against the module input projected with the layout (batch-first, or time-first
+as fairseq passes it). A disagreement refuses the layer's attention statistics with a
+message that names the module and the spec to pass. A softmax whose q and k were not
+seen is measured but reported once as not verifiable; a second attention call in the
+same forward is reported once as not measured. Hugging Face models configured for
+another kernel than eager or SDPA (flex, flash) are refused before the mode is
 entered, so the capture never reads a call it cannot interpret.
 """
 
 from __future__ import annotations
 
 import inspect
-import math
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from diag.math.attention import AttentionStats, LazyLogits, stats_from_logits
+from diag.math.attention import AttentionStats, stats_from_logits, valid_query_rows
 from hooks.discovery import AttentionLayer
-from hooks.verify import Inputs, check_call, module_inputs
+from hooks.kernels import Product, Seen, Unsupported, excluded_keys, is_attention_call, product_operands, read_call
+from hooks.verify import Inputs, Verdict, check_call, module_inputs
 
-__all__ = ["AttentionCapture"]
-
-_MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
-
-
-class _Unsupported(Exception):
-    """The call was seen but its form is not measured; the message says which."""
-
-
-@dataclass
-class Seen:
-    """One attention call as the capture saw it.
-
-    logits: (B, H, Q, K) as fed to the softmax (eager), else None.
-    q, k: (B, H, Q, D) and (B, G or H, K, D) as the kernel got them (SDPA, MHA), else None.
-    exact: q and k were projected here with the module's own weights (MHA).
-    """
-
-    heads: int
-    stats_logits: Callable[[], Tensor | LazyLogits]
-    logits: Tensor | None = None
-    q: Tensor | None = None
-    k: Tensor | None = None
-    exact: bool = False
-
-
-def _sdpa_args(args: tuple, kwargs: dict) -> dict:
-    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-    bound = dict(zip(names, args))
-    bound.update(kwargs)
-    return bound
-
-
-def _slice_mask(mask: Tensor | None, batch: int, n: int) -> Tensor | None:
-    if mask is None or mask.dim() < 4 or mask.shape[0] != batch:
-        return mask
-    return mask[:n]
-
-
-def _from_sdpa(args: tuple, kwargs: dict, n: int) -> Seen:
-    a = _sdpa_args(args, kwargs)
-    q, k = a["query"], a["key"]
-    if q.dim() == 3:
-        q, k = q.unsqueeze(0), k.unsqueeze(0)
-    if q.dim() != 4:
-        raise _Unsupported(f"SDPA with {q.dim()}-D query {tuple(q.shape)} is not measured")
-    batch = q.shape[0]
-    mask = _slice_mask(a.get("attn_mask"), batch, n)
-    return Seen(q.shape[1], lambda: LazyLogits(
-        q[:n], k[:n], a.get("scale"), (mask,), bool(a.get("is_causal", False))
-    ), q=q, k=k)
-
-
-def _from_softmax(args: tuple, kwargs: dict, n: int) -> Seen | None:
-    x = args[0]
-    dim = args[1] if len(args) > 1 else kwargs.get("dim")
-    if not isinstance(x, Tensor) or x.dim() != 4 or dim not in (-1, 3):
-        return None
-    return Seen(x.shape[1], lambda: x[:n], logits=x)
-
-
-def _mha_masks(
-    attn_mask: Tensor | None, kpm: Tensor | None, shape: tuple[int, ...], n: int
-) -> tuple[Tensor, ...]:
-    """nn.MultiheadAttention's two masks as additive masks broadcastable to (n, H, L, S), each no
-    larger than the mask it comes from (its boolean masks mark excluded keys: the opposite of SDPA's)."""
-    batch, heads, n_q, n_k = shape
-    out = []
-    for m, view in ((attn_mask, "attn"), (kpm, "kpm")):
-        if m is None:
-            continue
-        if view == "attn":
-            m = m.reshape(batch, heads, n_q, n_k)[:n] if m.dim() == 3 else m
-        else:
-            m = m[:n, None, None, :]
-        out.append(m.double().masked_fill(m, -math.inf) if m.dtype == torch.bool else m)
-    return tuple(out)
-
-
-def _from_mha(args: tuple, kwargs: dict, n: int) -> Seen:
-    a = _MHA_SIGNATURE.bind(*args, **kwargs).arguments
-    if a.get("bias_k") is not None or a.get("add_zero_attn") or a.get("static_k") is not None:
-        raise _Unsupported("nn.MultiheadAttention with bias_k/add_zero_attn/static_k is not measured")
-    query, key = a["query"], a["key"]
-    kpm = a.get("key_padding_mask")
-    if query.dim() == 2:  # unbatched: (L, E), key padding (S,)
-        query, key = query.unsqueeze(1), key.unsqueeze(1)
-        kpm = None if kpm is None else kpm[None]
-    heads = a["num_heads"]
-    n_q, batch, embed = query.shape
-    d = embed // heads
-    bias = a.get("in_proj_bias")
-    b_q, b_k = (None, None) if bias is None else (bias[:embed], bias[embed : 2 * embed])
-    if a.get("use_separate_proj_weight"):
-        w_q, w_k = a["q_proj_weight"], a["k_proj_weight"]
-    else:
-        w_q, w_k = a["in_proj_weight"][:embed], a["in_proj_weight"][embed : 2 * embed]
-    q = F.linear(query[:, :n], w_q, b_q).reshape(n_q, -1, heads, d).permute(1, 2, 0, 3)  # (n, H, L, D)
-    k = F.linear(key[:, :n], w_k, b_k).reshape(key.shape[0], -1, heads, d).permute(1, 2, 0, 3)
-    shape = (batch, heads, n_q, key.shape[0])
-    masks = _mha_masks(a.get("attn_mask"), kpm, shape, q.shape[0])
-    return Seen(heads, lambda: LazyLogits(q, k, None, masks), q=q, k=k, exact=True)
-
-
-_HANDLERS: dict[Callable, Callable] = {
-    F.scaled_dot_product_attention: _from_sdpa,
-    F.softmax: _from_softmax,
-    torch.softmax: _from_softmax,
-    Tensor.softmax: _from_softmax,
-    F.multi_head_attention_forward: _from_mha,
-}
+__all__ = ["AttentionCapture", "Seen"]
 
 
 def _attn_implementation(module) -> str | None:
@@ -166,52 +54,80 @@ def _attn_implementation(module) -> str | None:
     return impl if isinstance(impl, str) else None
 
 
-_MATMULS = (torch.matmul, Tensor.matmul, Tensor.__matmul__)
+_PRODUCTS = 4  # products remembered per module forward
 
 
 class _Mode(TorchFunctionMode):
     """Watches the calls of one attention module's forward.
 
-    ``scores`` keeps the operands of the latest 4-D matmul (eager attention's
-    ``q @ k^T``), so that the softmax after it can be checked against the layout.
+    ``products`` keeps the operands of the latest few 3-D to 5-D products (``q @ k^T``, ``bmm``,
+    ``baddbmm``, ``einsum``; DeBERTa makes two relative-position products after ``q @ k^T``), so
+    that the softmax after them knows its q and k.
     """
 
     def __init__(self, capture: AttentionCapture) -> None:
         super().__init__()
         self.capture = capture
-        self.scores: tuple[Tensor, Tensor, torch.Size] | None = None
+        self.products: tuple[Product, ...] = ()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func in _MATMULS:
-            a, b = (args + (kwargs.get("other"),))[:2]
-            if isinstance(a, Tensor) and isinstance(b, Tensor) and a.dim() == b.dim() == 4:
-                self.scores = (a, b, out.shape)
-            return out
-        handler = _HANDLERS.get(func)
-        if handler is not None:
-            self.capture._record(handler, args, kwargs, self.scores)
+        product = product_operands(func, args, kwargs, out)
+        if product is not None:
+            self.products = self.products[-(_PRODUCTS - 1):] + (product,)
+        elif is_attention_call(func, args, kwargs):
+            self.capture._record(func, args, kwargs, self.products)
         return out
 
 
-class AttentionCapture:
-    """Arms hooks for one forward, reduces each attention call to per-head statistics."""
+def _attention_mask(module: nn.Module, args: tuple, kwargs: dict) -> Tensor | None:
+    """The ``attention_mask`` argument of a forward call, if it is a (B, T) padding mask."""
+    mask = kwargs.get("attention_mask")
+    if mask is None and args:
+        try:
+            mask = inspect.signature(module.forward).bind_partial(*args).arguments.get("attention_mask")
+        except (TypeError, ValueError):  # a signature that cannot be read or bound: no mask
+            mask = None
+    return mask if isinstance(mask, Tensor) and mask.dim() == 2 else None
 
-    def __init__(self, layers: list[AttentionLayer], n_seqs: int = 2, rank_rows: int = 256) -> None:
+
+def _time_first(args: tuple, kwargs: dict, n: int) -> Inputs:
+    """The module's inputs read as (T, B, E) (fairseq, nn.MultiheadAttention without batch_first)."""
+    def swap(v):
+        return v.transpose(0, 1) if isinstance(v, Tensor) and v.dim() == 3 else v
+
+    return module_inputs(tuple(swap(a) for a in args), {k: swap(v) for k, v in kwargs.items()}, n)
+
+
+class AttentionCapture:
+    """Arms hooks for one forward, reduces each attention call to per-head statistics.
+
+    model: the root module the Monitor watches; its forward's ``attention_mask`` tells which
+    query rows are padding. None: only the kernels' masks tell.
+    """
+
+    def __init__(
+        self, layers: list[AttentionLayer], n_seqs: int = 2, rank_rows: int = 256, model: nn.Module | None = None
+    ) -> None:
         self.layers = layers
         self.n_seqs = n_seqs
         self.rank_rows = rank_rows
+        self.model = model
         self.results: dict[int, AttentionStats] = {}
         self.problems: dict[int, str] = {}
         self.checked: dict[int, str] = {}  # layer index -> what the layout check compared
         self.layout_refused: dict[int, str] = {}  # layer index -> why its layout disagrees with the model
+        self.notes: dict[int, str] = {}  # layer index -> what was measured but not verified, or not measured
         # Layers whose layout a capture confirmed: the packing cannot change, so the (costly, float64)
         # projection check runs once per layer, not at every sampled step.
         self._confirmed: dict[int, str] = {}
         self._handles: list[RemovableHandle] = []
         self._active: AttentionLayer | None = None
-        self._inputs: Inputs | None = None
+        self._inputs: tuple[Inputs, Inputs] | None = None  # batch-first, time-first
+        self._calls: dict[int, int] = {}  # attention calls per layer in the captured forward
+        self._skipped: dict[int, str] = {}  # layers whose forward ran while armed, but not for training
+        self._model_mask: Tensor | None = None
         self._mode: _Mode | None = None
 
     @property
@@ -222,6 +138,10 @@ class AttentionCapture:
         if self._handles:
             return
         self.results, self.problems, self.checked, self.layout_refused = {}, {}, {}, {}
+        self.notes, self._calls, self._skipped = {}, {}, {}
+        if self.model is not None:  # the root's attention_mask, for the attention calls inside its forward only
+            self._handles.append(self.model.register_forward_pre_hook(self._root_hook, with_kwargs=True))
+            self._handles.append(self.model.register_forward_hook(self._root_done, always_call=True))
         for layer in self.layers:
             pre = layer.module.register_forward_pre_hook(self._pre_hook(layer), with_kwargs=True)
             post = layer.module.register_forward_hook(self._post_hook(layer), always_call=True)
@@ -231,19 +151,34 @@ class AttentionCapture:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._model_mask = None
         self._exit_mode()
 
     def take(self) -> tuple[dict[int, AttentionStats], dict[int, str]]:
         """Results of the armed forward (then disarmed and cleared)."""
         self.disarm()
+        for index, why in self._skipped.items():
+            if index not in self.results and index not in self.problems:
+                self.problems[index] = (f"its forward ran only {why} while the capture was armed; attention is read "
+                                        "from a training forward (module.train(), grad enabled)")
+        self._skipped = {}
         results, problems = self.results, self.problems
         self.results, self.problems = {}, {}
         return results, problems
 
+    def _root_hook(self, module, args, kwargs):
+        self._model_mask = _attention_mask(module, args, kwargs)
+
+    def _root_done(self, module, args, output):
+        self._model_mask = None
+
     def _pre_hook(self, layer: AttentionLayer):
         def hook(module, args, kwargs):
             done = layer.index in self.results or layer.index in self.problems
-            if done or self._mode is not None or not module.training or not torch.is_grad_enabled():
+            if done or self._mode is not None:
+                return
+            if not module.training or not torch.is_grad_enabled():
+                self._skipped.setdefault(layer.index, "in eval mode" if not module.training else "under no_grad")
                 return
             impl = _attn_implementation(module)
             if impl not in (None, "eager", "sdpa"):
@@ -253,7 +188,8 @@ class AttentionCapture:
                 )
                 return
             self._active = layer
-            self._inputs = module_inputs(args, kwargs, self.n_seqs)
+            self._calls[layer.index] = 0
+            self._inputs = (module_inputs(args, kwargs, self.n_seqs), _time_first(args, kwargs, self.n_seqs))
             self._mode = _Mode(self)
             self._mode.__enter__()
 
@@ -263,11 +199,16 @@ class AttentionCapture:
         def hook(module, args, output):
             if self._active is layer:
                 self._exit_mode()
+                calls = self._calls.get(layer.index, 0)
                 if output is None:  # the forward raised: what it saw does not count
                     self.results.pop(layer.index, None)
                     self.problems.pop(layer.index, None)
                 elif layer.index not in self.results and layer.index not in self.problems:
                     self.problems[layer.index] = "no attention call (SDPA, softmax or MHA) was seen"
+                elif calls > 1:
+                    self.notes[layer.index] = (
+                        f"its forward made {calls} attention calls (SDPA, softmax or MHA); only the first is "
+                        "measured, the others are not")
 
         return hook
 
@@ -276,29 +217,72 @@ class AttentionCapture:
             mode, self._mode, self._active, self._inputs = self._mode, None, None, None
             mode.__exit__(None, None, None)
 
-    def _record(self, handler: Callable, args: tuple, kwargs: dict, scores: tuple | None = None) -> None:
+    def _record(self, func, args: tuple, kwargs: dict, products: tuple[Product, ...]) -> None:
         layer = self._active
-        if layer is None or layer.index in self.results or layer.index in self.problems:
+        if layer is None:
+            return
+        self._calls[layer.index] = self._calls.get(layer.index, 0) + 1
+        if layer.index in self.results or layer.index in self.problems:
             return
         try:
             with torch.no_grad():
-                seen = handler(args, kwargs, self.n_seqs)
+                seen = read_call(func, args, kwargs, self.n_seqs, layer.layout.n_heads, products)
                 if seen is None:
                     return
-                if seen.logits is not None and scores is not None and scores[2] == seen.logits.shape:
-                    seen.q, seen.k = scores[0], scores[1].transpose(-1, -2)  # the q @ k^T before this softmax
-                confirmed = self._confirmed.get(layer.index)
-                if confirmed is None:
-                    verdict = check_call(layer, seen, self._inputs, self.n_seqs)
-                    if verdict.problem is not None:
-                        self.problems[layer.index] = self.layout_refused[layer.index] = verdict.problem
-                        return
-                    confirmed = verdict.checked
-                    if confirmed in ("q,k", "exact"):  # q and k compared with values: settled for good
-                        self._confirmed[layer.index] = confirmed
-                self.checked[layer.index] = confirmed
-                self.results[layer.index] = stats_from_logits(seen.stats_logits(), self.rank_rows)
-        except _Unsupported as err:
+                verdict = self._verify(layer, seen)
+                if verdict.problem is not None:
+                    self.problems[layer.index] = self.layout_refused[layer.index] = verdict.problem
+                    return
+                self.checked[layer.index] = verdict.checked
+                logits = seen.stats_logits()
+                rows = self._query_rows(layer, seen, logits)
+                self.results[layer.index] = stats_from_logits(logits, self.rank_rows, rows)
+                if seen.note is not None:
+                    self.notes[layer.index] = seen.note
+                elif verdict.checked == "shapes" and layer.layout.verify:
+                    self.notes[layer.index] = (
+                        "not verifiable: the kernel's q and k were seen, but not the module input they are projected "
+                        "from (not the first positional argument nor hidden_states/x/query/input, or not of the "
+                        "projections' width), so only shapes were checked against the layout")
+        except Unsupported as err:
             self.problems[layer.index] = str(err)
         except Exception as err:  # noqa: BLE001 - a fault here must never reach the forward pass
             self.problems[layer.index] = f"capture failed: {err!r}"
+
+    def _verify(self, layer: AttentionLayer, seen: Seen) -> Verdict:
+        """The layout check, once per layer when it compared values; inputs read batch-first, else time-first."""
+        confirmed = self._confirmed.get(layer.index)
+        if confirmed is not None:
+            return Verdict(checked=confirmed)
+        batch_first, time_first = self._inputs or (None, None)
+        length = None if seen.q is None else seen.q.shape[2]
+
+        def fits(inputs: Inputs | None) -> bool:  # the input's second dim is the query length
+            return inputs is not None and inputs.x is not None and inputs.x.shape[1] == length
+
+        if fits(time_first) and not fits(batch_first):  # (T, B, E): fairseq, MHA without batch_first
+            batch_first, time_first = time_first, None
+        elif not fits(time_first):
+            time_first = None
+        verdict = check_call(layer, seen, batch_first, self.n_seqs)
+        if (verdict.problem is not None or verdict.checked in ("shapes", "q")) and time_first is not None:
+            other = check_call(layer, seen, time_first, self.n_seqs)  # B == T: either reading fits the shapes
+            if other.problem is None and other.checked in ("q", "q,k") and other.checked != verdict.checked:
+                verdict = other
+        if verdict.problem is None and verdict.checked in ("q,k", "exact"):  # settled for good
+            self._confirmed[layer.index] = verdict.checked
+        return verdict
+
+    def _query_rows(self, layer: AttentionLayer, seen: Seen, logits) -> Tensor | None:
+        """(n, Q) bool, False on padded query rows; None when every row counts (cross-attention)."""
+        if layer.cross or not seen.self_attn:
+            return None
+        excluded = excluded_keys(logits)  # (n, Q, K)
+        if excluded.shape[1] != excluded.shape[2]:
+            return None
+        mask = self._model_mask
+        if mask is not None and mask.shape == (seen.batch, excluded.shape[1]):
+            rows = valid_query_rows(excluded, mask[: excluded.shape[0]])
+        else:
+            rows = valid_query_rows(excluded)
+        return None if bool(rows.all()) else rows  # no padding: the statistics skip the row masking

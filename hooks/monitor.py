@@ -133,7 +133,7 @@ class Monitor:
             self.detectors = SharedDetectors(self.detectors, stop_on_critical)
         # FSDP2: gathers on sampled steps; W_O only for its update ratio
         self._reader = QKVReader(self.layers, grads="grads" in self.signals, output="updates" in self.signals)
-        self.capture = EagerCapture(self.layers, attn_seqs, attn_rank_rows)
+        self.capture = EagerCapture(self.layers, attn_seqs, attn_rank_rows, model=model)
         self.last: dict[str, float] = {}
         self.updates = UpdateTracker()
         self._snapshot: tuple[int, list] | None = None
@@ -295,6 +295,9 @@ class Monitor:
         if layer.index in problems:
             self._warn_once(f"attn-{layer.index}", f"diag: attention of {layer.name} not measured: "
                             f"{problems[layer.index]}")
+        note = self.capture.notes.get(layer.index)
+        if note is not None:
+            self._warn_once(f"attn-note-{layer.index}", f"diag: attention of {layer.name}: {note}")
         stats = results.get(layer.index)
         if stats is not None:
             values.update(attention_metrics(stats))

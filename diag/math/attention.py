@@ -9,13 +9,16 @@ Shapes: N sampled sequences, H heads, Q query positions, K key positions.
 * Masked keys are excluded: their logit is -inf, or an additive mask value at or
   below half the most negative number of its dtype (Hugging Face adds
   ``torch.finfo(dtype).min``).
-* A query row is valid when at least one key is not masked; statistics average
-  over valid rows only.
+* A query row is valid when at least one key is not masked and, when the caller
+  passes ``query_valid`` (N, Q), the row is a real token there (not padding: see
+  :func:`valid_query_rows`); statistics average over valid rows only, and the max
+  logit is taken over them.
 * ``attn_rank`` is the effective rank (Roy & Vetterli) of the attention matrix of
-  one sequence and head restricted to its first ``rank_rows`` query rows (invalid
-  rows and masked keys contribute zero rows and columns, which do not change the
-  nonzero singular values); averaged over the sampled sequences that have a valid
-  row among those. ``rows`` is the mean number of valid rows the rank saw.
+  one sequence and head restricted to its first ``rank_rows`` query rows that are
+  real tokens (rows with no key and masked keys contribute zero rows and columns,
+  which do not change the nonzero singular values); averaged over the sampled
+  sequences that have a valid row among those. ``rows`` is the mean number of valid
+  rows the rank saw.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ __all__ = [
     "excluded_by_additive_mask",
     "attention_logits",
     "LazyLogits",
+    "valid_query_rows",
     "stats_from_logits",
     "stats_from_probabilities_reference",
 ]
@@ -143,6 +147,41 @@ class LazyLogits:
                 logits = (logits + m.double()).masked_fill(excluded_by_additive_mask(m), -math.inf)
         return logits
 
+    def excluded(self) -> Tensor:
+        """(N, Q, K) bool: True where the causal flag or a mask excludes key j from row i (of query head 0;
+        padding masks do not differ between heads). Reads the masks only, never q or k."""
+        n_seq, _, n_q, n_k = self.shape
+        dev = self.q.device
+        out = torch.zeros(n_seq, n_q, n_k, dtype=torch.bool, device=dev)
+        if self.is_causal:
+            out |= torch.ones(n_q, n_k, dtype=torch.bool, device=dev).tril().logical_not()
+        for mask in self.masks:
+            m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))[:, 0]  # (1 | N, 1 | Q, 1 | K)
+            out |= ~m if m.dtype == torch.bool else excluded_by_additive_mask(m)
+        return out
+
+
+def valid_query_rows(excluded: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+    """The query rows of self-attention that are real tokens, (N, T) bool (True = valid).
+
+    excluded: (N, T, T), True where the kernel excludes key j from query row i (one head).
+    attention_mask: the model's own padding mask (N, T) (nonzero / True = token), or None.
+
+    The model's mask decides when it describes this kernel's sequence: every key it marks as
+    padding is excluded from every row it marks as a token, and from its own row unless that
+    row attends to every key (Hugging Face lets fully masked rows attend to everything, or
+    nothing). A mask of another sequence of the same length (an encoder's, seen by a causal
+    decoder) fails that test. Otherwise, from the kernel alone: a position is padding when it
+    is excluded as a key from every query row.
+    """
+    if attention_mask is not None and attention_mask.shape == excluded.shape[:2]:
+        pad = attention_mask == 0  # (N, T)
+        in_valid_rows = (excluded | pad[:, :, None]).all(1)  # (N, T): key j excluded in every token row
+        own_row = excluded.diagonal(dim1=1, dim2=2) | (~excluded).all(-1)  # row j excludes key j, or is open
+        if bool((~pad | (in_valid_rows & own_row)).all()):
+            return ~pad
+    return ~excluded.all(1)
+
 
 def _row_chunks(n_rows: int, n_heads: int, n_keys: int) -> int:
     return max(1, min(n_rows, _CHUNK_BYTES // max(1, 8 * n_heads * n_keys)))
@@ -160,12 +199,25 @@ def _singular_values(p: Tensor) -> Tensor:
     return torch.where(energy > floor, energy, 0.0).sqrt()
 
 
-def stats_from_logits(logits: Tensor | LazyLogits, rank_rows: int = 256) -> AttentionStats:
+def _rank_rows(query_valid: Tensor | None, i: int, rank_rows: int) -> tuple[int, Tensor | None]:
+    """How many leading rows of sequence i the rank reads, and which of them (None: all): its first
+    ``rank_rows`` token rows. One host sync per sequence, only when rows are masked."""
+    if query_valid is None:
+        return rank_rows, None
+    take = query_valid[i].nonzero().flatten()[:rank_rows]
+    return (int(take[-1]) + 1 if take.numel() else 0), take
+
+
+def stats_from_logits(
+    logits: Tensor | LazyLogits, rank_rows: int = 256, query_valid: Tensor | None = None
+) -> AttentionStats:
     """Entropy (nats, mean over valid rows), effective rank and max logit per head.
 
     logits: (N, H, Q, K) as fed to the softmax; excluded keys are -inf or carry a
     large negative additive mask (see :func:`excluded_by_additive_mask`); or a
     :class:`LazyLogits`, read a block of rows at a time (the same numbers).
+    query_valid: (N, Q) bool, False on padded query rows: they count for nothing
+    (as rows with no key do), and the rank takes the first ``rank_rows`` rows that are True.
     """
     n_seq, n_heads, n_q, n_k = logits.shape
     lazy = isinstance(logits, LazyLogits)  # its excluded entries are -inf already
@@ -182,11 +234,14 @@ def stats_from_logits(logits: Tensor | LazyLogits, rank_rows: int = 256) -> Atte
     rank_seqs = torch.zeros(1, dtype=torch.float64, device=dev)
     for i in range(n_seq):
         rank_block = []
+        bound, take = _rank_rows(query_valid, i, rank_rows)
         for start in range(0, n_q, step):
             chunk = rows_of(i, start, start + step)  # (H, c, K)
             excluded = excluded_by_additive_mask(chunk)  # in the logits' own dtype (its finfo.min)
+            if query_valid is not None:  # a padded query row: as if it had no key
+                excluded = excluded | ~query_valid[i, start : start + step, None]
             s = chunk.double()
-            if not lazy:  # eager logits may carry a finite additive mask value
+            if not lazy or query_valid is not None:  # eager logits may carry a finite additive mask value
                 s = s.masked_fill(excluded, -math.inf)
             keys = (~excluded).sum(-1)  # (H, c): keys each row may attend to
             valid_row = keys > 0
@@ -199,13 +254,17 @@ def stats_from_logits(logits: Tensor | LazyLogits, rank_rows: int = 256) -> Atte
             uniform_sum += keys.clamp_min(1).double().log().sum(-1)
             rows += valid_row.sum(-1)
             max_logit = torch.maximum(max_logit, s.amax(dim=(-1, -2)))
-            if start < rank_rows:
-                rank_block.append(p[:, : rank_rows - start])
+            if start < bound:
+                rank_block.append(p[:, : bound - start])
             if i == 0 and start < MAP_SIZE:
                 map_block.append(p[:, : MAP_SIZE - start, :MAP_SIZE].float())
         # The rank of this sequence now, so that one sequence's rows are held at a time.
+        if not rank_block:  # no token row at all
+            rank_block = [torch.zeros(n_heads, 1, n_k, dtype=torch.float64, device=dev)]
         block = rank_block[0] if len(rank_block) == 1 else torch.cat(rank_block, dim=1)  # (H, R, K)
         del rank_block
+        if take is not None and take.numel() and take.numel() < block.shape[1]:
+            block = block[:, take]  # the first rank_rows token rows
         seen = (block[0] > 0).any(-1).sum()
         has_rows = seen > 0  # a sequence with no valid row in the block has no rank
         finite = torch.isfinite(block).flatten(1).all(1)  # (H,): a NaN head gets a NaN rank
@@ -226,14 +285,17 @@ def stats_from_logits(logits: Tensor | LazyLogits, rank_rows: int = 256) -> Atte
 
 
 def stats_from_probabilities_reference(
-    probs: Tensor, allowed: Tensor, rank_rows: int = 256
+    probs: Tensor, allowed: Tensor, rank_rows: int = 256, query_valid: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """Slow reference from explicit probabilities (N, H, Q, K) and allowed keys (N, Q, K).
 
     Per-head loops in float64: entropy = mean over valid rows of -sum p log p;
     rank = mean over sequences of the effective rank of the first rank_rows rows.
+    query_valid (N, Q): rows marked False (padding) are dropped first, from both.
     """
     n_seq, n_heads, n_q, _ = probs.shape
+    if query_valid is not None:
+        allowed = allowed & query_valid[:, :, None]
     entropy = torch.zeros(n_heads, dtype=torch.float64)
     rank = torch.zeros(n_heads, dtype=torch.float64)
     for h in range(n_heads):
@@ -241,6 +303,8 @@ def stats_from_probabilities_reference(
         for i in range(n_seq):
             p_rows = []
             for r in range(n_q):
+                if query_valid is not None and not bool(query_valid[i, r]):
+                    continue  # padding: not a row of this sequence's attention
                 if not bool(allowed[i, r].any()):
                     p_rows.append(torch.zeros(probs.shape[-1], dtype=torch.float64))
                     continue
@@ -249,7 +313,7 @@ def stats_from_probabilities_reference(
                 nz = p[p > 0]
                 total += float(-(nz * nz.log()).sum())
                 count += 1
-            mat = torch.stack(p_rows)[:rank_rows]
+            mat = torch.stack(p_rows)[:rank_rows] if p_rows else torch.zeros(1, probs.shape[-1])
             if not bool((mat > 0).any()):
                 continue  # no valid row in the block: this sequence has no rank
             sv = torch.linalg.svdvals(mat)

@@ -169,6 +169,20 @@ def allowed_keys(case: zoo.Case, batch: dict, index: int) -> torch.Tensor:
     return mask[:, None, :].expand(n, t, seq) if is_cross else causal(t)
 
 
+def token_rows(case: zoo.Case, batch: dict, index: int) -> torch.Tensor:
+    """(N, Q) query rows of the index-th attention module that are tokens, not padding, by hand: the encoder's
+    (or a decoder-only model's) self-attention over the padded source; every row of a decoder's (issue 16)."""
+    n, probe = N_SEQ, allowed_keys(case, batch, index)
+    layers = attention_modules(case)
+    n_enc = sum(1 for _, c in layers if not c) - sum(1 for _, c in layers if c)
+    if layers[index][1] or family(case) == "vit" or (family(case) in ("t5", "bart", "torch-seq2seq")
+                                                     and index >= n_enc):
+        return torch.ones(probe.shape[:2], dtype=torch.bool)
+    if family(case) == "torch-seq2seq":
+        return ~batch["pad"][:n]
+    return batch["attention_mask"][:n].bool()
+
+
 def eager_probabilities(case: zoo.Case, batch: dict) -> list[torch.Tensor]:
     """The model's own eager attention probabilities per layer (N, H, Q, K), float64."""
     fam, n = family(case), N_SEQ
@@ -253,7 +267,7 @@ def logits_by_hand(case: zoo.Case, batch: dict, at_step0: zoo.Case) -> list[torc
         logits = q @ k.transpose(-1, -2) * scale
         if fam == "t5":
             logits = logits + outs[i][1].double()  # the relative position bias the layer used (zeros if none)
-        allowed = allowed_keys(case, batch, i)[:, None]
+        allowed = (allowed_keys(case, batch, i) & token_rows(case, batch, i)[:, :, None])[:, None]
         result.append(logits.masked_fill(~allowed, -math.inf))
     return result
 
@@ -330,7 +344,8 @@ def test_entropy_and_rank_match_eager_probabilities(ran):
     probs = eager_probabilities(ran.at_step0, ran.batch)
     assert len(probs) == len(ran.monitor.layers)
     for i, (layer, p) in enumerate(zip(ran.monitor.layers, probs)):
-        entropy, rank = stats_from_probabilities_reference(p, allowed_keys(ran.case, ran.batch, i))
+        entropy, rank = stats_from_probabilities_reference(p, allowed_keys(ran.case, ran.batch, i),
+                                                           query_valid=token_rows(ran.case, ran.batch, i))
         n = layer.layout.n_heads
         np.testing.assert_allclose(per_head(ran.record, "attn_entropy", layer.label, n), entropy.numpy(), rtol=REL)
         np.testing.assert_allclose(per_head(ran.record, "attn_rank", layer.label, n), rank.numpy(), rtol=REL)
@@ -800,7 +815,7 @@ def test_unbatched_multihead_attention_with_key_padding_mask_is_measured():
     with torch.no_grad():
         _, probs = model.attn(x, x, x, key_padding_mask=kpm, need_weights=True, average_attn_weights=False)
     p = probs.double()  # (H, L, S)
-    entropy = -(p * torch.where(p > 0, p.log(), 0.0)).sum(-1).mean(-1)
+    entropy = -(p * torch.where(p > 0, p.log(), 0.0)).sum(-1)[:, ~kpm].mean(-1)  # padded query rows do not count
     scalars = sink.records[0].scalars
     logged = [scalars[t] for t in sorted(t for t in scalars if t.startswith("attn_entropy/L00/H"))]
     assert logged == pytest.approx(entropy.tolist(), rel=1e-5)

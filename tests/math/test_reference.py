@@ -160,8 +160,9 @@ def test_spectra_match_full_svd(ran):
         assert spectrum.shape == (n_heads * d,)
 
 
-def reference_attention(case: zoo.Case, batch: dict) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """The model's own eager probabilities per layer (N, H, Q, K), and allowed keys (N, Q, K)."""
+def reference_attention(case: zoo.Case, batch: dict) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """The model's own eager probabilities per layer (N, H, Q, K), allowed keys (N, Q, K), and which query
+    rows are tokens (N, Q): padded rows (right padding) do not count (issue 16; they used to)."""
     model, n = case.model, 2
     ids = batch["input_ids"][:n]
     seq = ids.shape[1]
@@ -173,27 +174,27 @@ def reference_attention(case: zoo.Case, batch: dict) -> tuple[list[torch.Tensor]
             eager.load_state_dict(model.state_dict())
             eager.eval()  # output_attentions returns the weights after attention dropout
             out = eager(input_ids=ids, attention_mask=mask, output_attentions=True)
-            return [a.double() for a in out.attentions], causal[None] & mask[:, None, :].bool()
+            return [a.double() for a in out.attentions], causal[None] & mask[:, None, :].bool(), mask.bool()
         if case.name == "nanogpt":
             probs, x = [], model.drop(model.wte(ids) + model.wpe(torch.arange(seq)))
             for block in model.h:
                 probs.append(block.attn.reference_probs(block.ln_1(x)))
                 x = block(x)
-            return probs, causal[None].expand(n, -1, -1)
+            return probs, causal[None].expand(n, -1, -1), torch.ones(n, seq, dtype=torch.bool)
         pad = batch["pad"][:n]
         probs, x = [], model.emb(ids)
         for layer in model.encoder.layers:
             _, w = layer.self_attn(x, x, x, key_padding_mask=pad, need_weights=True, average_attn_weights=False)
             probs.append(w.double())
             x = layer(x, src_key_padding_mask=pad)
-        return probs, (~pad)[:, None, :].expand(n, seq, seq)
+        return probs, (~pad)[:, None, :].expand(n, seq, seq), ~pad
 
 
 def test_attention_entropy_and_rank_match_eager_probabilities(ran):
     record = ran.record
-    probs, allowed = reference_attention(ran.at_step0, ran.batch)
+    probs, allowed, tokens = reference_attention(ran.at_step0, ran.batch)
     for layer, p in zip(ran.monitor.layers, probs):
-        entropy, rank = stats_from_probabilities_reference(p, allowed)
+        entropy, rank = stats_from_probabilities_reference(p, allowed, query_valid=tokens)
         n = layer.layout.n_heads
         np.testing.assert_allclose(per_head(record, "attn_entropy", layer.label, n), entropy.numpy(), rtol=REL)
         np.testing.assert_allclose(per_head(record, "attn_rank", layer.label, n), rank.numpy(), rtol=REL)
@@ -212,12 +213,13 @@ def test_max_logit_matches_logits_by_hand(ran):
         if case.name.startswith(("gpt2", "llama")):
             model(input_ids=ids, attention_mask=batch["attention_mask"][:n])
             allowed = causal & batch["attention_mask"][:n, None, :].bool()
+            allowed = allowed & batch["attention_mask"][:n, :, None].bool()  # padded query rows do not count
         elif case.name == "nanogpt":
             model(ids)
             allowed = causal.expand(n, -1, -1)
         else:
             model(ids, batch["pad"][:n])
-            allowed = (~batch["pad"][:n])[:, None, :].expand(n, seq, seq)
+            allowed = (~batch["pad"][:n])[:, None, :] & (~batch["pad"][:n])[:, :, None]  # token rows only
     for h in hooks:
         h.remove()
     for layer, module, (args, kw) in zip(monitor.layers, attention_modules(case), calls):
