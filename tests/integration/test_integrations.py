@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 import zoo
-from test_safety import MODULE_HOOK_ATTRS, assert_no_function_mode, assert_no_hooks
+from harness import MODULE_HOOK_ATTRS, assert_no_function_mode, assert_no_hooks
 
 import hooks
 from diag.errors import ConfigError

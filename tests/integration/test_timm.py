@@ -269,7 +269,7 @@ def test_update_ratios_match_full_svd(case):
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_training_is_bit_identical_with_monitor(case):
     """Dropout on (tokens, attention, projections, head), every step sampled: the capture changes nothing."""
-    from test_safety import assert_no_function_mode, train
+    from harness import assert_no_function_mode, train
 
     def make() -> zoo.Case:
         return zoo.Case("timm-vit", build(*case, drop=0.2), make_batch, loss_fn)

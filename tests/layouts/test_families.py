@@ -691,7 +691,7 @@ def test_an_implementation_the_capture_cannot_read_is_refused_before_the_forward
 @pytest.mark.parametrize("name", ["bart-sdpa", "t5-eager", "gpt-neox-eager", "gpt2-cross-sdpa", "torch-seq2seq"])
 def test_training_is_bit_identical_with_monitor(name):
     """Dropout on, every step sampled: the capture (and its matmul watch) changes nothing."""
-    from test_safety import assert_no_function_mode, train
+    from harness import assert_no_function_mode, train
 
     def make() -> zoo.Case:
         if name == "torch-seq2seq":
@@ -747,7 +747,7 @@ def test_the_long_bit_identity_test_covers_every_builder():
 
 @pytest.mark.parametrize("name", LONG_CASES)
 def test_training_is_bit_identical_with_monitor_over_many_steps(name, tmp_path):
-    from test_safety import assert_no_function_mode, assert_no_hooks, assert_states_equal, train
+    from harness import assert_no_function_mode, assert_no_hooks, assert_states_equal, train
 
     family_name, impl = name.rsplit("-", 1)
     losses_plain, state_plain = train(zoo.FAMILY_BUILDERS[family_name](impl), steps=LONG_STEPS)
