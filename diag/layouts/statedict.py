@@ -16,19 +16,18 @@ that is the registration order the live Monitor numbers by.
 
 from __future__ import annotations
 
+import fnmatch
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from diag.errors import SpecError
 from diag.layouts.adapters import ADAPTERS, CROSS_NAMES, HEAD_ATTRS, ModuleView, find_layout, resolve, with_sibling_o
-from diag.layouts.vocab import QKVLayout
+from diag.layouts.vocab import QKVLayout, shape_problem
 from diag.outputs.tags import layer_labels
 
-__all__ = ["Heads", "StateDictLayer", "head_attrs", "module_views", "find_layers"]
-
-
+__all__ = ["Heads", "StateDictLayer", "head_attrs", "module_views", "find_layers", "layers_from_spec"]
 
 # Adapters that need the attention class (GPT-2's Conv1D, GPT-NeoX's interleaving) get it
 # offline from a Hugging Face config's model_type; other views carry no class name.
@@ -43,6 +42,7 @@ class Heads:
     source: str  # "config.json", "model_args", "--heads", or "assumed"
     note: str
     cls: str = ""  # the attention class name the config implies, if any
+    assumptions: tuple[str, ...] = ()  # what the weights alone cannot confirm (see diag.offline.layers)
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def head_attrs(config: Mapping[str, Any], config_source: str, heads: int | None,
     if heads is not None:
         attrs = {k: v for k, v in attrs.items() if k in ("embed_dim", "num_key_value_heads", "n_kv_heads")}
         attrs["num_heads"] = heads
-        source, note = "--heads", f"{heads} heads per layer (--heads)"
+        source, note = "--heads", f"{heads} heads per layer (--heads; every layer alike)"
     elif any(k in attrs for k in HEAD_ATTRS[:4]):
         source, note = config_source, f"head counts from {config_source}"
     else:
@@ -94,6 +94,7 @@ def head_attrs(config: Mapping[str, Any], config_source: str, heads: int | None,
     if kv_heads is not None:
         attrs.pop("n_kv_heads", None)
         attrs["num_key_value_heads"] = kv_heads
+        note += f"; {kv_heads} key/value heads (--kv-heads)"
     return Heads(attrs, source, note, MODEL_TYPE_CLASSES.get(str(config.get("model_type", "")), ""))
 
 
@@ -153,13 +154,106 @@ def find_layers(shapes: Mapping[str, tuple[int, ...]], heads: Heads) -> list[Sta
     return [StateDictLayer(i, label, name, layout) for i, (label, (name, layout)) in enumerate(zip(labels, found))]
 
 
+# Module (or parameter) names of query/key/value projections in common model code.
+_QKV_NAME = re.compile(r"(w?[qkv]|qkv|wqkv|c_attn|q_attn|query|key|value|query_key_value|[qkv]_proj|to_[qkv]|"
+                       r"[qkv]_lin|in_proj|(in|[qkv])_proj_weight)", re.IGNORECASE)
+
+
+def _qkv_suspects(shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
+    """2-D tensors named like a Q, K, V or fused QKV projection (not norms, not output projections)."""
+    found = []
+    for key, shape in shapes.items():
+        parts = key.split(".")
+        name = parts[-1] if parts[-1].endswith("proj_weight") else (parts[-2] if len(parts) > 1 else "")
+        if len(shape) == 2 and _QKV_NAME.fullmatch(name):
+            found.append(f"{key} {tuple(shape)}")
+    return found
+
+
 def _nothing_found(shapes: Mapping[str, tuple[int, ...]], heads: Heads) -> str:
-    suspects = [f"{k} {tuple(s)}" for k, s in shapes.items()
-                if any(w in k.lower() for w in ("attn", "attention", "q_proj", "in_proj"))][:4]
-    count = heads.attrs.get("num_heads") or heads.attrs.get("num_attention_heads") or heads.attrs.get("n_head")
+    suspects = _qkv_suspects(shapes)
+    read = ", ".join(f"{k}={v}" for k, v in heads.attrs.items() if k in HEAD_ATTRS) or "no head count"
     tried = "; ".join(a.describes for a in ADAPTERS)
+    if heads.source == "--heads":
+        fix = ("the head counts passed do not fit these tensors' rows: check --heads/--kv-heads, or pass "
+               "--layout FILE naming each layer's weights (docs/analyze.md#layout-files)")
+    else:
+        fix = ("pass --layout FILE naming each layer's weights and packing (docs/analyze.md#layout-files), or "
+               "--heads N (and --kv-heads G for grouped-query) if one of the adapters above fits the keys")
     return (
-        f"unknown layout: no attention weights recognised with {count} head(s) ({heads.source}) among "
-        f"{len(shapes)} tensors. Tried {tried}. Attention-like tensors: {suspects or 'none'}. The shapes must "
-        "fit the head count (rows a multiple of it); pass --heads N (and --kv-heads G for grouped-query)"
+        f"unknown layout: no attention weights recognised with {read} ({heads.source}) among {len(shapes)} "
+        f"tensors. Tried {tried}. Tensors named like Q/K/V projections: {suspects[:4] or 'none'}. {fix}"
     )
+
+
+# --------------------------------------------------------------- an explicit layout (file or the run's own)
+
+SpecEntry = tuple[str, QKVLayout, "str | None"]  # (module path or fnmatch pattern, layout, tag label or None)
+
+
+def _modules(shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
+    """Every module path of the keys (``a.b.c.weight`` -> ``a``, ``a.b``, ``a.b.c``), in order of appearance."""
+    found: dict[str, None] = {}
+    for key in shapes:
+        parts = key.split(".")
+        for depth in range(1, len(parts)):
+            found.setdefault(".".join(parts[:depth]))
+    return list(found)
+
+
+def _match(modules: list[str], pattern: str, prefix: str, strip: int) -> list[str]:
+    """Modules that match ``pattern`` minus its first ``strip`` components, below ``prefix``."""
+    parts = pattern.split(".")
+    if strip >= len(parts):
+        return []
+    tail = ".".join(parts[strip:])
+    return [m for m in modules if m.startswith(prefix) and fnmatch.fnmatchcase(m[len(prefix):], tail)]
+
+
+def _prefixes(modules: list[str]) -> list[str]:
+    """"" first, then the one- and two-component prefixes of the state dict's keys (a wrapper's ``model.``)."""
+    found = dict.fromkeys([""])
+    for m in modules:
+        parts = m.split(".")
+        for depth in (1, 2):
+            if len(parts) > depth:
+                found.setdefault(".".join(parts[:depth]) + ".")
+    return list(found)
+
+
+Shapes = Mapping[str, tuple[int, ...]]
+
+
+def _placed(shapes: Shapes, spec: Sequence[SpecEntry]) -> list[SpecEntry]:
+    """Every (module, layout, label) the spec names, under the first prefix where all of its weights exist:
+    the state dict may hold the model under a wrapper's prefix (``model.``), or without the one it had."""
+    modules = _modules(shapes)
+    for strip in (0, 1, 2):
+        for prefix in _prefixes(modules):
+            placed = [(m, layout, label) for pattern, layout, label in spec
+                      for m in _match(modules, pattern, prefix, strip)]
+            complete = all(_match(modules, p, prefix, strip) for p, _, _ in spec)
+            if placed and complete and all(resolve(m, n) in shapes for m, lay, _ in placed for n in lay.weight_names):
+                return placed
+    return []
+
+
+def layers_from_spec(shapes: Shapes, spec: Sequence[SpecEntry], source: str) -> list[StateDictLayer]:
+    """The layers an explicit layout names, checked against the tensors' shapes, in canonical order."""
+    placed = _placed(shapes, spec)
+    if not placed:
+        patterns = [p for p, _, _ in spec][:4]
+        names = [p + "." + lay.q for p, lay, _ in spec][:2]
+        raise SpecError(f"the layout of {source} names modules {patterns} whose weights ({names}, ...) are not "
+                        f"all in this checkpoint; its modules include {_modules(shapes)[:6]}. The layout belongs "
+                        "to another model: pass --layout FILE with this checkpoint's module paths")
+    for name, layout, _ in placed:
+        problem = shape_problem(layout, {n: shapes[resolve(name, n)] for n in layout.weight_names})
+        if problem:
+            raise SpecError(f"{name}: the layout of {source} does not fit the checkpoint: {problem}; fix the "
+                            "layout file (or pass the right one with --layout FILE)")
+    placed.sort(key=lambda item: canonical_key(item[0], item[1].cross))
+    labels = layer_labels([layout.cross for _, layout, _ in placed])
+    if all(label for _, _, label in placed) and len({label for _, _, label in placed}) == len(placed):
+        labels = [label for _, _, label in placed]  # the run's own labels (exact module paths)
+    return [StateDictLayer(i, label, name, layout) for i, (label, (name, layout, _)) in enumerate(zip(labels, placed))]
