@@ -175,10 +175,10 @@ def _nothing_found(shapes: Mapping[str, tuple[int, ...]], heads: Heads) -> str:
     read = ", ".join(f"{k}={v}" for k, v in heads.attrs.items() if k in HEAD_ATTRS) or "no head count"
     tried = "; ".join(a.describes for a in ADAPTERS)
     if heads.source == "--heads":
-        fix = ("the head counts passed do not fit these tensors' rows: check --heads/--kv-heads, or pass "
+        fix = ("The head counts passed do not fit these tensors' rows: check --heads/--kv-heads, or pass "
                "--layout FILE naming each layer's weights (docs/analyze.md#layout-files)")
     else:
-        fix = ("pass --layout FILE naming each layer's weights and packing (docs/analyze.md#layout-files), or "
+        fix = ("Pass --layout FILE naming each layer's weights and packing (docs/analyze.md#layout-files), or "
                "--heads N (and --kv-heads G for grouped-query) if one of the adapters above fits the keys")
     return (
         f"unknown layout: no attention weights recognised with {read} ({heads.source}) among {len(shapes)} "

@@ -42,7 +42,7 @@ def assumptions(layers: list[StateDictLayer]) -> tuple[str, ...]:
     found: dict[tuple[str, str], list[str]] = {}
     for la in layers:
         lay = la.layout
-        if lay.packing in ("fused", "q_kv") and lay.n_heads > 1 and lay.adapter not in CERTAIN_FUSED:
+        if lay.packing in ("fused", "q_kv") and lay.adapter not in CERTAIN_FUSED:
             what = ("the fused weight's rows are [all Q | all K | all V], heads in contiguous blocks of "
                     f"{lay.head_dim} rows (not interleaved per head)")
             found.setdefault((what, FIX_PACKING), []).append(la.label)
@@ -59,7 +59,7 @@ def _labels(labels: list[str]) -> str:
 
 
 def _spec_heads(layout: LayoutFile, source: str, note: str) -> Heads:
-    return Heads({}, source, f"{note} ({layout.source})")
+    return Heads({}, source, f"{note} ({layout.source})", assumptions=layout.notes)
 
 
 def choose_layers(ckpt: Checkpoint, layout: LayoutFile | None, heads: int | None, kv_heads: int | None,
@@ -73,8 +73,7 @@ def choose_layers(ckpt: Checkpoint, layout: LayoutFile | None, heads: int | None
             return _from_spec(shapes, ckpt.layout), _spec_heads(ckpt.layout, "run", "layouts saved by the run")
         built = model_layout(ckpt) if model_layout is not None and ckpt.config.get("model_type") else None
         if built is not None:
-            return _from_spec(shapes, built), _spec_heads(built, "model", "layouts of the model built from "
-                                                          "config.json, found by the live discovery")
+            return _from_spec(shapes, built), _spec_heads(built, "model", "layouts of the model")
     found = head_attrs(ckpt.config, ckpt.config_source, heads, kv_heads)
     layers = find_layers(shapes, found)
     return layers, replace(found, assumptions=assumptions(layers))

@@ -79,6 +79,7 @@ class LayoutEntry:
 class LayoutFile:
     entries: tuple[LayoutEntry, ...]
     source: str  # where it came from, for messages: a path, or "the checkpoint's attnscope_layout"
+    notes: tuple[str, ...] = ()  # what its maker could not check (printed with the analysis)
 
 
 def parse_layout(data: Any, source: str) -> LayoutFile:

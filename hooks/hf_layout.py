@@ -1,0 +1,377 @@
+"""The layouts of a Hugging Face model folder, from the model ``transformers`` builds from its ``config.json``.
+
+For ``python -m diag analyze`` (handed to :func:`diag.offline.series.analyze_checkpoints`
+as ``model_layout``): the model is built from the config on the meta device (no
+weights allocated, no code from the folder, no ``trust_remote_code``); every module
+whose Q/K/V weights could hold the config's heads gets candidate layouts (the live
+discovery's, by names, first; then each packing the shapes allow); a *probe forward*
+decides among them on a twin with random float64 weights:
+
+* a candidate is right when scaling its query head h by c_g and its key head g by
+  1/c_g (g the key head h pairs with; one c per key head) leaves the module's output
+  unchanged: the logits q_h . k_g are unchanged exactly when the split and the pairing
+  are the model's own, whatever the attention kernel, RoPE or ALiBi;
+* and scaling the query heads alone must change it (else the test says nothing, e.g.
+  under QK-norm).
+
+Each module gets its recorded inputs from an unperturbed forward, so every layer is
+tested on its own in one forward per candidate. A module with no candidate that passes
+is left out; a folder none of whose modules passes gives ``SpecError`` naming what was
+read. Large models are probed with a twin of at most :data:`PROBE_LAYERS` layers and the
+layouts carried to every layer of the same name pattern.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from diag.errors import SpecError
+from diag.layouts.adapters import find_layout, is_cross, resolve
+from diag.layouts.vocab import QKVLayout, bias_names, split_qkv
+from diag.offline.checkpoint import Checkpoint
+from diag.offline.layoutfile import LayoutEntry, LayoutFile
+from hooks.discovery import module_view
+
+__all__ = ["ModelLayouts", "model_layouts"]
+
+PROBE_LAYERS = 2  # layers of the random twin when the model is larger than MAX_TWIN_PARAMS
+MAX_TWIN_PARAMS = 50_000_000
+SAME, CHANGED = 1e-9, 1e-6  # relative output change (float64): unchanged below SAME, changed above CHANGED
+
+
+def _config(config: dict[str, Any]):
+    """The transformers config and model class for a config.json, or None when transformers cannot build it."""
+    try:
+        import transformers
+    except ImportError:  # pragma: no cover - the hf extra
+        return None
+    config = dict(config)
+    arch = (config.get("architectures") or [None])[0]
+    cls = getattr(transformers, str(arch), None) if arch else None
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+        cls = transformers.AutoModel
+    try:
+        cfg = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
+    except (ValueError, KeyError, TypeError):
+        return None
+    return cfg, cls
+
+
+def _build(cfg, cls, device: str) -> nn.Module:
+    build = cls.from_config if cls.__name__.startswith("Auto") else cls._from_config
+    with torch.device(device):
+        return build(cfg, attn_implementation="eager")
+
+
+def _dims(cfg) -> tuple[int, int, int] | None:
+    """(H, D, E) of the config: query heads, head size, model width."""
+    e = getattr(cfg, "hidden_size", None)
+    h = getattr(cfg, "num_attention_heads", None)
+    if not isinstance(e, int) or not isinstance(h, int) or h < 1:
+        return None
+    d = getattr(cfg, "head_dim", None)
+    return h, d if isinstance(d, int) and d > 0 else e // h, e
+
+
+_ROLE = {"q": re.compile(r"(.*query.*|q|wq|q_.*|.*_q)"), "k": re.compile(r"(.*key.*|k|wk|k_.*|.*_k)"),
+         "v": re.compile(r"(.*value.*|v|wv|v_.*|.*_v)")}
+
+
+def _candidates(view, h: int, d: int, e: int) -> list[QKVLayout]:
+    """Layouts a module's own weights could hold with h heads of d (names first, then every packing)."""
+    found: list[QKVLayout] = []
+    cross = is_cross(view)
+    named = find_layout(view)
+    if named is not None:
+        found.append(named)
+    # children's weights (c_attn.weight) and own weights other than a Linear's (in_proj_weight)
+    two_d = {n: s for n, s in view.params.items() if len(s) == 2 and n != "weight"
+             and (n.count(".") == 1 or n.endswith("_weight")) and not n.endswith("bias")}
+    for name, (rows, cols) in two_d.items():
+        for r, transposed in ((rows, False), (cols, True)):
+            if (cols if not transposed else rows) != e or r % d or (r // d - h) % 2 or r // d <= h:
+                continue
+            g = (r // d - h) // 2
+            if g < 1 or h % g:
+                continue
+            found.append(QKVLayout(h, d, q=name, packing="fused", n_kv_heads=g, transposed=transposed,
+                                   cross=cross, adapter="probe"))
+            if g == h:
+                found.append(QKVLayout(h, d, q=name, packing="fused_per_head", transposed=transposed,
+                                       cross=cross, adapter="probe"))
+    roles = {role: [n for n, s in two_d.items() if s[1] == e and n.endswith(".weight")
+                    and pattern.fullmatch(n.removesuffix(".weight").lower())] for role, pattern in _ROLE.items()}
+    for q in roles["q"]:
+        for k in roles["k"]:
+            for v in roles["v"]:
+                kd = two_d[k][0]
+                if two_d[q][0] == h * d and kd % d == 0 and h % (kd // d) == 0:
+                    found.append(QKVLayout(h, d, q, k, v, n_kv_heads=kd // d, cross=cross, adapter="probe"))
+    return list(dict.fromkeys(found))
+
+
+def _row_scales(layout: QKVLayout, shapes: dict[str, tuple[int, ...]], with_k: bool) -> dict[str, Tensor]:
+    """Per weight, a factor per output row: query head h's rows c_g, key head g's rows 1/c_g (g = h // (H/G)).
+
+    Found by splitting tensors of row numbers with the layout itself, so every packing is handled alike."""
+    markers, spans, offset = {}, {}, 0
+    for name in layout.param_names:
+        rows, cols = (shapes[name][1], shapes[name][0]) if layout.transposed else shapes[name]
+        ids = torch.arange(offset, offset + rows, dtype=torch.float64)[:, None].expand(rows, cols)
+        markers[name] = ids.T if layout.transposed else ids
+        spans[name], offset = (offset, offset + rows), offset + rows
+    q_ids, k_ids, _ = split_qkv(markers, layout)  # (H, D, E), (G, D, E) of row numbers
+    c = torch.linspace(1.7, 0.4, layout.kv_heads, dtype=torch.float64)  # (G,)
+    scale = torch.ones(offset, dtype=torch.float64)
+    pairing = getattr(layout, "kv_map", None)  # query head h -> key head; None: h // (H/G)
+    pair = torch.tensor(pairing) if pairing is not None else torch.arange(layout.n_heads) // (
+        layout.n_heads // layout.kv_heads)
+    scale[q_ids[:, :, 0].long()] *= c[pair][:, None]
+    if with_k:
+        scale[k_ids[:, :, 0].long()] /= c[:, None]
+    return {name: scale[a:b] for name, (a, b) in spans.items()}
+
+
+@contextmanager
+def _scaled(module: nn.Module, layout: QKVLayout, with_k: bool) -> Iterator[None]:
+    """The module's query (and key) heads scaled as :func:`_row_scales` says, biases alike; restored after."""
+    params = dict(module.named_parameters())
+    scales = _row_scales(layout, {n: tuple(params[n].shape) for n in layout.param_names}, with_k)
+    saved = {}
+    try:
+        with torch.no_grad():
+            for name, s in scales.items():
+                w = params[name]
+                saved[name] = w.detach().clone()
+                w.mul_(s.to(w.dtype)[None, :] if layout.transposed else s.to(w.dtype)[:, None])
+                for b in (b for b in bias_names(name) if b in params and params[b].shape == s.shape):
+                    saved[b] = params[b].detach().clone()
+                    params[b].mul_(s.to(params[b].dtype))
+        yield
+    finally:
+        with torch.no_grad():
+            for n, value in saved.items():
+                params[n].copy_(value)
+
+
+def _first_tensor(output: Any) -> Tensor | None:
+    if isinstance(output, Tensor):
+        return output
+    for item in output if isinstance(output, (tuple, list)) else getattr(output, "values", lambda: [])():
+        if isinstance(item, Tensor):
+            return item
+    return None
+
+
+class _Replay:
+    """Forward hooks on the candidate modules: record each call's inputs and output, then replay the inputs."""
+
+    def __init__(self, modules: dict[str, nn.Module]) -> None:
+        self.inputs: dict[str, list] = {n: [] for n in modules}
+        self.outputs: dict[str, list] = {n: [] for n in modules}
+        self.replay = False
+        self._calls: dict[str, int] = {}
+        self._handles = []
+        for name, module in modules.items():
+            self._handles.append(module.register_forward_pre_hook(self._pre(name), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._post(name)))
+
+    def _pre(self, name: str):
+        def hook(module, args, kwargs):
+            i = self._calls[name] = self._calls.get(name, -1) + 1
+            if not self.replay:
+                self.inputs[name].append(torch.utils._pytree.tree_map(
+                    lambda t: t.clone() if isinstance(t, Tensor) else t, (args, kwargs)))
+                return None
+            return self.inputs[name][i] if i < len(self.inputs[name]) else None
+        return hook
+
+    def _post(self, name: str):
+        def hook(module, args, output):
+            out = _first_tensor(output)
+            self.outputs[name].append(None if out is None else out.detach().clone())
+        return hook
+
+    def run(self, model: nn.Module, batch: dict[str, Tensor]) -> dict[str, list]:
+        self._calls = {}
+        self.outputs = {n: [] for n in self.outputs}
+        with torch.no_grad():
+            try:
+                model(**batch, use_cache=False)  # a cache would carry keys from one forward to the next
+            except TypeError:
+                model(**batch)
+        self.replay = True
+        return self.outputs
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def _change(got: list, base: list) -> float:
+    """Largest relative change of a module's outputs against the unperturbed forward's."""
+    worst = 0.0
+    for a, b in zip(got, base):
+        if a is None or b is None or a.shape != b.shape:
+            return float("inf")
+        worst = max(worst, float((a - b).abs().max() / b.abs().max().clamp_min(1e-300)))
+    return worst if len(got) == len(base) and got else float("inf")
+
+
+def _batch(model: nn.Module, cfg) -> dict[str, Tensor] | None:
+    gen = torch.Generator().manual_seed(0)
+    name = getattr(model, "main_input_name", "input_ids")
+    if name == "input_ids":
+        ids = torch.randint(0, max(2, min(int(getattr(cfg, "vocab_size", 100) or 100), 1000)), (2, 8), generator=gen)
+        batch = {"input_ids": ids}
+        if getattr(cfg, "is_encoder_decoder", False):
+            batch["decoder_input_ids"] = ids
+        return batch
+    if name == "pixel_values":
+        size, channels = getattr(cfg, "image_size", None), getattr(cfg, "num_channels", 3)
+        if isinstance(size, int):
+            return {"pixel_values": torch.randn(2, channels, size, size, generator=gen, dtype=torch.float64)}
+    return None
+
+
+def _verdicts(twin: nn.Module, batch: dict[str, Tensor], cands: dict[str, list[QKVLayout]]
+              ) -> tuple[dict[str, QKVLayout], set[str]]:
+    """Per module: the first candidate the probe forward confirms; and the modules it cannot check."""
+    modules = dict(twin.named_modules())
+    replay = _Replay({n: modules[n] for n in cands})
+    try:
+        base = replay.run(twin, batch)
+        found: dict[str, QKVLayout] = {}
+        uncheckable: set[str] = set()
+        for r in range(max(len(c) for c in cands.values())):
+            now = {n: c[r] for n, c in cands.items() if len(c) > r and n not in found}
+            now = {n: lay for n, lay in now.items() if not any(n.startswith(m + ".") for m in now)}
+            changes = []
+            for with_k in (True, False):
+                with _all_scaled(modules, now, with_k):
+                    changes.append(replay.run(twin, batch))
+            for n, lay in now.items():
+                same, moved = _change(changes[0][n], base[n]), _change(changes[1][n], base[n])
+                if same <= SAME and moved >= CHANGED:
+                    found[n] = lay
+                    uncheckable.discard(n)
+                elif same <= SAME:
+                    uncheckable.add(n)  # scaling q alone changes nothing: normalised q/k, the test is blind
+        return found, uncheckable
+    finally:
+        replay.remove()
+
+
+@contextmanager
+def _all_scaled(modules: dict[str, nn.Module], layouts: dict[str, QKVLayout], with_k: bool) -> Iterator[None]:
+    from contextlib import ExitStack
+
+    with ExitStack() as stack:
+        for name, layout in layouts.items():
+            stack.enter_context(_scaled(modules[name], layout, with_k))
+        yield
+
+
+O_NAMES = ("o_proj", "out_proj", "dense", "c_proj", "proj", "out", "o", "wo", "out_lin", "../output.dense")
+
+
+def _with_o(name: str, layout: QKVLayout, model: nn.Module) -> QKVLayout:
+    """The layout with W_O: the first of :data:`O_NAMES` (in the module, or beside it) taking H*D inputs."""
+    if layout.o is not None:
+        return layout
+    params = dict(model.named_parameters())
+    width = layout.n_heads * layout.head_dim
+    for stem in O_NAMES:
+        shape = params.get(resolve(name, f"{stem}.weight"))
+        if shape is not None and shape.dim() == 2 and (shape.shape[1] == width or shape.shape[0] == width):
+            return replace(layout, o=f"{stem}.weight", o_transposed=shape.shape[1] != width)
+    return layout
+
+
+def _pattern(name: str) -> str:
+    return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", name)
+
+
+def _twin(cfg, cls, meta: nn.Module) -> nn.Module:
+    """A float64 model with random weights: the same config, or at most PROBE_LAYERS layers when large."""
+    cfg = cfg.__class__.from_dict(cfg.to_dict())
+    if sum(p.numel() for p in meta.parameters()) > MAX_TWIN_PARAMS:
+        for key in ("num_hidden_layers", "num_layers", "encoder_layers", "decoder_layers"):
+            if isinstance(getattr(cfg, key, None), int):
+                setattr(cfg, key, min(getattr(cfg, key), PROBE_LAYERS))
+    with torch.random.fork_rng(devices=[]):  # the caller's random state is left as it was
+        torch.manual_seed(0)
+        return _build(cfg, cls, "cpu").double().eval()
+
+
+def model_layouts(config: dict[str, Any], where: str) -> tuple[list[LayoutEntry], tuple[str, ...]] | None:
+    """The layouts of the model ``config`` describes (see the module docstring), with what could not be checked;
+    None when transformers cannot build it; SpecError when no module's weights pass the probe."""
+    built = _config(config)
+    if built is None:
+        return None
+    cfg, cls = built
+    try:
+        meta = _build(cfg, cls, "meta")
+    except Exception:  # noqa: BLE001 - a config transformers cannot build: the keys path takes over
+        return None
+    dims = _dims(cfg)
+    if dims is None:
+        return None
+    cands = {n: c for n, m in meta.named_modules() if n and (c := _candidates(module_view(n, m), *dims))}
+    if not cands:
+        return None
+    twin = _twin(cfg, cls, meta)
+    batch = _batch(twin, cfg)
+    if batch is None:
+        return None
+    twin_names = {n for n, _ in twin.named_modules()}
+    found, blind = _verdicts(twin, batch, {n: c for n, c in cands.items() if n in twin_names})
+    by_pattern = {_pattern(n): lay for n, lay in found.items()}
+    named = {n: c[0] for n, c in cands.items() if c[0].adapter != "probe"}
+    blind_named = {_pattern(n): named[n] for n in blind if n in named}
+    entries, notes = [], []
+    for n in cands:
+        layout = by_pattern.get(_pattern(n)) or blind_named.get(_pattern(n))
+        if layout is not None:
+            if _pattern(n) in by_pattern and layout.adapter != "probe":
+                layout = replace(layout, adapter=layout.adapter + "+probe")
+            entries.append(LayoutEntry(n, _with_o(n, layout, meta)))
+    if blind_named:
+        notes.append(f"assumed: the layouts of {sorted(blind_named)[:3]} by their names only (the probe forward "
+                     "cannot check them: q/k are normalised after the projection); if not, pass --layout FILE")
+    if not entries:
+        h, d, e = dims
+        tried = "; ".join(f"{n}: {[c.describe() for c in cs][:3]}" for n, cs in list(cands.items())[:3])
+        raise SpecError(f"{where}: transformers builds {type(meta).__name__} from config.json ({h} heads of {d}, "
+                        f"hidden size {e}), but a probe forward confirmed no Q/K/V layout of its weights (tried "
+                        f"{tried}); pass --layout FILE naming each layer's weights (docs/analyze.md#layout-files)")
+    return entries, tuple(notes)
+
+
+class ModelLayouts:
+    """``model_layout`` for :func:`diag.offline.series.analyze_checkpoints`: a Hugging Face folder -> its model's
+    layouts (once per distinct config in a series)."""
+
+    def __init__(self) -> None:
+        self._cache: dict[str, LayoutFile | None] = {}
+
+    def __call__(self, ckpt: Checkpoint) -> LayoutFile | None:
+        if ckpt.config_source != "config.json" or "model_type" not in ckpt.config:
+            return None
+        key = json.dumps(ckpt.config, sort_keys=True, default=str)
+        if key not in self._cache:
+            result = model_layouts(ckpt.config, str(ckpt.path))
+            arch = (ckpt.config.get("architectures") or [ckpt.config["model_type"]])[0]
+            self._cache[key] = None if result is None else LayoutFile(
+                tuple(result[0]), f"{arch} built from config.json, layouts checked by a probe forward",
+                result[1])
+        return self._cache[key]
