@@ -44,7 +44,9 @@ __all__ = ["ModelLayouts", "model_layouts"]
 
 PROBE_LAYERS = 2  # layers of the random twin when the model is larger than MAX_TWIN_PARAMS
 MAX_TWIN_PARAMS = 50_000_000
-SAME, CHANGED = 1e-9, 1e-6  # relative output change (float64): unchanged below SAME, changed above CHANGED
+# Relative change of a module's output (float64): unchanged below SAME; when scaling q alone moves it less
+# than BLIND, q's scale does not reach the output (QK-norm) and the test cannot tell.
+SAME, BLIND = 1e-9, 1e-3
 
 
 def _config(config: dict[str, Any]):
@@ -234,6 +236,8 @@ def _batch(model: nn.Module, cfg) -> dict[str, Tensor] | None:
         batch = {"input_ids": ids}
         if getattr(cfg, "is_encoder_decoder", False):
             batch["decoder_input_ids"] = ids
+        elif getattr(cfg, "add_cross_attention", False) and isinstance(getattr(cfg, "hidden_size", None), int):
+            batch["encoder_hidden_states"] = torch.randn(2, 5, cfg.hidden_size, generator=gen, dtype=torch.float64)
         return batch
     if name == "pixel_values":
         size, channels = getattr(cfg, "image_size", None), getattr(cfg, "num_channels", 3)
@@ -251,20 +255,29 @@ def _verdicts(twin: nn.Module, batch: dict[str, Tensor], cands: dict[str, list[Q
         base = replay.run(twin, batch)
         found: dict[str, QKVLayout] = {}
         uncheckable: set[str] = set()
-        for r in range(max(len(c) for c in cands.values())):
-            now = {n: c[r] for n, c in cands.items() if len(c) > r and n not in found}
+        tried = dict.fromkeys(cands, 0)  # per module, how many of its candidates have been tested
+        while True:
+            now = {n: cands[n][i] for n, i in tried.items() if i < len(cands[n]) and n not in found}
+            if not now:
+                break
+            # a module inside another one tested now waits: the outer one's output would mix both tests
             now = {n: lay for n, lay in now.items() if not any(n.startswith(m + ".") for m in now)}
+            for n in now:
+                tried[n] += 1
             changes = []
             for with_k in (True, False):
                 with _all_scaled(modules, now, with_k):
                     changes.append(replay.run(twin, batch))
             for n, lay in now.items():
+                if not base[n]:  # not called by the probe forward (e.g. cross-attention without an encoder)
+                    uncheckable.add(n)
+                    continue
                 same, moved = _change(changes[0][n], base[n]), _change(changes[1][n], base[n])
-                if same <= SAME and moved >= CHANGED:
+                if moved < BLIND:
+                    uncheckable.add(n)  # scaling q alone hardly changes anything: normalised q/k, the test is blind
+                elif same <= SAME:
                     found[n] = lay
                     uncheckable.discard(n)
-                elif same <= SAME:
-                    uncheckable.add(n)  # scaling q alone changes nothing: normalised q/k, the test is blind
         return found, uncheckable
     finally:
         replay.remove()
@@ -296,6 +309,14 @@ def _with_o(name: str, layout: QKVLayout, model: nn.Module) -> QKVLayout:
     return layout
 
 
+def _view(name: str, module: nn.Module):
+    """The module's view without its embedding tables (a vocabulary can have the rows of a fused QKV weight)."""
+    view = module_view(name, module)
+    tables = {c for c, child in module.named_children() if isinstance(child, nn.Embedding)}
+    view.params = {n: s for n, s in view.params.items() if n.split(".")[0] not in tables}
+    return view
+
+
 def _pattern(name: str) -> str:
     return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", name)
 
@@ -309,7 +330,63 @@ def _twin(cfg, cls, meta: nn.Module) -> nn.Module:
                 setattr(cfg, key, min(getattr(cfg, key), PROBE_LAYERS))
     with torch.random.fork_rng(devices=[]):  # the caller's random state is left as it was
         torch.manual_seed(0)
-        return _build(cfg, cls, "cpu").double().eval()
+        twin = _build(cfg, cls, "cpu").double().eval()
+        with torch.no_grad():  # logits of order 1 (a model's init may make them ~0: softmax then hides scaling)
+            for p in twin.parameters():
+                if p.dim() >= 2:
+                    p.normal_(0.0, p.shape[-1] ** -0.5)
+    return twin
+
+
+def _saved_names(twin: nn.Module) -> dict[str, str]:
+    """Model parameter name -> the name ``save_pretrained`` writes it under (transformers renames some on
+    saving, e.g. ViT ``vit.layers.0.attention.q_proj`` -> ``vit.encoder.layer.0.attention.attention.query``).
+    Found by following each tensor through transformers' own reverse conversion; identity where none."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # pragma: no cover - older transformers save under the model's names
+        return {}
+    state = dict(twin.state_dict())
+    by_storage = {t.data_ptr(): name for name, t in state.items()}
+    try:
+        saved = revert_weight_conversion(twin, dict(state))
+    except Exception:  # noqa: BLE001 - a conversion it cannot revert: names stay as they are
+        return {}
+    return {by_storage[t.data_ptr()]: key for key, t in saved.items()
+            if isinstance(t, Tensor) and t.data_ptr() in by_storage and by_storage[t.data_ptr()] != key}
+
+
+def _template(name: str) -> tuple[str, tuple[str, ...]]:
+    numbers = tuple(re.findall(r"(?<![^.])\d+(?![^.])", name))
+    return re.sub(r"(?<![^.])\d+(?![^.])", "#", name), numbers
+
+
+def _renamed(entry: LayoutEntry, names: dict[str, str]) -> LayoutEntry:
+    """The entry under the names its weights are saved with (module: their common prefix)."""
+    templates = {_template(m)[0]: _template(d)[0] for m, d in names.items()}
+    keys = {}
+    for weight in entry.layout.weight_names:
+        full = resolve(entry.module, weight)
+        tmpl, numbers = _template(full)
+        if tmpl not in templates:
+            return entry
+        saved = templates[tmpl]
+        for number in numbers:
+            saved = saved.replace("#", number, 1)
+        keys[weight] = saved
+    parts = [k.split(".") for k in keys.values()]
+    common = []
+    for column in zip(*parts):
+        if len(set(column)) > 1:
+            break
+        common.append(column[0])
+    module = ".".join(common[: min(len(p) for p in parts) - 1])
+    rel = {w: k[len(module) + 1 :] if module else k for w, k in keys.items()}
+    fields = {"q": rel.get(entry.layout.q), "k": rel.get(entry.layout.k) if entry.layout.k else None,
+              "v": rel.get(entry.layout.v) if entry.layout.v else None}
+    if entry.layout.o is not None:
+        fields["o"] = rel[entry.layout.o]
+    return LayoutEntry(module, replace(entry.layout, **fields), entry.label)
 
 
 def model_layouts(config: dict[str, Any], where: str) -> tuple[list[LayoutEntry], tuple[str, ...]] | None:
@@ -326,7 +403,7 @@ def model_layouts(config: dict[str, Any], where: str) -> tuple[list[LayoutEntry]
     dims = _dims(cfg)
     if dims is None:
         return None
-    cands = {n: c for n, m in meta.named_modules() if n and (c := _candidates(module_view(n, m), *dims))}
+    cands = {n: c for n, m in meta.named_modules() if n and (c := _candidates(_view(n, m), *dims))}
     if not cands:
         return None
     twin = _twin(cfg, cls, meta)
@@ -345,9 +422,13 @@ def model_layouts(config: dict[str, Any], where: str) -> tuple[list[LayoutEntry]
             if _pattern(n) in by_pattern and layout.adapter != "probe":
                 layout = replace(layout, adapter=layout.adapter + "+probe")
             entries.append(LayoutEntry(n, _with_o(n, layout, meta)))
+    names = _saved_names(twin)
+    if names:
+        entries = [_renamed(e, names) for e in entries]
     if blind_named:
         notes.append(f"assumed: the layouts of {sorted(blind_named)[:3]} by their names only (the probe forward "
-                     "cannot check them: q/k are normalised after the projection); if not, pass --layout FILE")
+                     "cannot check them: q/k normalised after the projection, or the module not run by it); if "
+                     "not, pass --layout FILE (docs/analyze.md#layout-files)")
     if not entries:
         h, d, e = dims
         tried = "; ".join(f"{n}: {[c.describe() for c in cs][:3]}" for n, cs in list(cands.items())[:3])

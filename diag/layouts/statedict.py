@@ -238,7 +238,11 @@ def _placed(shapes: Shapes, spec: Sequence[SpecEntry]) -> list[SpecEntry]:
     return []
 
 
-def layers_from_spec(shapes: Shapes, spec: Sequence[SpecEntry], source: str) -> list[StateDictLayer]:
+SPEC_FIX = "fix the layout file, or pass the right one with --layout FILE"
+
+
+def layers_from_spec(shapes: Shapes, spec: Sequence[SpecEntry], source: str,
+                     fix: str = SPEC_FIX) -> list[StateDictLayer]:
     """The layers an explicit layout names, checked against the tensors' shapes, in canonical order."""
     placed = _placed(shapes, spec)
     if not placed:
@@ -250,8 +254,7 @@ def layers_from_spec(shapes: Shapes, spec: Sequence[SpecEntry], source: str) -> 
     for name, layout, _ in placed:
         problem = shape_problem(layout, {n: shapes[resolve(name, n)] for n in layout.weight_names})
         if problem:
-            raise SpecError(f"{name}: the layout of {source} does not fit the checkpoint: {problem}; fix the "
-                            "layout file (or pass the right one with --layout FILE)")
+            raise SpecError(f"{name}: the layout of {source} does not fit the checkpoint: {problem}; {fix}")
     placed.sort(key=lambda item: canonical_key(item[0], item[1].cross))
     labels = layer_labels([layout.cross for _, layout, _ in placed])
     if all(label for _, _, label in placed) and len({label for _, _, label in placed}) == len(placed):

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 
+from diag.errors import SpecError
 from diag.layouts.statedict import Heads, StateDictLayer, find_layers, head_attrs, layers_from_spec
 from diag.offline.checkpoint import Checkpoint
 from diag.offline.layoutfile import LayoutFile
@@ -69,15 +70,28 @@ def choose_layers(ckpt: Checkpoint, layout: LayoutFile | None, heads: int | None
     if layout is not None:
         return _from_spec(shapes, layout), _spec_heads(layout, "--layout", "layouts from --layout")
     if heads is None and kv_heads is None:
+        built = None
         if ckpt.layout is not None:
-            return _from_spec(shapes, ckpt.layout), _spec_heads(ckpt.layout, "run", "layouts saved by the run")
-        built = model_layout(ckpt) if model_layout is not None and ckpt.config.get("model_type") else None
+            try:
+                return _from_spec(shapes, ckpt.layout), _spec_heads(ckpt.layout, "run", "layouts saved by the run")
+            except SpecError:  # saved under other names (transformers renames some on saving): the model's own
+                built = _model_layout(ckpt, model_layout)
+                if built is None:
+                    raise
+        built = built or _model_layout(ckpt, model_layout)
         if built is not None:
-            return _from_spec(shapes, built), _spec_heads(built, "model", "layouts of the model")
+            fix = ("config.json and the weights disagree (refused rather than guessed): fix config.json, or pass "
+                   "--layout FILE (docs/analyze.md#layout-files)")
+            return _from_spec(shapes, built, fix), _spec_heads(built, "model", "layouts of the model")
     found = head_attrs(ckpt.config, ckpt.config_source, heads, kv_heads)
     layers = find_layers(shapes, found)
     return layers, replace(found, assumptions=assumptions(layers))
 
 
-def _from_spec(shapes: Mapping[str, tuple[int, ...]], layout: LayoutFile) -> list[StateDictLayer]:
-    return layers_from_spec(shapes, [(e.module, e.layout, e.label) for e in layout.entries], layout.source)
+def _model_layout(ckpt: Checkpoint, model_layout: ModelLayoutFn | None) -> LayoutFile | None:
+    return model_layout(ckpt) if model_layout is not None and ckpt.config.get("model_type") else None
+
+
+def _from_spec(shapes: Mapping[str, tuple[int, ...]], layout: LayoutFile, fix: str = "") -> list[StateDictLayer]:
+    spec = [(e.module, e.layout, e.label) for e in layout.entries]
+    return layers_from_spec(shapes, spec, layout.source, *([fix] if fix else []))
