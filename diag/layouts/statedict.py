@@ -138,13 +138,39 @@ def canonical_key(name: str, cross: bool) -> tuple:
     return tuple(key)
 
 
+# Fused QKV weights of common model code the adapters leave to their classes (timm and research code ``qkv``,
+# MPT ``Wqkv``, Phi-3 ``qkv_proj``, Falcon/BLOOM ``query_key_value``, nanoGPT-likes ``c_attn``, ``to_qkv``), and
+# the output projections beside them. Offline only, and only with a head count; read as [all Q | all K | all V],
+# an assumption the analysis states (diag.offline.layers.assumptions).
+FUSED_KEYS = ("qkv.weight", "Wqkv.weight", "qkv_proj.weight", "query_key_value.weight", "c_attn.weight",
+              "to_qkv.weight", "in_proj.weight")
+O_KEYS = ("proj.weight", "out_proj.weight", "o_proj.weight", "c_proj.weight", "dense.weight", "out.weight",
+          "to_out.weight")
+
+
+def _fused_key_pattern(view: ModuleView) -> QKVLayout | None:
+    heads = view.first("num_heads", "num_attention_heads", "n_head", "n_heads")
+    for name in FUSED_KEYS:
+        shape = view.params.get(name)
+        if heads is None or shape is None or len(shape) != 2:
+            continue
+        rows, e = shape
+        d = view.first("head_dim") or e // heads
+        kv = view.first("num_key_value_heads", "n_kv_heads") or heads
+        if d < 1 or rows != (heads + 2 * kv) * d or heads % kv:
+            continue
+        o = next((n for n in O_KEYS if len(view.params.get(n, ())) == 2 and view.params[n][1] == heads * d), None)
+        return QKVLayout(heads, d, q=name, packing="fused", n_kv_heads=kv, o=o, adapter="key-pattern")
+    return None
+
+
 def find_layers(shapes: Mapping[str, tuple[int, ...]], heads: Heads) -> list[StateDictLayer]:
     """Attention layers in canonical order; modules inside a found one are not searched again."""
     found: list[tuple[str, QKVLayout]] = []
     for view in module_views(shapes, heads.attrs, heads.cls or signature_class(shapes)):
         if any(view.name.startswith(f"{name}.") for name, _ in found):
             continue
-        layout = find_layout(view)
+        layout = find_layout(view) or _fused_key_pattern(view)
         if layout is not None:
             found.append((view.name, with_sibling_o(view.name, layout, shapes)))
     if not found:
@@ -225,15 +251,21 @@ Shapes = Mapping[str, tuple[int, ...]]
 
 
 def _placed(shapes: Shapes, spec: Sequence[SpecEntry]) -> list[SpecEntry]:
-    """Every (module, layout, label) the spec names, under the first prefix where all of its weights exist:
-    the state dict may hold the model under a wrapper's prefix (``model.``), or without the one it had."""
+    """Every (module, layout, label) the spec names, under the first prefix where each entry finds a module
+    holding its weights: the state dict may hold the model under a wrapper's prefix (``model.``), or without
+    the one it had. A pattern matches like the Monitor's spec (``*`` crosses dots); modules inside a placed
+    one are not attention layers of their own."""
     modules = _modules(shapes)
     for strip in (0, 1, 2):
         for prefix in _prefixes(modules):
-            placed = [(m, layout, label) for pattern, layout, label in spec
-                      for m in _match(modules, pattern, prefix, strip)]
-            complete = all(_match(modules, p, prefix, strip) for p, _, _ in spec)
-            if placed and complete and all(resolve(m, n) in shapes for m, lay, _ in placed for n in lay.weight_names):
+            per_entry = [[(m, layout, label) for m in _match(modules, pattern, prefix, strip)
+                          if all(resolve(m, n) in shapes for n in layout.weight_names)]
+                         for pattern, layout, label in spec]
+            if all(per_entry):
+                placed: list[SpecEntry] = []
+                for item in sorted((i for e in per_entry for i in e), key=lambda i: i[0].count(".")):
+                    if not any(item[0] == p[0] or item[0].startswith(p[0] + ".") for p in placed):
+                        placed.append(item)
                 return placed
     return []
 
@@ -248,9 +280,10 @@ def layers_from_spec(shapes: Shapes, spec: Sequence[SpecEntry], source: str,
     if not placed:
         patterns = [p for p, _, _ in spec][:4]
         names = [p + "." + lay.q for p, lay, _ in spec][:2]
+        seen = _qkv_suspects(shapes)[:4] or _modules(shapes)[:6]
         raise SpecError(f"the layout of {source} names modules {patterns} whose weights ({names}, ...) are not "
-                        f"all in this checkpoint; its modules include {_modules(shapes)[:6]}. The layout belongs "
-                        "to another model: pass --layout FILE with this checkpoint's module paths")
+                        f"all in this checkpoint, which holds {seen}. The layout belongs to another model: pass "
+                        "--layout FILE with this checkpoint's module paths (docs/analyze.md#layout-files)")
     for name, layout, _ in placed:
         problem = shape_problem(layout, {n: shapes[resolve(name, n)] for n in layout.weight_names})
         if problem:

@@ -106,6 +106,8 @@ def step_from_name(path: Path, keyword_only: bool = False) -> int | None:
 def step_of(path: Path) -> int | None:
     """The training step of a checkpoint: in its name, else stored inside, else any number in its name."""
     step = step_from_name(path, keyword_only=True)
+    if step is None and path.name in WEIGHT_FILES:  # checkpoint-500/model.safetensors: the folder's step
+        step = step_from_name(path.parent, keyword_only=True)
     if step is None:
         step = open_checkpoint(path).stored_step
     return step if step is not None else step_from_name(path)
