@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any
 
 import torch
@@ -35,18 +33,16 @@ from torch import Tensor, nn
 
 from diag.errors import SpecError
 from diag.layouts.adapters import find_layout, is_cross, resolve
-from diag.layouts.vocab import QKVLayout, bias_names, split_qkv
+from diag.layouts.vocab import PACKINGS, QKVLayout
 from diag.offline.checkpoint import Checkpoint
 from diag.offline.layoutfile import LayoutEntry, LayoutFile
 from hooks.discovery import module_view
+from hooks.layout_probe import verdicts
 
 __all__ = ["ModelLayouts", "model_layouts"]
 
 PROBE_LAYERS = 2  # layers of the random twin when the model is larger than MAX_TWIN_PARAMS
 MAX_TWIN_PARAMS = 50_000_000
-# Relative change of a module's output (float64): unchanged below SAME; when scaling q alone moves it less
-# than BLIND, q's scale does not reach the output (QK-norm) and the test cannot tell.
-SAME, BLIND = 1e-9, 1e-3
 
 
 def _config(config: dict[str, Any]):
@@ -87,6 +83,14 @@ _ROLE = {"q": re.compile(r"(.*query.*|q|wq|q_.*|.*_q)"), "k": re.compile(r"(.*ke
          "v": re.compile(r"(.*value.*|v|wv|v_.*|.*_v)")}
 
 
+def _pairings(layout: QKVLayout) -> list[QKVLayout]:
+    """The layout with the default pairing h // (H/G), then with h % G where the vocabulary has ``kv_map``."""
+    g, h = layout.kv_heads, layout.n_heads
+    if not 1 < g < h or "kv_map" not in {f.name for f in fields(QKVLayout)}:
+        return [layout]
+    return [layout, replace(layout, kv_map=tuple(i % g for i in range(h)))]
+
+
 def _candidates(view, h: int, d: int, e: int) -> list[QKVLayout]:
     """Layouts a module's own weights could hold with h heads of d (names first, then every packing)."""
     found: list[QKVLayout] = []
@@ -104,11 +108,10 @@ def _candidates(view, h: int, d: int, e: int) -> list[QKVLayout]:
             g = (r // d - h) // 2
             if g < 1 or h % g:
                 continue
-            found.append(QKVLayout(h, d, q=name, packing="fused", n_kv_heads=g, transposed=transposed,
-                                   cross=cross, adapter="probe"))
-            if g == h:
-                found.append(QKVLayout(h, d, q=name, packing="fused_per_head", transposed=transposed,
-                                       cross=cross, adapter="probe"))
+            packings = ["fused", "fused_per_head" if g == h else "fused_per_group"]
+            for packing in (p for p in packings if p in PACKINGS):
+                found += _pairings(QKVLayout(h, d, q=name, packing=packing, n_kv_heads=g, transposed=transposed,
+                                             cross=cross, adapter="probe"))
     roles = {role: [n for n, s in two_d.items() if s[1] == e and n.endswith(".weight")
                     and pattern.fullmatch(n.removesuffix(".weight").lower())] for role, pattern in _ROLE.items()}
     for q in roles["q"]:
@@ -116,116 +119,8 @@ def _candidates(view, h: int, d: int, e: int) -> list[QKVLayout]:
             for v in roles["v"]:
                 kd = two_d[k][0]
                 if two_d[q][0] == h * d and kd % d == 0 and h % (kd // d) == 0:
-                    found.append(QKVLayout(h, d, q, k, v, n_kv_heads=kd // d, cross=cross, adapter="probe"))
+                    found += _pairings(QKVLayout(h, d, q, k, v, n_kv_heads=kd // d, cross=cross, adapter="probe"))
     return list(dict.fromkeys(found))
-
-
-def _row_scales(layout: QKVLayout, shapes: dict[str, tuple[int, ...]], with_k: bool) -> dict[str, Tensor]:
-    """Per weight, a factor per output row: query head h's rows c_g, key head g's rows 1/c_g (g = h // (H/G)).
-
-    Found by splitting tensors of row numbers with the layout itself, so every packing is handled alike."""
-    markers, spans, offset = {}, {}, 0
-    for name in layout.param_names:
-        rows, cols = (shapes[name][1], shapes[name][0]) if layout.transposed else shapes[name]
-        ids = torch.arange(offset, offset + rows, dtype=torch.float64)[:, None].expand(rows, cols)
-        markers[name] = ids.T if layout.transposed else ids
-        spans[name], offset = (offset, offset + rows), offset + rows
-    q_ids, k_ids, _ = split_qkv(markers, layout)  # (H, D, E), (G, D, E) of row numbers
-    c = torch.linspace(1.7, 0.4, layout.kv_heads, dtype=torch.float64)  # (G,)
-    scale = torch.ones(offset, dtype=torch.float64)
-    pairing = getattr(layout, "kv_map", None)  # query head h -> key head; None: h // (H/G)
-    pair = torch.tensor(pairing) if pairing is not None else torch.arange(layout.n_heads) // (
-        layout.n_heads // layout.kv_heads)
-    scale[q_ids[:, :, 0].long()] *= c[pair][:, None]
-    if with_k:
-        scale[k_ids[:, :, 0].long()] /= c[:, None]
-    return {name: scale[a:b] for name, (a, b) in spans.items()}
-
-
-@contextmanager
-def _scaled(module: nn.Module, layout: QKVLayout, with_k: bool) -> Iterator[None]:
-    """The module's query (and key) heads scaled as :func:`_row_scales` says, biases alike; restored after."""
-    params = dict(module.named_parameters())
-    scales = _row_scales(layout, {n: tuple(params[n].shape) for n in layout.param_names}, with_k)
-    saved = {}
-    try:
-        with torch.no_grad():
-            for name, s in scales.items():
-                w = params[name]
-                saved[name] = w.detach().clone()
-                w.mul_(s.to(w.dtype)[None, :] if layout.transposed else s.to(w.dtype)[:, None])
-                for b in (b for b in bias_names(name) if b in params and params[b].shape == s.shape):
-                    saved[b] = params[b].detach().clone()
-                    params[b].mul_(s.to(params[b].dtype))
-        yield
-    finally:
-        with torch.no_grad():
-            for n, value in saved.items():
-                params[n].copy_(value)
-
-
-def _first_tensor(output: Any) -> Tensor | None:
-    if isinstance(output, Tensor):
-        return output
-    for item in output if isinstance(output, (tuple, list)) else getattr(output, "values", lambda: [])():
-        if isinstance(item, Tensor):
-            return item
-    return None
-
-
-class _Replay:
-    """Forward hooks on the candidate modules: record each call's inputs and output, then replay the inputs."""
-
-    def __init__(self, modules: dict[str, nn.Module]) -> None:
-        self.inputs: dict[str, list] = {n: [] for n in modules}
-        self.outputs: dict[str, list] = {n: [] for n in modules}
-        self.replay = False
-        self._calls: dict[str, int] = {}
-        self._handles = []
-        for name, module in modules.items():
-            self._handles.append(module.register_forward_pre_hook(self._pre(name), with_kwargs=True))
-            self._handles.append(module.register_forward_hook(self._post(name)))
-
-    def _pre(self, name: str):
-        def hook(module, args, kwargs):
-            i = self._calls[name] = self._calls.get(name, -1) + 1
-            if not self.replay:
-                self.inputs[name].append(torch.utils._pytree.tree_map(
-                    lambda t: t.clone() if isinstance(t, Tensor) else t, (args, kwargs)))
-                return None
-            return self.inputs[name][i] if i < len(self.inputs[name]) else None
-        return hook
-
-    def _post(self, name: str):
-        def hook(module, args, output):
-            out = _first_tensor(output)
-            self.outputs[name].append(None if out is None else out.detach().clone())
-        return hook
-
-    def run(self, model: nn.Module, batch: dict[str, Tensor]) -> dict[str, list]:
-        self._calls = {}
-        self.outputs = {n: [] for n in self.outputs}
-        with torch.no_grad():
-            try:
-                model(**batch, use_cache=False)  # a cache would carry keys from one forward to the next
-            except TypeError:
-                model(**batch)
-        self.replay = True
-        return self.outputs
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-
-
-def _change(got: list, base: list) -> float:
-    """Largest relative change of a module's outputs against the unperturbed forward's."""
-    worst = 0.0
-    for a, b in zip(got, base):
-        if a is None or b is None or a.shape != b.shape:
-            return float("inf")
-        worst = max(worst, float((a - b).abs().max() / b.abs().max().clamp_min(1e-300)))
-    return worst if len(got) == len(base) and got else float("inf")
 
 
 def _batch(model: nn.Module, cfg) -> dict[str, Tensor] | None:
@@ -244,53 +139,6 @@ def _batch(model: nn.Module, cfg) -> dict[str, Tensor] | None:
         if isinstance(size, int):
             return {"pixel_values": torch.randn(2, channels, size, size, generator=gen, dtype=torch.float64)}
     return None
-
-
-def _verdicts(twin: nn.Module, batch: dict[str, Tensor], cands: dict[str, list[QKVLayout]]
-              ) -> tuple[dict[str, QKVLayout], set[str]]:
-    """Per module: the first candidate the probe forward confirms; and the modules it cannot check."""
-    modules = dict(twin.named_modules())
-    replay = _Replay({n: modules[n] for n in cands})
-    try:
-        base = replay.run(twin, batch)
-        found: dict[str, QKVLayout] = {}
-        uncheckable: set[str] = set()
-        tried = dict.fromkeys(cands, 0)  # per module, how many of its candidates have been tested
-        while True:
-            now = {n: cands[n][i] for n, i in tried.items() if i < len(cands[n]) and n not in found}
-            if not now:
-                break
-            # a module inside another one tested now waits: the outer one's output would mix both tests
-            now = {n: lay for n, lay in now.items() if not any(n.startswith(m + ".") for m in now)}
-            for n in now:
-                tried[n] += 1
-            changes = []
-            for with_k in (True, False):
-                with _all_scaled(modules, now, with_k):
-                    changes.append(replay.run(twin, batch))
-            for n, lay in now.items():
-                if not base[n]:  # not called by the probe forward (e.g. cross-attention without an encoder)
-                    uncheckable.add(n)
-                    continue
-                same, moved = _change(changes[0][n], base[n]), _change(changes[1][n], base[n])
-                if moved < BLIND:
-                    uncheckable.add(n)  # scaling q alone hardly changes anything: normalised q/k, the test is blind
-                elif same <= SAME:
-                    found[n] = lay
-                    uncheckable.discard(n)
-        return found, uncheckable
-    finally:
-        replay.remove()
-
-
-@contextmanager
-def _all_scaled(modules: dict[str, nn.Module], layouts: dict[str, QKVLayout], with_k: bool) -> Iterator[None]:
-    from contextlib import ExitStack
-
-    with ExitStack() as stack:
-        for name, layout in layouts.items():
-            stack.enter_context(_scaled(modules[name], layout, with_k))
-        yield
 
 
 O_NAMES = ("o_proj", "out_proj", "dense", "c_proj", "proj", "out", "o", "wo", "out_lin", "../output.dense")
@@ -406,12 +254,15 @@ def model_layouts(config: dict[str, Any], where: str) -> tuple[list[LayoutEntry]
     cands = {n: c for n, m in meta.named_modules() if n and (c := _candidates(_view(n, m), *dims))}
     if not cands:
         return None
-    twin = _twin(cfg, cls, meta)
-    batch = _batch(twin, cfg)
-    if batch is None:
+    try:
+        twin = _twin(cfg, cls, meta)
+        batch = _batch(twin, cfg)
+        if batch is None:
+            return None
+        twin_names = {n for n, _ in twin.named_modules()}
+        found, blind = verdicts(twin, batch, {n: c for n, c in cands.items() if n in twin_names})
+    except Exception:  # noqa: BLE001 - the model cannot run the probe: the keys path takes over, stating its guesses
         return None
-    twin_names = {n for n, _ in twin.named_modules()}
-    found, blind = _verdicts(twin, batch, {n: c for n, c in cands.items() if n in twin_names})
     by_pattern = {_pattern(n): lay for n, lay in found.items()}
     named = {n: c[0] for n, c in cands.items() if c[0].adapter != "probe"}
     blind_named = {_pattern(n): named[n] for n in blind if n in named}

@@ -18,6 +18,7 @@ and the series goes on.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -29,7 +30,7 @@ from torch import Tensor
 from diag.detectors.core import Alert, AlertConfig, AlertSink, Detectors, Observation
 from diag.errors import ConfigError, DiagError, SpecError
 from diag.layouts.statedict import Heads, StateDictLayer
-from diag.layouts.vocab import QKVLayout, split_projections
+from diag.layouts.vocab import QKVLayout, split_projections, split_qkv
 from diag.math.metrics import DEFAULT_SEC_TOP, layer_spectra
 from diag.math.updates import UpdateTracker
 from diag.offline.checkpoint import Checkpoint, find_checkpoints, open_checkpoint, step_of
@@ -126,9 +127,11 @@ class _Series:
         except SpecError as err:
             raise SpecError(f"{path}: {str(err).removeprefix(f'{path}: ')}") from None
         self._check_same(path, layers)
-        mats = [split_projections(_weights(ckpt, layer), layer.layout) for layer in layers]
+        weights = [_weights(ckpt, layer) for layer in layers]
+        mats = [split_projections(w, layer.layout) for w, layer in zip(weights, layers)]
         with torch.no_grad():
-            spectra = layer_spectra([(m["q"], m["k"]) for m in mats], self.sec_top)
+            spectra = layer_spectra([_query_key(w, la.layout, m) for w, la, m in zip(weights, layers, mats)],
+                                    self.sec_top)
             updates = self._updates(mats)
         if not self.out.layers:
             self.out.layers, self.out.heads = layers, heads
@@ -177,6 +180,18 @@ class _Series:
         alerts = self.detectors.observe(Observation(step, None, arrays))
         self.out.alerts += alerts
         self.alert_sink.emit(alerts)
+
+
+_PAIRED = "paired" in inspect.signature(split_qkv).parameters  # the vocabulary has kv_map
+
+
+def _query_key(weights: dict[str, Tensor], layout: QKVLayout, mats: Projections) -> tuple[Tensor, Tensor]:
+    """Q (H, D, E) and K, as the live Monitor pairs them: K row h is query head h's key head where the layout
+    has an explicit query-to-KV-head map; else K (G, D, E), query head h with key head h // (H/G)."""
+    if _PAIRED and getattr(layout, "kv_map", None) is not None:
+        q, k, _ = split_qkv(weights, layout, paired=True)
+        return q, k
+    return mats["q"], mats["k"]
 
 
 def _weights(ckpt: Checkpoint, layer: StateDictLayer) -> dict[str, Tensor]:

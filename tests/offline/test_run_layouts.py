@@ -9,6 +9,7 @@ of the hand-sliced weights and with the live Monitor. Also: ``--layout FILE`` fo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -298,3 +299,45 @@ def test_grouped_query_pairing_assumed_by_kv_heads_is_stated(tmp_path, capsys):
     assert code == 0 and "2 key/value heads (--kv-heads)" in summary["heads"]["note"]
     (pairing,) = summary["assumptions"]
     assert "h // 2" in pairing and "kv_map" in pairing
+
+
+HAS_KV_MAP = "kv_map" in {f.name for f in dataclasses.fields(QKVLayout)}
+
+
+class TiledGQA(nn.Module):
+    """Grouped-query attention that tiles its key heads: query head h reads key head h % G (not h // (H/G))."""
+
+    def __init__(self, heads: int = H, kv: int = 2) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        d = E // heads
+        self.q, self.k, self.v = nn.Linear(E, E), nn.Linear(E, kv * d), nn.Linear(E, kv * d)
+        self.heads, self.kv = heads, kv
+        for lin in (self.q, self.k):
+            nn.init.normal_(lin.weight, 0, 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, self.heads, -1).transpose(1, 2)  # (B, nh, T, hs)
+        k = self.k(x).view(b, t, self.kv, -1).transpose(1, 2).repeat(1, self.heads // self.kv, 1, 1)
+        v = self.v(x).view(b, t, self.kv, -1).transpose(1, 2).repeat(1, self.heads // self.kv, 1, 1)
+        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, E)
+
+
+@pytest.mark.skipif(not HAS_KV_MAP, reason="the layout vocabulary has no kv_map yet (issue 16)")
+def test_a_layout_file_with_kv_map_gives_the_tiled_pairing(tmp_path):
+    model = nn.ModuleDict({"attn": TiledGQA()})
+    state = plain_state(model)
+    torch.save(state, tmp_path / "gqa.pt")
+    layout = QKVLayout(H, E // H, q="q.weight", k="k.weight", v="v.weight", n_kv_heads=2,
+                       kv_map=tuple(h % 2 for h in range(H)))
+    write_layout_file(tmp_path / "layout.json", [LayoutEntry("attn", layout)])
+    analysis = analyze_checkpoints([tmp_path / "gqa.pt"], layout=tmp_path / "layout.json")
+    assert not analysis.failures and not analysis.heads.assumptions
+    wq = state["attn.q.weight"].double().view(H, E // H, E)
+    wk = state["attn.k.weight"].double().view(2, E // H, E)
+    ref = torch.stack([torch.linalg.svdvals(wq[h].T @ wk[h % 2])[: E // H] for h in range(H)])
+    got = torch.as_tensor(analysis.spectra[analysis.steps[0]]["L00"]["qk_spectrum"], dtype=torch.float64)
+    torch.testing.assert_close(got.reshape(H, -1)[:, : E // H], ref, rtol=1e-6, atol=1e-9)
+    wrong = torch.stack([torch.linalg.svdvals(wq[h].T @ wk[h // 2])[: E // H] for h in range(H)])
+    assert not torch.allclose(ref, wrong, rtol=1e-3)  # the two pairings really differ on this model
