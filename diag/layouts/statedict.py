@@ -90,7 +90,7 @@ def head_attrs(config: Mapping[str, Any], config_source: str, heads: int | None,
         attrs["num_heads"] = 1
         source = "assumed"
         note = ("the checkpoint does not tell the head count: each layer's whole Wq^T Wk is analysed as one "
-                "head; pass --heads N for per-head metrics")
+                "head; pass --heads N for per-head metrics, or --layout FILE (docs/analyze.md#layout-files)")
     if kv_heads is not None:
         attrs.pop("n_kv_heads", None)
         attrs["num_key_value_heads"] = kv_heads

@@ -341,3 +341,33 @@ def test_a_layout_file_with_kv_map_gives_the_tiled_pairing(tmp_path):
     torch.testing.assert_close(got.reshape(H, -1)[:, : E // H], ref, rtol=1e-6, atol=1e-9)
     wrong = torch.stack([torch.linalg.svdvals(wq[h].T @ wk[h // 2])[: E // H] for h in range(H)])
     assert not torch.allclose(ref, wrong, rtol=1e-3)  # the two pairings really differ on this model
+
+
+BARE = ["nanogpt", "gpt2", "llama", "bert", "mistral", "gpt_neox", "t5", "bart", "torch_encoder", "torch_seq2seq"]
+
+
+@pytest.mark.parametrize("family", BARE)
+def test_bare_state_dicts_are_exact_refused_or_explicit(family, tmp_path):
+    """No run layout, no config: whatever the analysis does with no options, it is never silently wrong."""
+    case = getattr(zoo, family)()
+    save_file(plain_state(case.model), str(tmp_path / "model.safetensors"))
+    analysis = analyze_checkpoints([tmp_path / "model.safetensors"])
+    if analysis.failures:
+        (_, message), = analysis.failures
+        assert "--layout FILE" in message, message
+        return
+    want = {t: v for t, v in live_scalars(case.model).items()}
+    got = {t: v for t, v in analysis.records[0].scalars.items() if t.startswith(TAGS)}
+    exact = sorted(got) == sorted(want) and all(got[t] == pytest.approx(v, rel=1e-6, abs=1e-12)
+                                                for t, v in want.items())
+    stated = analysis.heads.source == "assumed" or bool(analysis.heads.assumptions)
+    assert exact or stated, (family, analysis.heads)
+    if analysis.heads.source == "assumed":
+        assert "one head" in analysis.heads.note and "--layout FILE" in analysis.heads.note
+
+
+def live_scalars(model: nn.Module) -> dict[str, float]:
+    mem = MemorySink()
+    with Monitor(model, every=1, sinks=[mem], signals=("spectra",)) as monitor:
+        monitor.step(0)
+    return {t: v for t, v in mem.records[0].scalars.items() if t.startswith(TAGS)}
