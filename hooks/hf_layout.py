@@ -263,30 +263,44 @@ def model_layouts(config: dict[str, Any], where: str) -> tuple[list[LayoutEntry]
         found, blind = verdicts(twin, batch, {n: c for n, c in cands.items() if n in twin_names})
     except Exception:  # noqa: BLE001 - the model cannot run the probe: the keys path takes over, stating its guesses
         return None
+    entries, notes = _entries(cands, found, blind, meta, where)
+    names = _saved_names(twin)
+    return [_renamed(e, names) for e in entries] if names else entries, notes
+
+
+def _entries(cands: dict[str, list[QKVLayout]], found: dict[str, QKVLayout], blind: set[str], meta: nn.Module,
+             where: str) -> tuple[list[LayoutEntry], tuple[str, ...]]:
+    """Every module's confirmed layout (carried by name pattern from the twin), or its names' layout where the
+    probe is blind; a names' layout the probe contradicts, or nothing confirmed at all, is refused."""
     by_pattern = {_pattern(n): lay for n, lay in found.items()}
     named = {n: c[0] for n, c in cands.items() if c[0].adapter != "probe"}
     blind_named = {_pattern(n): named[n] for n in blind if n in named}
-    entries, notes = [], []
+    contradicted = [n for n in named if _pattern(n) not in by_pattern and _pattern(n) not in blind_named]
+    if contradicted or not (by_pattern or blind_named):
+        raise SpecError(_refusal(cands, contradicted, meta, where))
+    entries = []
     for n in cands:
         layout = by_pattern.get(_pattern(n)) or blind_named.get(_pattern(n))
         if layout is not None:
             if _pattern(n) in by_pattern and layout.adapter != "probe":
                 layout = replace(layout, adapter=layout.adapter + "+probe")
             entries.append(LayoutEntry(n, _with_o(n, layout, meta)))
-    names = _saved_names(twin)
-    if names:
-        entries = [_renamed(e, names) for e in entries]
-    if blind_named:
-        notes.append(f"assumed: the layouts of {sorted(blind_named)[:3]} by their names only (the probe forward "
-                     "cannot check them: q/k normalised after the projection, or the module not run by it); if "
-                     "not, pass --layout FILE (docs/analyze.md#layout-files)")
-    if not entries:
-        h, d, e = dims
-        tried = "; ".join(f"{n}: {[c.describe() for c in cs][:3]}" for n, cs in list(cands.items())[:3])
-        raise SpecError(f"{where}: transformers builds {type(meta).__name__} from config.json ({h} heads of {d}, "
-                        f"hidden size {e}), but a probe forward confirmed no Q/K/V layout of its weights (tried "
-                        f"{tried}); pass --layout FILE naming each layer's weights (docs/analyze.md#layout-files)")
-    return entries, tuple(notes)
+    notes = () if not blind_named else (
+        f"assumed: the layouts of {sorted(blind_named)[:3]} by their names only (the probe forward cannot check "
+        "them: q/k normalised after the projection, or the module not run by it); if not, pass --layout FILE "
+        "(docs/analyze.md#layout-files)",)
+    return entries, notes
+
+
+def _refusal(cands: dict[str, list[QKVLayout]], contradicted: list[str], meta: nn.Module, where: str) -> str:
+    h, d = cands[next(iter(cands))][0].n_heads, cands[next(iter(cands))][0].head_dim
+    shown = contradicted[:2] or list(cands)[:3]
+    tried = "; ".join(f"{n}: {[c.describe() for c in cands[n]][:3]}" for n in shown)
+    what = (f"the probe forward contradicts every layout its weights could hold for {contradicted[:3]}"
+            if contradicted else "a probe forward confirmed no Q/K/V layout of its weights")
+    return (f"{where}: transformers builds {type(meta).__name__} from config.json ({h} heads of {d}), but {what} "
+            f"(tried {tried}); refused rather than guessed: pass --layout FILE naming each layer's weights and "
+            "packing (docs/analyze.md#layout-files)")
 
 
 class ModelLayouts:
