@@ -69,23 +69,25 @@ def choose_layers(ckpt: Checkpoint, layout: LayoutFile | None, heads: int | None
     shapes = ckpt.tensors.shapes
     if layout is not None:
         return _from_spec(shapes, layout), _spec_heads(layout, "--layout", "layouts from --layout")
+    ignored: tuple[str, ...] = ()
     if heads is None and kv_heads is None:
-        built = None
         if ckpt.layout is not None:
             try:
                 return _from_spec(shapes, ckpt.layout), _spec_heads(ckpt.layout, "run", "layouts saved by the run")
-            except SpecError:  # saved under other names (transformers renames some on saving): the model's own
-                built = _model_layout(ckpt, model_layout)
-                if built is None:
-                    raise
-        built = built or _model_layout(ckpt, model_layout)
+            except SpecError as err:  # another model's file above it, or names transformers renamed on saving
+                ignored = (f"ignored the run's layout file: {err}",)
+        built = _model_layout(ckpt, model_layout)
         if built is not None:
             fix = ("config.json and the weights disagree (refused rather than guessed): fix config.json, or pass "
                    "--layout FILE (docs/analyze.md#layout-files)")
             return _from_spec(shapes, built, fix), _spec_heads(built, "model", "layouts of the model")
     found = head_attrs(ckpt.config, ckpt.config_source, heads, kv_heads)
     layers = find_layers(shapes, found)
-    return layers, replace(found, assumptions=assumptions(layers))
+    stated = ignored + assumptions(layers)
+    if heads is not None:
+        stated = (f"assumed: every attention layer has {heads} heads (--heads); if the model's stages differ, "
+                  "pass --layout FILE with one entry per stage (docs/analyze.md#layout-files)",) + stated
+    return layers, replace(found, assumptions=stated)
 
 
 def _model_layout(ckpt: Checkpoint, model_layout: ModelLayoutFn | None) -> LayoutFile | None:

@@ -297,7 +297,8 @@ def test_grouped_query_pairing_assumed_by_kv_heads_is_stated(tmp_path, capsys):
                  "--out", str(tmp_path / "o"), "--no-report"])
     summary = json.loads(capsys.readouterr().out)
     assert code == 0 and "2 key/value heads (--kv-heads)" in summary["heads"]["note"]
-    (pairing,) = summary["assumptions"]
+    every, pairing = summary["assumptions"]
+    assert "every attention layer has 4 heads" in every and "one entry per stage" in every
     assert "h // 2" in pairing and "kv_map" in pairing
 
 
@@ -371,3 +372,15 @@ def live_scalars(model: nn.Module) -> dict[str, float]:
     with Monitor(model, every=1, sinks=[mem], signals=("spectra",)) as monitor:
         monitor.step(0)
     return {t: v for t, v in mem.records[0].scalars.items() if t.startswith(TAGS)}
+
+
+def test_a_layout_file_above_that_belongs_to_another_model_is_ignored_out_loud(tmp_path):
+    with Monitor(Net(), logdir=tmp_path / "run", every=1, spec=spec()):
+        pass
+    (tmp_path / "run" / "other").mkdir()
+    torch.save(plain_state(zoo.nanogpt().model), tmp_path / "run" / "other" / "gpt.pt")
+    analysis = analyze_checkpoints([tmp_path / "run" / "other" / "gpt.pt"], heads=4)
+    assert not analysis.failures and analysis.heads.source == "--heads"  # explicit options win over the file
+    analysis = analyze_checkpoints([tmp_path / "run" / "other" / "gpt.pt"])
+    assert not analysis.failures and analysis.heads.source == "assumed"
+    assert any(a.startswith("ignored the run's layout file") and "blocks.0" in a for a in analysis.heads.assumptions)
