@@ -72,13 +72,23 @@ class Analysis:
             "assumptions": [] if self.heads is None else list(self.heads.assumptions),
             "layers": [{"label": la.label, "module": la.name, "adapter": la.layout.adapter,
                         "heads": la.layout.n_heads, "kv_heads": la.layout.kv_heads,
-                        "head_dim": la.layout.head_dim} for la in self.layers],
+                        "head_dim": la.layout.head_dim, "packing": la.layout.packing,
+                        "kv_map": _kv_map(la.layout)} for la in self.layers],
             "metrics": {str(step): {label: {m: [_num(x) for x in v] for m, v in metrics.items() if m != "qk_spectrum"}
                                     for label, metrics in arrays.items()} for step, arrays in self.spectra.items()},
             "updates": {str(step): {label: {m: _num(v[0]) for m, v in metrics.items()}
                                     for label, metrics in arrays.items()} for step, arrays in self.updates.items()},
             "alerts": [asdict(a) for a in self.alerts],
         }
+
+
+def _kv_map(layout: QKVLayout) -> list[int] | None:
+    """The query-to-KV-head pairing the analysis used (None: one KV head per query head)."""
+    g, h = layout.kv_heads, layout.n_heads
+    if g == h:
+        return None
+    explicit = getattr(layout, "kv_map", None)
+    return list(explicit) if explicit is not None else [i // (h // g) for i in range(h)]
 
 
 def _num(x: float) -> float | None:

@@ -297,6 +297,7 @@ def test_grouped_query_pairing_assumed_by_kv_heads_is_stated(tmp_path, capsys):
                  "--out", str(tmp_path / "o"), "--no-report"])
     summary = json.loads(capsys.readouterr().out)
     assert code == 0 and "2 key/value heads (--kv-heads)" in summary["heads"]["note"]
+    assert summary["layers"][0]["kv_map"] == [0, 0, 1, 1] and summary["layers"][0]["packing"] == "separate"
     every, pairing = summary["assumptions"]
     assert "every attention layer has 4 heads" in every and "one entry per stage" in every
     assert "h // 2" in pairing and "kv_map" in pairing
