@@ -43,6 +43,7 @@ __all__ = ["ModelLayouts", "model_layouts"]
 
 PROBE_LAYERS = 2  # layers of the random twin when the model is larger than MAX_TWIN_PARAMS
 MAX_TWIN_PARAMS = 50_000_000
+PROBE_VOCAB = 1024  # vocabulary of the twin of a large model
 
 
 def _config(config: dict[str, Any]):
@@ -176,6 +177,11 @@ def _twin(cfg, cls, meta: nn.Module) -> nn.Module:
         for key in ("num_hidden_layers", "num_layers", "encoder_layers", "decoder_layers"):
             if isinstance(getattr(cfg, key, None), int):
                 setattr(cfg, key, min(getattr(cfg, key), PROBE_LAYERS))
+        if isinstance(getattr(cfg, "vocab_size", None), int) and cfg.vocab_size > PROBE_VOCAB:
+            cfg.vocab_size = PROBE_VOCAB  # the embedding tables hold no attention; token ids are drawn below it
+            for key in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
+                if isinstance(getattr(cfg, key, None), int) and getattr(cfg, key) >= PROBE_VOCAB:
+                    setattr(cfg, key, 0)
     with torch.random.fork_rng(devices=[]):  # the caller's random state is left as it was
         torch.manual_seed(0)
         twin = _build(cfg, cls, "cpu").double().eval()
@@ -256,7 +262,7 @@ def model_layouts(config: dict[str, Any], where: str) -> tuple[list[LayoutEntry]
         return None
     try:
         twin = _twin(cfg, cls, meta)
-        batch = _batch(twin, cfg)
+        batch = _batch(twin, twin.config)
         if batch is None:
             return None
         twin_names = {n for n, _ in twin.named_modules()}

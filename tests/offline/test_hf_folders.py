@@ -200,3 +200,22 @@ def test_config_that_contradicts_the_weights_is_refused(tmp_path, capsys):
     code = main(["analyze", str(tmp_path / "bloom"), "--out", str(tmp_path / "out"), "--quiet", "--no-report"])
     err = capsys.readouterr().err
     assert code == 2 and "does not fit the checkpoint" in err and "query_key_value.weight" in err
+
+
+def test_a_large_model_is_probed_on_a_small_twin_and_every_layer_gets_its_layout(tmp_path, monkeypatch):
+    """Above MAX_TWIN_PARAMS the twin has 2 layers and a small vocabulary; the layouts reach all 4 layers."""
+    import hooks.hf_layout as hf_layout
+
+    monkeypatch.setattr(hf_layout, "MAX_TWIN_PARAMS", 1000)
+    monkeypatch.setattr(hf_layout, "PROBE_VOCAB", 16)
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(tf.BloomConfig(vocab_size=64, hidden_size=E, n_layer=4, n_head=H))
+    model.save_pretrained(tmp_path / "bloom")
+    analysis = _offline(tmp_path / "bloom")
+    assert [la.label for la in analysis.layers] == ["L00", "L01", "L02", "L03"]
+    assert {la.layout.packing for la in analysis.layers} == {"fused_per_head"}
+    for la, block in zip(analysis.layers, model.transformer.h):
+        q, k = _per_head(block.self_attention.query_key_value.weight.detach().double())
+        ref = torch.stack([torch.linalg.svdvals(q[h].T @ k[h])[:D] for h in range(H)])
+        got = torch.as_tensor(analysis.spectra[analysis.steps[0]][la.label]["qk_spectrum"], dtype=torch.float64)
+        torch.testing.assert_close(got.reshape(H, -1)[:, :D], ref, rtol=1e-6, atol=1e-9)
