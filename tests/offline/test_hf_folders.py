@@ -219,3 +219,17 @@ def test_a_large_model_is_probed_on_a_small_twin_and_every_layer_gets_its_layout
         ref = torch.stack([torch.linalg.svdvals(q[h].T @ k[h])[:D] for h in range(H)])
         got = torch.as_tensor(analysis.spectra[analysis.steps[0]][la.label]["qk_spectrum"], dtype=torch.float64)
         torch.testing.assert_close(got.reshape(H, -1)[:, :D], ref, rtol=1e-6, atol=1e-9)
+
+
+def test_the_command_line_reads_a_bigcode_folder_exactly_with_no_options(tmp_path, capsys):
+    """The case of issue 20 end to end: once read as [all Q | all K | all V] with exit code 0."""
+    model = _model("gpt-bigcode-multi-head")
+    model.save_pretrained(tmp_path / "bigcode")
+    code = main(["analyze", str(tmp_path / "bigcode"), "--json", "--out", str(tmp_path / "out"), "--no-report"])
+    summary = json.loads(capsys.readouterr().out)
+    assert code == 0 and summary["heads"]["source"] == "model" and summary["assumptions"] == []
+    assert [la["packing"] for la in summary["layers"]] == ["fused_per_head"] * 2
+    reference = _reference_spectra(model, "gpt-bigcode-multi-head")
+    for la, ref in zip(summary["layers"], reference):
+        sigma1 = summary["metrics"]["0"][la["label"]]["qk_sigma1"]
+        assert sigma1 == pytest.approx(ref[:, 0].tolist(), rel=1e-6)
