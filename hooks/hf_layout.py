@@ -269,32 +269,44 @@ def model_layouts(config: dict[str, Any], where: str) -> tuple[list[LayoutEntry]
         found, blind = verdicts(twin, batch, {n: c for n, c in cands.items() if n in twin_names})
     except Exception:  # noqa: BLE001 - the model cannot run the probe: the keys path takes over, stating its guesses
         return None
-    entries, notes = _entries(cands, found, blind, meta, where)
+    entries, notes = _entries(cands, found, blind, meta, where, twin_names)
     names = _saved_names(twin)
     return [_renamed(e, names) for e in entries] if names else entries, notes
 
 
 def _entries(cands: dict[str, list[QKVLayout]], found: dict[str, QKVLayout], blind: set[str], meta: nn.Module,
-             where: str) -> tuple[list[LayoutEntry], tuple[str, ...]]:
-    """Every module's confirmed layout (carried by name pattern from the twin), or its names' layout where the
-    probe is blind; a names' layout the probe contradicts, or nothing confirmed at all, is refused."""
+             where: str, twin_names: set[str]) -> tuple[list[LayoutEntry], tuple[str, ...]]:
+    """Every module's confirmed layout (a module the twin lacks: its like module's, by name pattern), or its
+    names' layout where the probe is blind; a names' layout the probe contradicts, or nothing confirmed at all,
+    is refused."""
     by_pattern = {_pattern(n): lay for n, lay in found.items()}
+    blind_patterns = {_pattern(n) for n in blind}
     named = {n: c[0] for n, c in cands.items() if c[0].adapter != "probe"}
-    blind_named = {_pattern(n): named[n] for n in blind if n in named}
-    contradicted = [n for n in named if _pattern(n) not in by_pattern and _pattern(n) not in blind_named]
-    if contradicted or not (by_pattern or blind_named):
+
+    def resolve_one(n: str) -> tuple[QKVLayout | None, bool]:  # (layout, taken from its names unchecked)
+        if n in twin_names:
+            return (found[n], False) if n in found else (named.get(n), True) if n in blind else (None, False)
+        if _pattern(n) in by_pattern:
+            return by_pattern[_pattern(n)], False
+        return (named.get(n), True) if _pattern(n) in blind_patterns else (None, False)
+
+    resolved = {n: resolve_one(n) for n in cands}
+    contradicted = [n for n in named if resolved[n][0] is None]
+    if contradicted or not any(layout for layout, _ in resolved.values()):
         raise SpecError(_refusal(cands, contradicted, meta, where))
-    entries = []
-    for n in cands:
-        layout = by_pattern.get(_pattern(n)) or blind_named.get(_pattern(n))
-        if layout is not None:
-            if _pattern(n) in by_pattern and layout.adapter != "probe":
-                layout = replace(layout, adapter=layout.adapter + "+probe")
-            entries.append(LayoutEntry(n, _with_o(n, layout, meta)))
-    notes = () if not blind_named else (
-        f"assumed: the layouts of {sorted(blind_named)[:3]} by their names only (the probe forward cannot check "
-        "them: q/k normalised after the projection, or the module not run by it); if not, pass --layout FILE "
-        "(docs/analyze.md#layout-files)",)
+    entries, unchecked = [], []
+    for n, (layout, by_names) in resolved.items():
+        if layout is None:
+            continue
+        if by_names:
+            unchecked.append(_pattern(n))
+        elif layout.adapter != "probe":
+            layout = replace(layout, adapter=layout.adapter + "+probe")
+        entries.append(LayoutEntry(n, _with_o(n, layout, meta)))
+    notes = () if not unchecked else (
+        f"assumed: the layouts of {sorted(set(unchecked))[:3]} by their names only (the probe forward cannot "
+        "check them: q/k normalised after the projection, or the module not run by it); if not, pass --layout "
+        "FILE (docs/analyze.md#layout-files)",)
     return entries, notes
 
 
