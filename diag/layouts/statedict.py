@@ -209,7 +209,25 @@ def _nothing_found(shapes: Mapping[str, tuple[int, ...]], heads: Heads) -> str:
     return (
         f"unknown layout: no attention weights recognised with {read} ({heads.source}) among {len(shapes)} "
         f"tensors. Tried {tried}. Tensors named like Q/K/V projections: {suspects[:4] or 'none'}. {fix}"
+        f"{_gqa_hint(shapes) if heads.source != '--heads' else ''}"
     )
+
+
+_QK_PAIRS = (("q_proj", "k_proj"), ("query", "key"), ("q", "k"), ("wq", "wk"), ("to_q", "to_k"))
+
+
+def _gqa_hint(shapes: Mapping[str, tuple[int, ...]]) -> str:
+    """For separate projections whose K has fewer rows than Q (grouped-query): the --kv-heads that fits."""
+    for key, shape in shapes.items():
+        for q, k in _QK_PAIRS:
+            if key.endswith(f".{q}.weight") and len(shape) == 2:
+                other = shapes.get(key.removesuffix(f"{q}.weight") + f"{k}.weight")
+                if other and len(other) == 2 and other[0] < shape[0] and shape[0] % other[0] == 0:
+                    r = shape[0] // other[0]
+                    return (f". {key} has {shape[0]} rows and its {k} {other[0]}: grouped-query attention, so "
+                            f"--heads N --kv-heads N/{r} (N the model's head count, e.g. --heads {2 * r} "
+                            f"--kv-heads 2 if the heads are {shape[0] // (2 * r)} wide)")
+    return ""
 
 
 # --------------------------------------------------------------- an explicit layout (file or the run's own)

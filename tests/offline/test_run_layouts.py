@@ -385,3 +385,13 @@ def test_a_layout_file_above_that_belongs_to_another_model_is_ignored_out_loud(t
     analysis = analyze_checkpoints([tmp_path / "run" / "other" / "gpt.pt"])
     assert not analysis.failures and analysis.heads.source == "assumed"
     assert any(a.startswith("ignored the run's layout file") and "blocks.0" in a for a in analysis.heads.assumptions)
+
+
+def test_grouped_query_refusal_gives_the_kv_heads_that_fit(tmp_path, capsys):
+    torch.save(plain_state(zoo.llama().model), tmp_path / "llama.pt")
+    code = main(["analyze", str(tmp_path / "llama.pt"), "--out", str(tmp_path / "o"), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "q_proj.weight has 32 rows and its k_proj 16" in err and "--kv-heads N/2" in err
+    code = main(["analyze", str(tmp_path / "llama.pt"), "--heads", "4", "--kv-heads", "2", "--out",
+                 str(tmp_path / "o2"), "--quiet", "--no-report"])
+    assert code == 0  # the option the message gave works
