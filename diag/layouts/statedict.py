@@ -16,18 +16,17 @@ that is the registration order the live Monitor numbers by.
 
 from __future__ import annotations
 
-import fnmatch
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from diag.errors import SpecError
 from diag.layouts.adapters import ADAPTERS, CROSS_NAMES, HEAD_ATTRS, ModuleView, find_layout, resolve, with_sibling_o
-from diag.layouts.vocab import QKVLayout, shape_problem
+from diag.layouts.vocab import QKVLayout
 from diag.outputs.tags import layer_labels
 
-__all__ = ["Heads", "StateDictLayer", "head_attrs", "module_views", "find_layers", "layers_from_spec"]
+__all__ = ["Heads", "StateDictLayer", "head_attrs", "module_views", "find_layers", "qkv_suspects", "canonical_key"]
 
 # Adapters that need the attention class (GPT-2's Conv1D, GPT-NeoX's interleaving) get it
 # offline from a Hugging Face config's model_type; other views carry no class name.
@@ -185,7 +184,7 @@ _QKV_NAME = re.compile(r"(w?[qkv]|qkv|wqkv|c_attn|q_attn|query|key|value|query_k
                        r"[qkv]_lin|in_proj|(in|[qkv])_proj_weight)", re.IGNORECASE)
 
 
-def _qkv_suspects(shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
+def qkv_suspects(shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
     """2-D tensors named like a Q, K, V or fused QKV projection (not norms, not output projections)."""
     found = []
     for key, shape in shapes.items():
@@ -197,7 +196,7 @@ def _qkv_suspects(shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
 
 
 def _nothing_found(shapes: Mapping[str, tuple[int, ...]], heads: Heads) -> str:
-    suspects = _qkv_suspects(shapes)
+    suspects = qkv_suspects(shapes)
     read = ", ".join(f"{k}={v}" for k, v in heads.attrs.items() if k in HEAD_ATTRS) or "no head count"
     tried = "; ".join(a.describes for a in ADAPTERS)
     if heads.source == "--heads":
@@ -228,86 +227,3 @@ def _gqa_hint(shapes: Mapping[str, tuple[int, ...]]) -> str:
                             f"--heads N --kv-heads N/{r} (N the model's head count, e.g. --heads {2 * r} "
                             f"--kv-heads 2 if the heads are {shape[0] // (2 * r)} wide)")
     return ""
-
-
-# --------------------------------------------------------------- an explicit layout (file or the run's own)
-
-SpecEntry = tuple[str, QKVLayout, "str | None"]  # (module path or fnmatch pattern, layout, tag label or None)
-
-
-def _modules(shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
-    """Every module path of the keys (``a.b.c.weight`` -> ``a``, ``a.b``, ``a.b.c``), in order of appearance."""
-    found: dict[str, None] = {}
-    for key in shapes:
-        parts = key.split(".")
-        for depth in range(1, len(parts)):
-            found.setdefault(".".join(parts[:depth]))
-    return list(found)
-
-
-def _match(modules: list[str], pattern: str, prefix: str, strip: int) -> list[str]:
-    """Modules that match ``pattern`` minus its first ``strip`` components, below ``prefix``."""
-    parts = pattern.split(".")
-    if strip >= len(parts):
-        return []
-    tail = ".".join(parts[strip:])
-    return [m for m in modules if m.startswith(prefix) and fnmatch.fnmatchcase(m[len(prefix):], tail)]
-
-
-def _prefixes(modules: list[str]) -> list[str]:
-    """"" first, then the one- and two-component prefixes of the state dict's keys (a wrapper's ``model.``)."""
-    found = dict.fromkeys([""])
-    for m in modules:
-        parts = m.split(".")
-        for depth in (1, 2):
-            if len(parts) > depth:
-                found.setdefault(".".join(parts[:depth]) + ".")
-    return list(found)
-
-
-Shapes = Mapping[str, tuple[int, ...]]
-
-
-def _placed(shapes: Shapes, spec: Sequence[SpecEntry]) -> list[SpecEntry]:
-    """Every (module, layout, label) the spec names, under the first prefix where each entry finds a module
-    holding its weights: the state dict may hold the model under a wrapper's prefix (``model.``), or without
-    the one it had. A pattern matches like the Monitor's spec (``*`` crosses dots); modules inside a placed
-    one are not attention layers of their own."""
-    modules = _modules(shapes)
-    for strip in (0, 1, 2):
-        for prefix in _prefixes(modules):
-            per_entry = [[(m, layout, label) for m in _match(modules, pattern, prefix, strip)
-                          if all(resolve(m, n) in shapes for n in layout.weight_names)]
-                         for pattern, layout, label in spec]
-            if all(per_entry):
-                placed: list[SpecEntry] = []
-                for item in sorted((i for e in per_entry for i in e), key=lambda i: i[0].count(".")):
-                    if not any(item[0] == p[0] or item[0].startswith(p[0] + ".") for p in placed):
-                        placed.append(item)
-                return placed
-    return []
-
-
-SPEC_FIX = "fix the layout file, or pass the right one with --layout FILE"
-
-
-def layers_from_spec(shapes: Shapes, spec: Sequence[SpecEntry], source: str,
-                     fix: str = SPEC_FIX) -> list[StateDictLayer]:
-    """The layers an explicit layout names, checked against the tensors' shapes, in canonical order."""
-    placed = _placed(shapes, spec)
-    if not placed:
-        patterns = [p for p, _, _ in spec][:4]
-        names = [p + "." + lay.q for p, lay, _ in spec][:2]
-        seen = _qkv_suspects(shapes)[:4] or _modules(shapes)[:6]
-        raise SpecError(f"the layout of {source} names modules {patterns} whose weights ({names}, ...) are not "
-                        f"all in this checkpoint, which holds {seen}. The layout belongs to another model: pass "
-                        "--layout FILE with this checkpoint's module paths (docs/analyze.md#layout-files)")
-    for name, layout, _ in placed:
-        problem = shape_problem(layout, {n: shapes[resolve(name, n)] for n in layout.weight_names})
-        if problem:
-            raise SpecError(f"{name}: the layout of {source} does not fit the checkpoint: {problem}; {fix}")
-    placed.sort(key=lambda item: canonical_key(item[0], item[1].cross))
-    labels = layer_labels([layout.cross for _, layout, _ in placed])
-    if all(label for _, _, label in placed) and len({label for _, _, label in placed}) == len(placed):
-        labels = [label for _, _, label in placed]  # the run's own labels (exact module paths)
-    return [StateDictLayer(i, label, name, layout) for i, (label, (name, layout, _)) in enumerate(zip(labels, placed))]

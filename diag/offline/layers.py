@@ -20,7 +20,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 from diag.errors import SpecError
-from diag.layouts.statedict import Heads, StateDictLayer, find_layers, head_attrs, layers_from_spec
+from diag.layouts.placement import layers_from_spec
+from diag.layouts.statedict import Heads, StateDictLayer, find_layers, head_attrs
 from diag.offline.checkpoint import Checkpoint
 from diag.offline.layoutfile import LayoutFile
 
