@@ -32,6 +32,8 @@ from diag.errors import ConfigError, WarnOnce
 from diag.layouts.vocab import QKVLayout, split_projections, split_qkv
 from diag.math.metrics import DEFAULT_SEC_TOP, grad_metrics, layer_spectra
 from diag.math.updates import UpdateTracker
+from diag.offline.layoutfile import FILE_NAME as LAYOUT_FILE
+from diag.offline.layoutfile import LayoutEntry, layout_document, write_layout_file
 from diag.outputs.images import UpdateRatioHistory, attention_map_image, flagged_heads, layer_head_heatmaps
 from diag.outputs.records import attention_metrics, build_record, host_arrays, per_head_default
 from diag.outputs.sinks import FanOut, JsonlSink, Record, Sink, TensorBoardSink, check_logdir
@@ -143,6 +145,9 @@ class Monitor:
         self.refused: dict[int, str] = {}
         self._closed = False
         self._init_tensorboard(images, image_every)
+        self._layout_source = "Monitor spec" if spec else "Monitor discovery"
+        if self.logdir is not None:  # the layouts travel with the run: `analyze` reads them (docs/analyze.md)
+            self._guard("layout file", self.save_layout, self.logdir / LAYOUT_FILE)
         if "attention" in self.signals:
             self.capture.arm()  # the first forward; discarded if its step is not sampled
 
@@ -201,6 +206,17 @@ class Monitor:
 
     def state_dict(self) -> dict:
         return {"detectors": self.detectors.state_dict()}
+
+    def layout_document(self) -> dict:
+        """The watched layers' layouts as a layout file's JSON object (module path, QKVLayout, tag label)."""
+        entries = [LayoutEntry(layer.name, layer.layout, layer.label) for layer in self.layers]
+        return layout_document(entries, self._layout_source)
+
+    def save_layout(self, path: str | os.PathLike) -> None:
+        """Write :meth:`layout_document` to ``path`` (``attnscope_layout.json`` beside your checkpoints lets
+        ``python -m diag analyze`` read them exactly with no options)."""
+        entries = [LayoutEntry(layer.name, layer.layout, layer.label) for layer in self.layers]
+        write_layout_file(path, entries, self._layout_source)
 
     def load_state_dict(self, state: dict) -> None:
         self.detectors.load_state_dict(state["detectors"])

@@ -48,6 +48,13 @@ def _probe(inputs: str | None):
     return Probe(inputs)
 
 
+def _model_layout():
+    """Layouts of a Hugging Face folder's model, built from config.json by ``hooks`` (imported only here)."""
+    from hooks.hf_layout import ModelLayouts
+
+    return ModelLayouts()
+
+
 def _progress(quiet: bool):
     if quiet:
         return None
@@ -87,6 +94,7 @@ def _describe(analysis: Analysis, out: Path, report: Path | None) -> str:
         f"analysed {len(steps)} checkpoint(s), steps {steps[0]}..{steps[-1]}; {len(analysis.layers)} attention "
         f"layers ({la.layout.adapter}, {la.layout.n_heads} heads of {la.layout.head_dim}); "
         f"{analysis.heads.note if analysis.heads else ''}",
+        *(analysis.heads.assumptions if analysis.heads else ()),
         _table(analysis),
         f"alerts: {len(analysis.alerts)}"
         + "".join(f"\n  step {a.step} {a.level} {a.kind} {a.where}: {a.message}" for a in analysis.alerts),
@@ -119,7 +127,11 @@ def run_analyze(args: argparse.Namespace) -> int:
         with _log_above_progress(progress is not None):
             analysis = analyze_checkpoints(args.paths, heads=args.heads, kv_heads=args.kv_heads,
                                            sec_top=args.sec_top, sinks=sinks, alerts_path=out / "alerts.jsonl",
-                                           progress=progress, probe=probe)
+                                           progress=progress, probe=probe, layout=args.layout,
+                                           model_layout=_model_layout())
+    except DiagError as err:  # --layout unreadable, or given with --heads
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     finally:
         for sink in sinks:
             sink.close()
@@ -136,6 +148,9 @@ def run_analyze(args: argparse.Namespace) -> int:
             report = write_report(analysis, out / "report")
         except DiagError as err:
             print(f"error: {err}", file=sys.stderr)
+    if args.quiet and not args.json and analysis.heads is not None:
+        for assumption in analysis.heads.assumptions:  # never silent about what was assumed
+            print(f"note: {assumption}", file=sys.stderr)
     if args.json:
         summary = analysis.summary()
         summary["outputs"] = {"logdir": str(out), "report": None if report is None else str(report)}

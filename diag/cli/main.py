@@ -77,9 +77,14 @@ def _add_analyze(sub: argparse._SubParsersAction) -> None:
     analyze.add_argument("--out", default="runs/analyze", metavar="DIR",
                          help="output folder: TensorBoard run, metrics.jsonl, alerts.jsonl, report/ "
                          "(default: runs/analyze)")
-    analyze.add_argument("--heads", type=_positive, metavar="N", help="attention heads per layer, when the checkpoint "
-                         "does not say (overrides the config)")
-    analyze.add_argument("--kv-heads", type=_positive, metavar="G", help="key/value heads (grouped-query attention)")
+    analyze.add_argument("--layout", metavar="FILE", help="the attention layouts as a JSON layout file (module paths "
+                         "or patterns, QKVLayout fields: packing, head counts per stage, query-to-KV-head map); "
+                         "needed for a bare state dict whose layout the keys and config do not tell "
+                         "(docs/analyze.md#layout-files). A run's own attnscope_layout.json is found without it")
+    analyze.add_argument("--heads", type=_positive, metavar="N", help="shorthand: attention heads per layer, every "
+                         "layer alike (overrides the config); the packing and pairing it assumes are printed")
+    analyze.add_argument("--kv-heads", type=_positive, metavar="G", help="shorthand: key/value heads (grouped-query "
+                         "attention; query head h assumed to pair with key/value head h // (N/G))")
     analyze.add_argument("--sec-top", type=_positive, default=DEFAULT_SEC_TOP, metavar="S",
                          help=f"s of the spectral energy concentration SEC_s (default: {DEFAULT_SEC_TOP})")
     analyze.add_argument("--json", action="store_true", help="print a JSON summary on stdout (for scripts)")

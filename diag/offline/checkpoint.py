@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from diag.offline.layoutfile import LayoutFile, find_layout_file, parse_layout, read_layout_file
 from diag.offline.loaders import CheckpointError, TensorSource, load_torch, open_safetensors, unwrap_state_dict
 
 __all__ = ["Checkpoint", "CheckpointError", "find_checkpoints", "open_checkpoint", "step_of", "TORCH_SUFFIXES"]
@@ -37,6 +38,7 @@ WEIGHT_FILES = (
 )
 STEP_KEYS = ("iter_num", "step", "global_step", "iteration", "num_updates")
 CONFIG_KEYS = ("model_args", "config", "hyper_parameters", "hparams")
+LAYOUT_KEY = "attnscope_layout"  # a checkpoint dict's entry holding the run's layout file
 _NAMED_STEP = re.compile(r"(?:step|iter|iteration|checkpoint|ckpt)[-_=]?(\d+)", re.IGNORECASE)
 _LAST_NUMBER = re.compile(r"(\d+)(?!.*\d)")
 
@@ -51,6 +53,7 @@ class Checkpoint:
     config: dict[str, Any] = field(default_factory=dict)
     config_source: str = ""  # where the config came from, e.g. "config.json" or "model_args"
     stored_step: int | None = None
+    layout: LayoutFile | None = None  # the layouts the run saved with it (attnscope_layout), if any
 
 
 def _is_checkpoint_file(path: Path) -> bool:
@@ -103,6 +106,8 @@ def step_from_name(path: Path, keyword_only: bool = False) -> int | None:
 def step_of(path: Path) -> int | None:
     """The training step of a checkpoint: in its name, else stored inside, else any number in its name."""
     step = step_from_name(path, keyword_only=True)
+    if step is None and path.name in WEIGHT_FILES:  # checkpoint-500/model.safetensors: the folder's step
+        step = step_from_name(path.parent, keyword_only=True)
     if step is None:
         step = open_checkpoint(path).stored_step
     return step if step is not None else step_from_name(path)
@@ -143,7 +148,10 @@ def _open_torch(path: Path) -> Checkpoint:
     config, source = _config(meta)
     if not config:
         config, source = _config_beside(path)
-    return Checkpoint(path, "pytorch", TensorSource.from_dict(state), config, source, _stored_step(meta))
+    layout = None
+    if isinstance(meta.get(LAYOUT_KEY), dict):  # saved inside by the Lightning callback
+        layout = parse_layout(meta[LAYOUT_KEY], f"{path} ({LAYOUT_KEY})")
+    return Checkpoint(path, "pytorch", TensorSource.from_dict(state), config, source, _stored_step(meta), layout)
 
 
 def _open_file(path: Path) -> tuple[TensorSource, dict[str, Any]]:
@@ -199,8 +207,16 @@ def _open_folder(path: Path) -> Checkpoint:
 
 
 def open_checkpoint(path: str | Path) -> Checkpoint:
-    """Open one checkpoint lazily; raises :class:`CheckpointError` with one clear line."""
-    path = Path(path)
+    """Open one checkpoint lazily, with the layouts its run saved; raises :class:`CheckpointError` with one
+    clear line."""
+    ckpt = _open(Path(path))
+    if ckpt.layout is None:
+        found = find_layout_file(ckpt.path)
+        ckpt.layout = None if found is None else read_layout_file(found, "the run's layout file")
+    return ckpt
+
+
+def _open(path: Path) -> Checkpoint:
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or folder; check the path")
     if path.is_dir():

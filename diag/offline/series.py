@@ -18,8 +18,9 @@ and the series goes on.
 
 from __future__ import annotations
 
+import inspect
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -27,12 +28,14 @@ import torch
 from torch import Tensor
 
 from diag.detectors.core import Alert, AlertConfig, AlertSink, Detectors, Observation
-from diag.errors import DiagError, SpecError
-from diag.layouts.statedict import Heads, StateDictLayer, find_layers, head_attrs
-from diag.layouts.vocab import split_projections
+from diag.errors import ConfigError, DiagError, SpecError
+from diag.layouts.statedict import Heads, StateDictLayer
+from diag.layouts.vocab import QKVLayout, split_projections, split_qkv
 from diag.math.metrics import DEFAULT_SEC_TOP, layer_spectra
 from diag.math.updates import UpdateTracker
 from diag.offline.checkpoint import Checkpoint, find_checkpoints, open_checkpoint, step_of
+from diag.offline.layers import ModelLayoutFn, choose_layers
+from diag.offline.layoutfile import LayoutEntry, LayoutFile, read_layout_file
 from diag.outputs.records import LayerArrays, build_record, host_arrays, per_head_default
 from diag.outputs.sinks import FanOut, Record, Sink
 
@@ -66,15 +69,26 @@ class Analysis:
             "checkpoints": [{"path": p, "step": s} for p, s in self.analysed],
             "failures": [{"path": p, "error": e} for p, e in self.failures],
             "heads": None if self.heads is None else {"source": self.heads.source, "note": self.heads.note},
+            "assumptions": [] if self.heads is None else list(self.heads.assumptions),
             "layers": [{"label": la.label, "module": la.name, "adapter": la.layout.adapter,
                         "heads": la.layout.n_heads, "kv_heads": la.layout.kv_heads,
-                        "head_dim": la.layout.head_dim} for la in self.layers],
+                        "head_dim": la.layout.head_dim, "packing": la.layout.packing,
+                        "kv_map": _kv_map(la.layout)} for la in self.layers],
             "metrics": {str(step): {label: {m: [_num(x) for x in v] for m, v in metrics.items() if m != "qk_spectrum"}
                                     for label, metrics in arrays.items()} for step, arrays in self.spectra.items()},
             "updates": {str(step): {label: {m: _num(v[0]) for m, v in metrics.items()}
                                     for label, metrics in arrays.items()} for step, arrays in self.updates.items()},
             "alerts": [asdict(a) for a in self.alerts],
         }
+
+
+def _kv_map(layout: QKVLayout) -> list[int] | None:
+    """The query-to-KV-head pairing the analysis used (None: one KV head per query head)."""
+    g, h = layout.kv_heads, layout.n_heads
+    if g == h:
+        return None
+    explicit = getattr(layout, "kv_map", None)
+    return list(explicit) if explicit is not None else [i // (h // g) for i in range(h)]
 
 
 def _num(x: float) -> float | None:
@@ -107,9 +121,10 @@ class _Series:
     """The state carried from one checkpoint to the next."""
 
     def __init__(self, out: Analysis, heads: int | None, kv_heads: int | None, sec_top: int,
-                 sinks: FanOut, alert_sink: AlertSink, detectors: Detectors, probe: ProbeFn | None) -> None:
+                 sinks: FanOut, alert_sink: AlertSink, detectors: Detectors, probe: ProbeFn | None,
+                 layout: LayoutFile | None = None, model_layout: ModelLayoutFn | None = None) -> None:
         self.out, self.n_heads, self.kv_heads, self.sec_top = out, heads, kv_heads, sec_top
-        self.probe = probe
+        self.probe, self.layout, self.model_layout = probe, layout, model_layout
         self.sinks, self.alert_sink, self.detectors = sinks, alert_sink, detectors
         self.previous: tuple[int, list[Projections]] | None = None
         self.update_tracker = UpdateTracker()  # the live Monitor's computation, warm across the series
@@ -117,15 +132,16 @@ class _Series:
 
     def add(self, path: Path, step: int) -> None:
         ckpt = open_checkpoint(path)
-        heads = head_attrs(ckpt.config, ckpt.config_source, self.n_heads, self.kv_heads)
         try:
-            layers = find_layers(ckpt.tensors.shapes, heads)
+            layers, heads = choose_layers(ckpt, self.layout, self.n_heads, self.kv_heads, self.model_layout)
         except SpecError as err:
-            raise SpecError(f"{path}: {err}") from None
+            raise SpecError(f"{path}: {str(err).removeprefix(f'{path}: ')}") from None
         self._check_same(path, layers)
-        mats = [split_projections(_weights(ckpt, layer), layer.layout) for layer in layers]
+        weights = [_weights(ckpt, layer) for layer in layers]
+        mats = [split_projections(w, layer.layout) for w, layer in zip(weights, layers)]
         with torch.no_grad():
-            spectra = layer_spectra([(m["q"], m["k"]) for m in mats], self.sec_top)
+            spectra = layer_spectra([_query_key(w, la.layout, m) for w, la, m in zip(weights, layers, mats)],
+                                    self.sec_top)
             updates = self._updates(mats)
         if not self.out.layers:
             self.out.layers, self.out.heads = layers, heads
@@ -176,8 +192,30 @@ class _Series:
         self.alert_sink.emit(alerts)
 
 
+_PAIRED = "paired" in inspect.signature(split_qkv).parameters  # the vocabulary has kv_map
+
+
+def _query_key(weights: dict[str, Tensor], layout: QKVLayout, mats: Projections) -> tuple[Tensor, Tensor]:
+    """Q (H, D, E) and K, as the live Monitor pairs them: K row h is query head h's key head where the layout
+    has an explicit query-to-KV-head map; else K (G, D, E), query head h with key head h // (H/G)."""
+    if _PAIRED and getattr(layout, "kv_map", None) is not None:
+        q, k, _ = split_qkv(weights, layout, paired=True)
+        return q, k
+    return mats["q"], mats["k"]
+
+
 def _weights(ckpt: Checkpoint, layer: StateDictLayer) -> dict[str, Tensor]:
     return {rel: ckpt.tensors.get(key) for rel, key in layer.keys().items()}
+
+
+def _layout_file(layout: str | Path | LayoutFile | Mapping[str, QKVLayout] | None) -> LayoutFile | None:
+    if layout is None or isinstance(layout, LayoutFile):
+        return layout
+    if isinstance(layout, Mapping):
+        if not all(isinstance(v, QKVLayout) for v in layout.values()):
+            raise ConfigError("analyze_checkpoints(layout={...}): expected {module pattern: QKVLayout}")
+        return LayoutFile(tuple(LayoutEntry(k, v) for k, v in layout.items()), "layout=")
+    return read_layout_file(layout)
 
 
 def analyze_checkpoints(
@@ -191,6 +229,8 @@ def analyze_checkpoints(
     alerts: AlertConfig | None = None,
     progress: Callable[[Iterable], Iterable] | None = None,
     probe: ProbeFn | None = None,
+    layout: str | Path | LayoutFile | Mapping[str, QKVLayout] | None = None,
+    model_layout: ModelLayoutFn | None = None,
 ) -> Analysis:
     """Analyse checkpoints (files, folders, globs) in step order; see the module docstring.
 
@@ -198,14 +238,23 @@ def analyze_checkpoints(
     collected in ``Analysis.failures`` with one line each; the others go on.
     ``progress`` wraps the ordered checkpoints (e.g. ``tqdm``). ``probe`` adds attention
     arrays per checkpoint (``hooks.probe.Probe``); its failures are collected too.
+    ``layout``: a layout file (path or :class:`LayoutFile`) or a Monitor-style spec
+    ``{module pattern: QKVLayout}`` for every checkpoint; else each checkpoint's own
+    (see :mod:`diag.offline.layers`). ``model_layout`` finds the layouts of a Hugging
+    Face folder's model (``hooks.hf_layout.ModelLayouts``).
     """
+    if layout is not None and (heads is not None or kv_heads is not None):
+        raise ConfigError("analyze_checkpoints: pass either layout= (--layout) or heads=/kv_heads= (--heads, "
+                          "--kv-heads), not both: the layout already holds the head counts")
+    spec = _layout_file(layout)
     out = Analysis()
     found, failed = find_checkpoints(str(p) for p in paths)
     out.failures += [(arg, str(err)) for arg, err in failed]
     ordered, failed_steps = order_checkpoints(found)
     out.failures += failed_steps
     fan = FanOut(list(sinks))
-    series = _Series(out, heads, kv_heads, sec_top, fan, AlertSink(fan, alerts_path), Detectors(alerts), probe)
+    series = _Series(out, heads, kv_heads, sec_top, fan, AlertSink(fan, alerts_path), Detectors(alerts), probe,
+                     spec, model_layout)
     for path, step in progress(ordered) if progress else ordered:
         try:
             series.add(path, step)

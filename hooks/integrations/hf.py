@@ -37,7 +37,9 @@ __all__ = ["MonitorCallback", "STATE_FILE", "default_logdir"]
 
 log = logging.getLogger("diag")
 
-STATE_FILE = "attnscope_state.json"  # the detectors' state, written into each checkpoint-N folder
+STATE_FILE = "attnscope_state.json"
+  # the detectors' state, written into each checkpoint-N folder
+LAYOUT_FILE = "attnscope_layout.json"  # the Monitor's layouts (diag.offline.layoutfile), in each checkpoint-N
 
 
 def default_logdir(args: Any) -> Path:
@@ -131,6 +133,11 @@ class MonitorCallback(TrainerCallback):
         except OSError as err:  # a checkpoint without our state is still a checkpoint
             log.warning("diag: cannot write %s (%s); resuming from it starts the detectors afresh",
                         folder / STATE_FILE, err)
+        try:  # the layouts, so that `python -m diag analyze checkpoint-N` needs no options
+            self.monitor.save_layout(folder / LAYOUT_FILE)
+        except OSError as err:
+            log.warning("diag: cannot write %s (%s); analysing this checkpoint may need --layout",
+                        folder / LAYOUT_FILE, err)
 
     def on_train_end(self, args, state, control, **kwargs) -> None:
         self.close()

@@ -23,6 +23,7 @@ from typing import Any
 import lightning.pytorch as pl
 from torch import Tensor
 
+from diag.offline.checkpoint import LAYOUT_KEY
 from hooks.integrations import callback_options
 from hooks.monitor import Monitor
 
@@ -102,6 +103,11 @@ class MonitorCallback(pl.Callback):
         if self.monitor is not None:
             return self.monitor.state_dict()
         return dict(self._pending_state or {})
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        """The layouts go into the checkpoint (``attnscope_layout``): ``python -m diag analyze`` reads them."""
+        if self.monitor is not None:
+            checkpoint[LAYOUT_KEY] = self.monitor.layout_document()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:

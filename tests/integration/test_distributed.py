@@ -84,7 +84,7 @@ def test_two_ranks_log_the_single_process_numbers(mode, single, tmp_path):
     assert shared and all(_close(last0[t], last1[t], 1e-9) for t in shared)
     assert any(not _close(last0[t], last1[t]) for t in last0 if t.startswith("attn_entropy"))
     assert sorted(p.name for p in (tmp_path / "logs").iterdir() if not p.name.startswith("events")) == [
-        "metrics.jsonl"
+        "attnscope_layout.json", "metrics.jsonl"  # the layouts, for `python -m diag analyze` (issue 20)
     ]
     _check_collectives(mode, tmp_path)
 
