@@ -83,7 +83,8 @@ class Plateau:
         return [Alert(step, "eureka_plateau", "warning", "", (
             f"the loss has been flat at {level:.4g} since step {since} (the halves of the last "
             f"{window} steps differ by {abs(first - second) / abs(first):.1%}) while Q/K gradients are "
-            f"{ratio:.2f}x of V's: the model may be stuck before a Eureka-moment. What to do: {TODO}"), {"loss": level, "grad_ratio_qk_v": ratio, "noise": noise},
+            f"{ratio:.2f}x of V's: the model may be stuck before a Eureka-moment. What to do: {TODO}"),
+            {"loss": level, "grad_ratio_qk_v": ratio, "noise": noise},
             "firing", since)]
 
     def _moment(self, step: int, point: list[float]) -> list[Alert]:
