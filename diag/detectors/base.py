@@ -38,6 +38,7 @@ class Alert:
     values: dict[str, float] = field(default_factory=dict)
     status: str = "firing"  # or "resolved"
     since: int | None = None  # the step the episode began
+    heads: tuple[str, ...] = ()  # a layer's record that stands for several heads: their "Lxx/Hyy"
 
     @property
     def anchor(self) -> str:

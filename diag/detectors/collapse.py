@@ -5,8 +5,8 @@ precedes the crash; benign collapse (each query on a different key) does not. Ea
 an episode per head (:mod:`diag.detectors.episodes`); heads of one layer that start or end
 at the same step are reported as one record for the layer. The lines scale with the
 attention's size: the low-rank line is ``1 + low_rank_frac * (rows - 1)`` (rank 1 is the
-floor: every row the same), the sparse line is the lower of ``sparse_entropy`` and
-``sparse_frac`` of uniform attention's entropy, so a 5-token attention can be malignant.
+floor: every row the same), so a 5-token attention can be malignant (10% of 5 rows, the old
+line, is 0.5: below any effective rank). The sparse line stays ``sparse_entropy`` nats.
 """
 
 from __future__ import annotations
@@ -39,8 +39,7 @@ WHAT = {
 
 def lines(rows: float, cfg: AlertConfig, uniform_entropy: float = math.inf) -> tuple[float, float]:
     """(sparse entropy line in nats, low-rank line) for attention over ``rows`` rows."""
-    sparse = min(cfg.sparse_entropy, cfg.sparse_frac * uniform_entropy)
-    return sparse, 1.0 + cfg.low_rank_frac * max(rows - 1.0, 0.0)
+    return cfg.sparse_entropy, 1.0 + cfg.low_rank_frac * max(rows - 1.0, 0.0)
 
 
 def attention_state(entropy: float, rank: float, rows: float, cfg: AlertConfig,
@@ -93,8 +92,8 @@ class AttentionStates:
             where = f"{label}/{head_label(h, n)}"
             for state, episodes in self.episodes.items():
                 inside, outside = _tests(state, e, r, rows, u, self.cfg)
-                if state == "benign" and self.episodes["malignant"].active(where):
-                    inside = False  # a malignant head that regains rank for a moment stays one episode
+                if state == "benign" and self.episodes["malignant"].since(where) is not None:
+                    inside = False  # a (would-be) malignant head that regains rank for a moment is not benign
                 event = episodes.update(where, step, inside, outside)
                 if event is not None:
                     out.append(self._alert(step, where, state, event, e, r, rows))
@@ -132,9 +131,8 @@ def group_by_layer(label: str, alerts: list[Alert]) -> list[Alert]:
             out += group
             continue
         first = group[0]
-        heads = ", ".join(a.where.split("/")[-1] for a in group)
         values = {**first.values, "heads": float(len(group))}
-        message = f"heads {heads}: {first.message}"
+        message = f"{len(group)} heads together (values of {first.where.split('/')[-1]}): {first.message}"
         out.append(Alert(first.step, first.kind, first.level, label, message, values, first.status,
-                         min(a.since for a in group if a.since is not None)))
+                         min(a.since for a in group if a.since is not None), tuple(a.where for a in group)))
     return out

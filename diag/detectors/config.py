@@ -17,8 +17,7 @@ class AlertConfig:
     """Thresholds of every detector; windows and dwells in steps, so the sampling interval does not matter."""
 
     # attention states (collapse.py); the lines scale with the attention's size
-    sparse_entropy: float = 0.5  # nats: below, a query spreads its mass over ~1.6 keys or fewer ...
-    sparse_frac: float = 0.3  # ... or below 30% of uniform attention's entropy, if that is lower (short rows)
+    sparse_entropy: float = 0.5  # nats: below, a query spreads its mass over ~1.6 keys or fewer
     low_rank_frac: float = 0.1  # effective rank <= 1 + 10% of (rows - 1): a few keys serve every query
     uniform_frac: float = 0.8  # entropy at 80% of uniform attention's over the same keys is "uniform"
     collapse_persist: int = 2  # samples a head must stay malignant ... (1: at once)
@@ -32,7 +31,7 @@ class AlertConfig:
     rank_drop: float = 0.25  # ... and its attention rank by this fraction ...
     sec_warn: float = 0.5  # ... with SEC_s at or above this ...
     tau_warn: float = 0.01  # ... or an update ratio sigma1(dW)/sigma1(W) above this
-    note_ratio: float = 0.04  # info note: an update ratio 10x the paper's tau = 0.004 ...
+    note_ratio: float = 0.25  # info note: an update a quarter of the weights' size (60x tau = 0.004) ...
     note_horizon: int = 50  # ... within the first 50 steps: "no warmup", not a collapse
     # plateau and Eureka-moment (plateau.py)
     plateau_window: int = 200  # steps of loss in the plateau test

@@ -5,7 +5,8 @@ states, the collapse warning, the early-update note, loss spikes, the plateau) a
 their alerts in that order. ``state_dict()`` is the union of the detectors' states (their
 keys are distinct; checked here) plus ``"version"``; a format-1 state (no version, from
 before the detectors were split) loads what carries over: the spike EMA, the non-finite
-memory and the first loss. The rest starts afresh, and a warning on the ``diag`` logger says so.
+memory, the first loss, the last sigma_1 and update ratio per layer. The rest starts
+afresh, and a warning on the ``diag`` logger says so.
 """
 
 from __future__ import annotations
@@ -67,7 +68,9 @@ class Detectors:
                               f"reads ({STATE_VERSION}); upgrade attnscope or start the detectors afresh")
         if version == 1:
             log.warning("diag: detector state of format 1 (before episodes): the spike EMA, the non-finite "
-                        "memory and the first loss carry over; collapse and plateau windows start afresh")
-            state = {k: state[k] for k in ("ema", "emvar", "n_loss", "nonfinite", "first_loss") if k in state}
+                        "memory, the first loss, the last sigma_1 and update ratios carry over; collapse and "
+                        "plateau windows start afresh")
+            keep = ("ema", "emvar", "n_loss", "nonfinite", "first_loss", "sigma_prev", "update_ratio")
+            state = {k: state[k] for k in keep if k in state}
         for detector in self.detectors:
             detector.load_state_dict(state)

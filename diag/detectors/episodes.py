@@ -56,12 +56,15 @@ class Episodes:
         return entry[1] if entry else None
 
     def update(self, key: str, step: int, inside: bool, outside: bool) -> Opened | Closed | None:
-        """``inside``: the enter test holds; ``outside``: the exit test holds (never both)."""
+        """``inside``: the enter test holds; ``outside``: the exit test holds (never both). Neither
+        (between the lines, or not measurable) changes nothing: not the count, not the dwell's start."""
         entry = self.keys.setdefault(key, [False, None, 0, None, 0])
         active, since, count, out_since, out_count = entry
         if not active:
-            if not inside:
+            if outside or (not inside and since is None):
                 self.keys[key] = [False, None, 0, None, 0]
+                return None
+            if not inside:  # between the lines: a candidate stays a candidate
                 return None
             since = step if since is None else since
             count += 1

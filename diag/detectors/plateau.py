@@ -27,12 +27,18 @@ TODO = ("rule out a data or label bug first; then NormSoftmax (divide the logits
 
 
 def fit_trend(points: list[list[float]]) -> tuple[float, float, float]:
-    """Least squares ``loss = a + b * step`` over ``[[step, loss, ...], ...]``: (a, b, residual std)."""
+    """Least squares ``loss = a + b * step`` over ``[[step, loss, ...], ...]``: (a, b, noise), the noise
+    the residuals' median absolute deviation scaled to a standard deviation; a rising fit becomes the flat
+    mean (b = 0)."""
     steps, losses = np.array([p[0] for p in points]), np.array([p[1] for p in points])
     if np.ptp(steps) == 0:
-        return float(losses.mean()), 0.0, float(losses.std())
+        return float(losses.mean()), 0.0, 1.4826 * float(np.median(np.abs(losses - np.median(losses))))
     b, a = np.polyfit(steps, losses, 1)
-    return float(a), float(b), float(np.std(losses - (a + b * steps)))
+    residuals = losses - (a + b * steps)
+    noise = 1.4826 * float(np.median(np.abs(residuals - np.median(residuals))))  # robust: one spike is not noise
+    if b > 0:  # a plateau does not climb: a rising fit is noise, and extrapolated it would drift away
+        a, b = float(losses.mean()), 0.0
+    return float(a), float(b), noise
 
 
 def _mean(points: list[list[float]], column: int) -> float:
@@ -49,11 +55,13 @@ class Plateau:
         self.first_loss: float | None = None
         self.plateau: dict | None = None  # {"since", "a", "b", "noise", "ratio", "entropy"} while one lasts
         self.below: list[list[float]] = []  # consecutive samples under the trend line
+        self.start: int | None = None  # the first step of the current watch (the run's, or after a moment)
 
     def observe(self, obs: Observation) -> list[Alert]:
         if obs.loss is None or not math.isfinite(obs.loss):
             return []
         self.first_loss = obs.loss if self.first_loss is None else self.first_loss
+        self.start = obs.step if self.start is None else self.start
         ratios = [float(m["grad_ratio_qk_v"][0]) for m in obs.layers.values() if "grad_ratio_qk_v" in m]
         entropies = [float(np.mean(m["attn_entropy"])) for m in obs.layers.values() if "attn_entropy" in m]
         point = [float(obs.step), obs.loss, float(np.mean(ratios)) if ratios else math.nan,
@@ -65,7 +73,7 @@ class Plateau:
 
     def _plateau(self, step: int) -> list[Alert]:
         window = self.cfg.plateau_window
-        if len(self.losses) < 4 or step - self.losses[0][0] < 0.9 * (window - 1):
+        if len(self.losses) < 4 or step - self.start < window - 1:  # a whole window seen, at any interval
             return []
         a, b, noise = fit_trend(self.losses)
         level = a + b * step
@@ -93,7 +101,8 @@ class Plateau:
         drop = max(self.cfg.eureka_drop * abs(expected), self.cfg.eureka_noise * p["noise"])
         if point[1] > expected - drop:
             self.below = []
-            self._refit(point)
+            if point[1] >= expected - max(2.0 * p["noise"], drop / 2):  # on the plateau, not on its way down
+                self._refit(point)
             return []
         self.below.append(point)
         rising = math.isfinite(point[2]) and point[2] > p["ratio"]
@@ -103,7 +112,7 @@ class Plateau:
             return []
         since = int(self.below[0][0])
         duration = since - p["since"]
-        self.plateau, self.below, self.losses = None, [], []
+        self.plateau, self.below, self.losses, self.start = None, [], [], None
         values = {"loss": point[1], "plateau": expected, "grad_ratio_qk_v": point[2], "attn_entropy": point[3]}
         return [Alert(step, "eureka_plateau", "info", "", f"resolved: the plateau ended at step {since} after "
                       f"{duration} steps", {"duration_steps": float(duration)}, "resolved", p["since"]),
@@ -113,16 +122,20 @@ class Plateau:
                     "entropy fell. What to do: nothing; validation accuracy should follow"), values, "firing", since)]
 
     def _refit(self, point: list[float]) -> None:
-        """Still on the plateau: the window rolls on and the trend follows it (a plateau may sink slowly)."""
+        """Still on the plateau: the window rolls on and the trend follows it (a plateau may sink slowly);
+        samples more than 2 noise deviations under the trend are left out, so a slow drop cannot drag it along."""
         self.losses = [q for q in self.losses if q[0] > point[0] - self.cfg.plateau_window] + [point]
         a, b, noise = fit_trend(self.losses)
         self.plateau.update(a=a, b=b, noise=noise, ratio=_mean(self.losses, 2), entropy=_mean(self.losses, 3))
 
     def state_dict(self) -> dict:
-        return {"losses": self.losses, "first_loss": self.first_loss, "plateau": self.plateau, "below": self.below}
+        return {"losses": [p[1] for p in self.losses], "loss_points": [[p[0], p[2], p[3]] for p in self.losses],
+                "first_loss": self.first_loss, "plateau": self.plateau, "below": self.below, "loss_start": self.start}
 
     def load_state_dict(self, state: dict) -> None:
-        self.losses = [list(p) for p in state.get("losses", []) if isinstance(p, list)]  # v1 held bare floats
+        points = state.get("loss_points", [])  # format 1 has losses but no points: the window starts afresh
+        self.losses = [[s, loss, r, e] for loss, (s, r, e) in zip(state.get("losses", []), points)]
         self.first_loss = state.get("first_loss")
         self.plateau = state.get("plateau") if isinstance(state.get("plateau"), dict) else None
         self.below = [list(p) for p in state.get("below", [])]
+        self.start = state.get("loss_start", self.losses[0][0] if self.losses else None)

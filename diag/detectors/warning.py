@@ -40,6 +40,7 @@ class CollapseWarning:
         self.episodes = Episodes(Dwell(2, cfg.collapse_dwell), Dwell(2, cfg.exit_dwell))
         self.trend: dict[str, list[list[float]]] = {}  # head -> [[step, sigma_1, entropy, rank], ...]
         self.update_ratio: dict[str, float] = {}  # layer -> last max(update_ratio_q, update_ratio_k)
+        self.sigma_prev: dict[str, list] = {}  # layer -> [step, sigma_1 per head] of the previous sample
 
     def observe(self, obs: Observation) -> list[Alert]:
         alerts: list[Alert] = []
@@ -49,6 +50,8 @@ class CollapseWarning:
                 self.update_ratio[label] = max(ratios)
             if all(k in m for k in ("qk_sigma1", "attn_entropy", "attn_rank")):
                 alerts += group_by_layer(label, self._layer(obs.step, label, m))
+            if "qk_sigma1" in m:
+                self.sigma_prev[label] = [obs.step, [float(v) for v in m["qk_sigma1"]]]
         return alerts
 
     def _layer(self, step: int, label: str, m: dict[str, np.ndarray]) -> list[Alert]:
@@ -71,6 +74,9 @@ class CollapseWarning:
                                  {"duration_steps": float(event.duration)}, "resolved", event.since))
             elif event is not None:
                 span = int(step - history[0][0])
+                previous = self.sigma_prev.get(label)
+                if previous is not None and previous[1][h] > 0:  # the last interval alone, as measured
+                    values["sigma1_growth_last"] = point[1] / previous[1][h]
                 out.append(Alert(step, "collapse_warning", "warning", where, (
                     f"towards malignant collapse since step {event.since}: over the last {span} steps "
                     f"sigma_1(Wq^T Wk) grew x{values['sigma1_growth']:.1f} while attention entropy fell "
@@ -94,12 +100,13 @@ class CollapseWarning:
 
     def state_dict(self) -> dict:
         return {"warning_episodes": self.episodes.state_dict(), "trend": self.trend,
-                "update_ratio": dict(self.update_ratio)}
+                "update_ratio": dict(self.update_ratio), "sigma_prev": dict(self.sigma_prev)}
 
     def load_state_dict(self, state: dict) -> None:
         self.episodes.load_state_dict(state.get("warning_episodes", {}))
         self.trend = {k: [list(p) for p in v] for k, v in state.get("trend", {}).items()}
         self.update_ratio = dict(state.get("update_ratio", {}))
+        self.sigma_prev = {k: list(v) for k, v in state.get("sigma_prev", {}).items()}
 
 
 class EarlyUpdates:

@@ -17,15 +17,20 @@ from pathlib import Path
 from diag.detectors.base import Alert, TrainingHalted
 from diag.outputs.sinks import FanOut, Record
 
-__all__ = ["AlertSink", "console_line"]
+__all__ = ["AlertSink", "console_line", "shown_where"]
 
 log = logging.getLogger("diag")
 LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "critical": logging.CRITICAL}
 
 
+def shown_where(a: Alert) -> str:
+    """Where, once: the heads a layer's record stands for, else ``where``."""
+    return ", ".join(a.heads) if a.heads else a.where
+
+
 def console_line(a: Alert) -> str:
     """``diag alert <kind> [resolved] at <where>, step <n>: <message> (docs/alerts.md#<kind>)``."""
-    where = f" at {a.where}" if a.where else ""
+    where = f" at {shown_where(a)}" if a.where else ""
     status = " resolved" if a.status == "resolved" else ""
     return f"diag alert {a.kind}{status}{where}, step {a.step}: {a.message} ({a.anchor})"
 
@@ -54,7 +59,7 @@ class AlertSink:
             tag = f"alerts/{a.kind}"
             if a.status == "firing":  # the scalar counts episodes that start; resolved records are text only
                 record.scalars[tag] = record.scalars.get(tag, 0.0) + 1.0
-            where = f" {a.where}:" if a.where else ""
+            where = f" {shown_where(a)}:" if a.where else ""
             status = " (resolved)" if a.status == "resolved" else ""
             record.texts[tag] = record.texts.get(tag, "") + f"**{a.level}**{status}{where} {a.message} " \
                                                             f"[{a.anchor}]\n\n"

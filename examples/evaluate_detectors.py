@@ -1,0 +1,186 @@
+"""Replay the detectors over recorded runs: thresholds tuned on one half of the seeds, reported on the other.
+
+    OMP_NUM_THREADS=1 .venv/bin/python examples/evaluate_detectors.py RUNS_DIR [--show RUN] [--markdown]
+
+``RUNS_DIR`` holds one folder per run written by ``examples/evaluate_record.py`` (named
+``collapse-...-s<seed>`` or ``eureka-...-s<seed>``; the Monitor sampled every step). Each run is
+replayed at ``every`` 2, 5, 10 and 20 by keeping the observations whose step is a multiple of
+``every``: what a Monitor at that interval would have passed the detectors. Even seeds tune,
+odd seeds are held out. Ground truth never looks at the detectors:
+
+* established collapse: the first step ``t`` from which, over ``[t, t + 50)`` steps, one head is
+  malignant (attention entropy <= 0.5 nats and effective rank <= 10% of its rows, Qi et al.'s
+  sparse and low-rank state, fixed lines) in at least 80% of the every-step samples;
+* accuracy jump: the first held-out evaluation above halfway from the no-indicator accuracy to
+  the run's final accuracy (``examples/eureka.py``), none if the final accuracy is not 0.2 above it;
+* a warning is in time if its first firing precedes the established collapse; a collapse alert on
+  a run with no established collapse is false; a Eureka-moment is on time if its ``since`` step is
+  within 2 sampling intervals of the jump, false if it comes earlier than that (accuracy still at
+  the plateau) or on a run with no jump.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from collections import Counter
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling example modules
+
+from evaluate_record import load_observations  # noqa: E402
+
+from diag.detectors import AlertConfig, Detectors, Observation  # noqa: E402
+
+EVERYS = (2, 5, 10, 20)
+ESTABLISHED_STEPS, ESTABLISHED_SHARE = 50, 0.8
+SPARSE, LOW_RANK = 0.5, 0.1  # the ground truth's fixed lines (not AlertConfig's)
+COLLAPSE_GRID = {"warn_window": (20, 40, 80), "sigma_growth": (1.5, 2.0, 3.0), "entropy_drop": (0.15, 0.25, 0.4)}
+EUREKA_GRID = {"eureka_drop": (0.05, 0.1, 0.2), "eureka_noise": (2.0, 3.0, 4.0), "plateau_qk_ratio": (0.4, 0.5)}
+
+
+@dataclass
+class Run:
+    name: str
+    task: str
+    seed: int
+    obs: list[Observation]
+    info: dict
+
+    @property
+    def held_out(self) -> bool:
+        return self.seed % 2 == 1
+
+
+def load_runs(folder: Path) -> list[Run]:
+    runs = []
+    for path in sorted(folder.iterdir()):
+        if (path / "run.json").exists() and (path / "observations.jsonl").exists():
+            info = json.loads((path / "run.json").read_text())
+            runs.append(Run(path.name, info["config"]["task"], info["config"]["seed"],
+                            load_observations(path / "observations.jsonl"), info))
+    return runs
+
+
+def replay(obs: list[Observation], cfg: AlertConfig, every: int) -> list:
+    det = Detectors(cfg)
+    return [a for o in obs if o.step % every == 0 for a in det.observe(o)]
+
+
+def established_collapse(obs: list[Observation]) -> int | None:
+    """Ground truth from the attention logged at every step (module docstring)."""
+    series: dict[str, list[tuple[int, bool]]] = {}
+    for o in obs:
+        for label, m in o.layers.items():
+            if "attn_entropy" not in m:
+                continue
+            rows = float(m["attn_rows"][0])
+            for h, (e, r) in enumerate(zip(m["attn_entropy"], m["attn_rank"])):
+                bad = bool(e <= SPARSE and r <= LOW_RANK * rows)
+                series.setdefault(f"{label}/{h}", []).append((o.step, bad))
+    best = None
+    for points in series.values():
+        for i, (t, _) in enumerate(points):
+            span = [bad for s, bad in points[i:] if s < t + ESTABLISHED_STEPS]
+            if points[-1][0] >= t + ESTABLISHED_STEPS - 1 and sum(span) >= ESTABLISHED_SHARE * len(span):
+                best = t if best is None else min(best, t)
+                break
+    return best
+
+
+def accuracy_jump(info: dict) -> int | None:
+    evals, blind = info["evals"], info["blind"]
+    final = sum(acc for _, _, acc in evals[-3:]) / 3
+    if final < blind + 0.2:
+        return None
+    return next((s for s, _, acc in evals if acc > (blind + final) / 2), None)
+
+
+def first(alerts: list, kind: str, attr: str = "step") -> int | None:
+    steps = [getattr(a, attr) for a in alerts if a.kind == kind and a.status == "firing"]
+    return min(steps) if steps else None
+
+
+def records_per_key(alerts: list) -> int:
+    """The most records (firing and resolved) of one kind on one head, layer or run."""
+    counts = Counter((a.kind, a.where) for a in alerts)
+    return max(counts.values(), default=0)
+
+
+def judge_collapse(run: Run, cfg: AlertConfig, every: int, truth: int | None) -> dict:
+    alerts = replay(run.obs, cfg, every)
+    warn, crit = first(alerts, "collapse_warning"), first(alerts, "malignant_collapse")
+    alarm = min((s for s in (warn, crit) if s is not None), default=None)
+    return {"run": run.name, "every": every, "truth": truth, "warning": warn, "critical": crit,
+            "in_time": truth is not None and alarm is not None and alarm < truth,
+            "lead": None if truth is None or alarm is None else truth - alarm,
+            "false": truth is None and alarm is not None, "note": first(alerts, "large_early_updates"),
+            "records": records_per_key(alerts), "n_alerts": sum(a.status == "firing" for a in alerts)}
+
+
+def judge_eureka(run: Run, cfg: AlertConfig, every: int, jump: int | None) -> dict:
+    alerts = replay(run.obs, cfg, every)
+    plateau, moment = first(alerts, "eureka_plateau"), first(alerts, "eureka_moment", "since")
+    moments = [a.since for a in alerts if a.kind == "eureka_moment"]
+    off = None if moment is None or jump is None else (moment - jump) / every
+    false = sum(1 for m in moments if jump is None or m < jump - 2 * every)
+    return {"run": run.name, "every": every, "jump": jump, "plateau": plateau, "moment": moment, "offset": off,
+            "on_time": off is not None and abs(off) <= 2, "false": false, "records": records_per_key(alerts),
+            "collapse_alerts": sum(a.kind in ("collapse_warning", "malignant_collapse") for a in alerts)}
+
+
+def score_collapse(rows: list[dict]) -> tuple:
+    missed = sum(r["truth"] is not None and not r["in_time"] for r in rows)
+    false = sum(r["false"] for r in rows)
+    return (missed + false, -sum(r["lead"] or 0 for r in rows))
+
+
+def score_eureka(rows: list[dict]) -> tuple:
+    late = sum(r["jump"] is not None and not r["on_time"] for r in rows)
+    return (late + sum(r["false"] for r in rows), sum(abs(r["offset"] or 0) for r in rows))
+
+
+def tune(runs: list[Run], grid: dict, judge, score, truth) -> AlertConfig:
+    best, best_cfg = None, AlertConfig()
+    for values in itertools.product(*grid.values()):
+        cfg = replace(AlertConfig(), **dict(zip(grid, values)))
+        rows = [judge(r, cfg, every, truth[r.name]) for r in runs for every in EVERYS]
+        s = score(rows)
+        if best is None or s < best:
+            best, best_cfg = s, cfg
+    return best_cfg
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", type=Path)
+    parser.add_argument("--show", help="print the alerts of this run at --every with the defaults")
+    parser.add_argument("--every", type=int, default=10)
+    parser.add_argument("--no-tune", action="store_true", help="report the defaults on every run")
+    args = parser.parse_args()
+    runs = load_runs(args.runs)
+    if args.show:
+        run = next(r for r in runs if r.name == args.show)
+        for a in replay(run.obs, AlertConfig(), args.every):
+            print(f"{a.step:5d} {a.status:8s} {a.level:8s} {a.kind:20s} {a.where:8s} since {a.since}  {a.message}")
+        return
+    truth = {r.name: established_collapse(r.obs) if r.task == "collapse" else accuracy_jump(r.info) for r in runs}
+    collapse = [r for r in runs if r.task == "collapse"]
+    eureka = [r for r in runs if r.task == "eureka" and "normsoftmax" not in r.name]
+    cfg = AlertConfig()
+    if not args.no_tune:
+        cfg_c = tune([r for r in collapse if not r.held_out], COLLAPSE_GRID, judge_collapse, score_collapse, truth)
+        cfg_e = tune([r for r in eureka if not r.held_out], EUREKA_GRID, judge_eureka, score_eureka, truth)
+        cfg = replace(cfg_c, **{k: getattr(cfg_e, k) for k in EUREKA_GRID})
+        print("tuned:", {k: getattr(cfg, k) for k in (*COLLAPSE_GRID, *EUREKA_GRID)})
+    for r in runs:
+        for every in EVERYS:
+            row = (judge_collapse if r.task == "collapse" else judge_eureka)(r, cfg, every, truth[r.name])
+            print(json.dumps({"split": "held-out" if r.held_out else "tuning", **row}))
+
+
+if __name__ == "__main__":
+    main()
