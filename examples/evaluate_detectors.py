@@ -154,12 +154,36 @@ def tune(runs: list[Run], grid: dict, judge, score, truth) -> AlertConfig:
     return best_cfg
 
 
+def summary(rows: list[dict]) -> list[str]:
+    """One markdown row per (split, every): the figures docs/alerts.md reports."""
+    out = ["| split | every | collapses warned in time | lead (steps) | false collapse alerts | plateaus flagged "
+           "| moments within 2 intervals | false moments | most records of one kind on one head |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for split in ("tuning", "held-out"):
+        for every in EVERYS:
+            rs = [r for r in rows if r["split"] == split and r["every"] == every]
+            col = [r for r in rs if "truth" in r]
+            est = [r for r in col if r["truth"] is not None]
+            leads = sorted(r["lead"] for r in est if r["in_time"])
+            eur = [r for r in rs if "jump" in r and "normsoftmax" not in r["run"]]
+            jumped = [r for r in eur if r["jump"] is not None]
+            out.append(
+                f"| {split} | {every} | {sum(r['in_time'] for r in est)}/{len(est)} | "
+                f"{'-' if not leads else f'{leads[0]}-{leads[-1]}'} | "
+                f"{sum(r['false'] for r in col)}/{len(col) - len(est)} no-collapse runs | "
+                f"{sum(r['plateau'] is not None for r in jumped)}/{len(jumped)} | "
+                f"{sum(r['on_time'] for r in jumped)}/{len(jumped)} | {sum(r['false'] for r in eur)} | "
+                f"{max((r['records'] for r in rs), default=0)} |")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", type=Path)
     parser.add_argument("--show", help="print the alerts of this run at --every with the defaults")
     parser.add_argument("--every", type=int, default=10)
     parser.add_argument("--no-tune", action="store_true", help="report the defaults on every run")
+    parser.add_argument("--markdown", action="store_true", help="end with the summary table of docs/alerts.md")
     args = parser.parse_args()
     runs = load_runs(args.runs)
     if args.show:
@@ -176,10 +200,14 @@ def main() -> None:
         cfg_e = tune([r for r in eureka if not r.held_out], EUREKA_GRID, judge_eureka, score_eureka, truth)
         cfg = replace(cfg_c, **{k: getattr(cfg_e, k) for k in EUREKA_GRID})
         print("tuned:", {k: getattr(cfg, k) for k in (*COLLAPSE_GRID, *EUREKA_GRID)})
+    rows = []
     for r in runs:
         for every in EVERYS:
             row = (judge_collapse if r.task == "collapse" else judge_eureka)(r, cfg, every, truth[r.name])
-            print(json.dumps({"split": "held-out" if r.held_out else "tuning", **row}))
+            rows.append({"split": "held-out" if r.held_out else "tuning", **row})
+            print(json.dumps(rows[-1]))
+    if args.markdown:
+        print("\n".join(summary(rows)))
 
 
 if __name__ == "__main__":
