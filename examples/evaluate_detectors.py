@@ -15,8 +15,9 @@ odd seeds are held out. Ground truth never looks at the detectors:
   the run's final accuracy (``examples/eureka.py``), none if the final accuracy is not 0.2 above it;
 * a warning is in time if its first firing precedes the established collapse; a collapse alert on
   a run with no established collapse is false; a Eureka-moment is on time if its ``since`` step is
-  within 2 sampling intervals of the jump, false if it comes earlier than that (accuracy still at
-  the plateau) or on a run with no jump.
+  within 2 intervals of the jump, an interval being ``max(every, 20)`` (the held-out accuracy is
+  evaluated every 20 steps, so the jump is known to 20 steps only); it is false if the last held-out
+  accuracy before it is still within 0.05 of the no-indicator ceiling, or on a run with no jump.
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ EVERYS = (2, 5, 10, 20)
 ESTABLISHED_STEPS, ESTABLISHED_SHARE = 50, 0.8
 SPARSE, LOW_RANK = 0.5, 0.1  # the ground truth's fixed lines (not AlertConfig's)
 COLLAPSE_GRID = {"warn_window": (20, 40, 80), "sigma_growth": (1.5, 2.0, 3.0), "entropy_drop": (0.15, 0.25, 0.4)}
-EUREKA_GRID = {"eureka_drop": (0.05, 0.1, 0.2), "eureka_noise": (2.0, 3.0, 4.0), "plateau_qk_ratio": (0.4, 0.5)}
+EUREKA_GRID = {"eureka_drop": (0.1, 0.15, 0.2, 0.25, 0.3), "eureka_noise": (2.0, 4.0), "plateau_qk_ratio": (0.4, 0.45)}
+PLATEAU_MARGIN = 0.05  # accuracy within 0.05 of the no-indicator ceiling: still on the plateau
+EVAL_EVERY = 20  # steps between held-out evaluations: the accuracy jump is known to this resolution
 
 
 @dataclass
@@ -121,12 +124,19 @@ def judge_collapse(run: Run, cfg: AlertConfig, every: int, truth: int | None) ->
             "records": records_per_key(alerts), "n_alerts": sum(a.status == "firing" for a in alerts)}
 
 
+def at_plateau(info: dict, step: int) -> bool:
+    """Held-out accuracy at the last evaluation up to ``step`` still at the plateau's ceiling (+ PLATEAU_MARGIN)."""
+    seen = [acc for s, _, acc in info["evals"] if s <= step]
+    return not seen or seen[-1] <= info["blind"] + PLATEAU_MARGIN
+
+
 def judge_eureka(run: Run, cfg: AlertConfig, every: int, jump: int | None) -> dict:
     alerts = replay(run.obs, cfg, every)
     plateau, moment = first(alerts, "eureka_plateau"), first(alerts, "eureka_moment", "since")
     moments = [a.since for a in alerts if a.kind == "eureka_moment"]
-    off = None if moment is None or jump is None else (moment - jump) / every
-    false = sum(1 for m in moments if jump is None or m < jump - 2 * every)
+    interval = max(every, EVAL_EVERY)  # the jump is known to EVAL_EVERY steps only
+    off = None if moment is None or jump is None else (moment - jump) / interval
+    false = sum(1 for m in moments if jump is None or at_plateau(run.info, m))
     return {"run": run.name, "every": every, "jump": jump, "plateau": plateau, "moment": moment, "offset": off,
             "on_time": off is not None and abs(off) <= 2, "false": false, "records": records_per_key(alerts),
             "collapse_alerts": sum(a.kind in ("collapse_warning", "malignant_collapse") for a in alerts)}
