@@ -39,7 +39,8 @@ from diag.detectors import AlertConfig, Detectors, Observation  # noqa: E402
 EVERYS = (2, 5, 10, 20)
 ESTABLISHED_STEPS, ESTABLISHED_SHARE = 50, 0.8
 SPARSE, LOW_RANK = 0.5, 0.1  # the ground truth's fixed lines (not AlertConfig's)
-COLLAPSE_GRID = {"warn_window": (20, 40, 80), "sigma_growth": (1.5, 2.0, 3.0), "entropy_drop": (0.15, 0.25, 0.4)}
+COLLAPSE_GRID = {"warn_window": (20, 40, 80), "sigma_growth": (2.0, 4.0, 6.0, 8.0, 12.0),
+                 "entropy_drop": (0.15, 0.25, 0.4)}
 EUREKA_GRID = {"eureka_drop": (0.1, 0.15, 0.2, 0.25, 0.3), "eureka_noise": (2.0, 4.0), "plateau_qk_ratio": (0.4, 0.45)}
 PLATEAU_MARGIN = 0.05  # accuracy within 0.05 of the no-indicator ceiling: still on the plateau
 EVAL_EVERY = 20  # steps between held-out evaluations: the accuracy jump is known to this resolution
@@ -164,6 +165,15 @@ def tune(runs: list[Run], grid: dict, judge, score, truth) -> AlertConfig:
     return best_cfg
 
 
+def runs_table(runs: list[Run], truth: dict) -> list[str]:
+    out = ["| run | split | steps | ground truth |", "|---|---|---|---|"]
+    for r in runs:
+        what = "established collapse" if r.task == "collapse" else "accuracy jump"
+        shown = f"{what} at {truth[r.name]}" if truth[r.name] is not None else f"no {what}"
+        out.append(f"| {r.name} | {'held-out' if r.held_out else 'tuning'} | {r.info['config']['steps']} | {shown} |")
+    return out
+
+
 def summary(rows: list[dict]) -> list[str]:
     """One markdown row per (split, every): the figures docs/alerts.md reports."""
     out = ["| split | every | collapses warned in time | lead (steps) | false collapse alerts | plateaus flagged "
@@ -217,7 +227,7 @@ def main() -> None:
             rows.append({"split": "held-out" if r.held_out else "tuning", **row})
             print(json.dumps(rows[-1]))
     if args.markdown:
-        print("\n".join(summary(rows)))
+        print("\n".join(runs_table(runs, truth) + [""] + summary(rows)))
 
 
 if __name__ == "__main__":
