@@ -131,13 +131,14 @@ def test_slowly_sinking_plateau_is_flagged_with_the_defaults():
     # halves of the 20-sample window then differ by ~3% (<= plateau_rel 0.05); Q/K gradients at 0.35x of V's
     losses = [2.3, 2.0, 1.7] + [1.4 * 0.997**i for i in range(30)] + [1.0, 0.8, 0.5]
     # Changed with issue #17: windows are in steps (20 samples at every=1 = plateau_window=20); the level is the
-    # trend's value, not a half-window mean; the moment needs 2 samples below the trend (33 and 34).
+    # trend's value, not a half-window mean; the moment needs 2 samples 25% below the trend (34 and 35: 1.0 at 33
+    # is only 22% below), so it is reported at 35 and marked at 34, the step the old assertion named.
     cfg = AlertConfig(plateau_window=20)
     assert _plateau_run(Detectors(cfg), losses, ratio=0.45) == []  # a slow healthy run (the demo's warmup twin)
     out = firing(_plateau_run(Detectors(cfg), losses, ratio=0.35))
-    assert kinds(out) == [(21, "eureka_plateau", ""), (34, "eureka_moment", "")]
+    assert kinds(out) == [(21, "eureka_plateau", ""), (35, "eureka_moment", "")]
     a, b = np.polyfit(np.arange(2, 22), losses[2:22], 1)[::-1]
-    assert out[0].values["loss"] == pytest.approx(a + b * 21) and out[1].since == 33
+    assert out[0].values["loss"] == pytest.approx(a + b * 21) and out[1].since == 34
 
 
 def test_converged_low_loss_is_not_a_plateau():

@@ -8,7 +8,7 @@ from diag.detectors import AlertConfig, Detectors, Observation
 
 
 def run(losses, every=1, ratio=0.2, cfg=None, ratio_after=None):
-    det, out = Detectors(cfg or AlertConfig(plateau_window=100)), []
+    det, out = Detectors(cfg or AlertConfig(plateau_window=100, eureka_drop=0.1, eureka_noise=4.0)), []
     for step in range(0, len(losses), every):
         r = ratio if ratio_after is None or step < ratio_after[0] else ratio_after[1]
         out += det.observe(Observation(step, float(losses[step]), {"L00": {"grad_ratio_qk_v": np.array([r])}}))
