@@ -8,8 +8,8 @@ replayed at ``every`` 2, 5, 10 and 20 by keeping the observations whose step is 
 ``every``: what a Monitor at that interval would have passed the detectors. Even seeds tune,
 odd seeds are held out. Ground truth never looks at the detectors:
 
-* established collapse: the first step ``t`` from which, over ``[t, t + 50)`` steps, one head is
-  malignant (attention entropy <= 0.5 nats and effective rank <= 10% of its rows, Qi et al.'s
+* established collapse: the first step ``t`` at which one head is malignant and from which, over
+  ``[t, t + 50)`` steps, it is malignant (attention entropy <= 0.5 nats and effective rank <= 10% of its rows, Qi et al.'s
   sparse and low-rank state, fixed lines) in at least 80% of the every-step samples;
 * accuracy jump: the first held-out evaluation above halfway from the no-indicator accuracy to
   the run's final accuracy (``examples/eureka.py``), none if the final accuracy is not 0.2 above it;
@@ -87,7 +87,9 @@ def established_collapse(obs: list[Observation]) -> int | None:
                 series.setdefault(f"{label}/{h}", []).append((o.step, bad))
     best = None
     for points in series.values():
-        for i, (t, _) in enumerate(points):
+        for i, (t, bad_now) in enumerate(points):
+            if not bad_now:  # the stretch starts at a malignant sample
+                continue
             span = [bad for s, bad in points[i:] if s < t + ESTABLISHED_STEPS]
             if points[-1][0] >= t + ESTABLISHED_STEPS - 1 and sum(span) >= ESTABLISHED_SHARE * len(span):
                 best = t if best is None else min(best, t)
@@ -122,6 +124,7 @@ def judge_collapse(run: Run, cfg: AlertConfig, every: int, truth: int | None) ->
             "in_time": truth is not None and alarm is not None and alarm < truth,
             "lead": None if truth is None or alarm is None else truth - alarm,
             "false": truth is None and alarm is not None, "note": first(alerts, "large_early_updates"),
+            "plateau_alerts": sum(a.kind == "eureka_plateau" and a.status == "firing" for a in alerts),
             "records": records_per_key(alerts), "n_alerts": sum(a.status == "firing" for a in alerts)}
 
 
