@@ -9,8 +9,9 @@ replayed at ``every`` 2, 5, 10 and 20 by keeping the observations whose step is 
 odd seeds are held out. Ground truth never looks at the detectors:
 
 * established collapse: the first step ``t`` at which one head is malignant and from which, over
-  ``[t, t + 50)`` steps, it is malignant (attention entropy <= 0.5 nats and effective rank <= 10% of its rows, Qi et al.'s
-  sparse and low-rank state, fixed lines) in at least 80% of the every-step samples;
+  ``[t, t + 50)`` steps, it is malignant (attention entropy <= 0.5 nats and effective rank <= 10%
+  of its rows, Qi et al.'s sparse and low-rank state, fixed lines) in at least 80% of the every-step
+  samples;
 * accuracy jump: the first held-out evaluation above halfway from the no-indicator accuracy to
   the run's final accuracy (``examples/eureka.py``), none if the final accuracy is not 0.2 above it;
 * a warning is in time if its first firing precedes the established collapse; a collapse alert on
