@@ -21,7 +21,7 @@ def script():
         loss = 5.0 if step == 200 else (2.0 + 0.01 * rng.standard_normal() if step < 300 else 0.8)
         layers = {"L00": {"attn_entropy": np.array([e, 3.0]), "attn_rank": np.array([r, 30.0]),
                           "attn_rows": np.array([64.0]), "attn_entropy_uniform": np.array([4.1]),
-                          "qk_sigma1": np.array([0.1 * 1.05**step, 1.0]), "qk_sec": np.array([0.9, 0.3]),
+                          "qk_sigma1": np.array([0.1 * 1.08**step, 1.0]), "qk_sec": np.array([0.9, 0.3]),
                           "grad_ratio_qk_v": np.array([0.1 if step < 290 else 0.6])}}
         yield Observation(step, loss, layers)
         yield Observation(step, None, {"L00": {"update_ratio_q": np.array([0.5 if step == 0 else 0.02])}})
