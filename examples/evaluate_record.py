@@ -81,7 +81,7 @@ class QKNormAttention(nn.Module):
 
 def record_collapse(args: argparse.Namespace, out: Path) -> dict:
     """The demo GPT (hooks.demo.train), its Monitor's detectors wrapped by a Recorder."""
-    import hooks.demo as demo
+    import hooks.demo.loop as demo  # the training loop looks GPT and Monitor up in its own module
 
     original_gpt, original_monitor = demo.GPT, demo.Monitor
 
