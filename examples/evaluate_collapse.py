@@ -125,6 +125,7 @@ def run(seed: int, warmup: int, steps: int, logdir: Path) -> dict:
         "seed": seed,
         "run": f"warmup {warmup}" if warmup else "no warmup",
         "warning": warn,
+        "note": first(alerts, "large_early_updates"),
         "critical": crit,
         "established": established,
         "established_head": head,

@@ -27,13 +27,14 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from diag.detectors.core import Alert, AlertConfig, AlertSink, Detectors, Observation, TrainingHalted
+from diag.detectors.core import Alert, AlertConfig, Detectors, Observation, TrainingHalted
 from diag.errors import ConfigError, WarnOnce
 from diag.layouts.vocab import QKVLayout, split_projections, split_qkv
 from diag.math.metrics import DEFAULT_SEC_TOP, grad_metrics, layer_spectra
 from diag.math.updates import UpdateTracker
 from diag.offline.layoutfile import FILE_NAME as LAYOUT_FILE
 from diag.offline.layoutfile import LayoutEntry, layout_document, write_layout_file
+from diag.outputs.alert_sink import AlertSink
 from diag.outputs.images import UpdateRatioHistory, attention_map_image, flagged_heads, layer_head_heatmaps
 from diag.outputs.records import attention_metrics, build_record, host_arrays, per_head_default
 from diag.outputs.sinks import FanOut, JsonlSink, Record, Sink, TensorBoardSink, check_logdir

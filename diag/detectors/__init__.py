@@ -1,6 +1,9 @@
-"""Judgement: detectors as small state machines over per-layer arrays, no I/O. A new detector goes here.
-"""
+"""Judgement: detectors as small state machines over per-layer arrays, no I/O; one module per phenomenon
+behind the :class:`~diag.detectors.base.Detector` protocol. A new detector goes here."""
 
-from diag.detectors.core import Alert, AlertConfig, Detectors, Observation, TrainingHalted, attention_state
+from diag.detectors.base import Alert, Detector, Observation, TrainingHalted
+from diag.detectors.collapse import attention_state
+from diag.detectors.config import AlertConfig
+from diag.detectors.container import Detectors
 
-__all__ = ["Alert", "AlertConfig", "Detectors", "Observation", "TrainingHalted", "attention_state"]
+__all__ = ["Alert", "AlertConfig", "Detector", "Detectors", "Observation", "TrainingHalted", "attention_state"]

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from diag.detectors.core import Alert, AlertConfig, AlertSink, Detectors, Observation
+from diag.detectors.core import Alert, AlertConfig, Detectors, Observation
 from diag.errors import ConfigError, DiagError, SpecError
 from diag.layouts.statedict import Heads, StateDictLayer
 from diag.layouts.vocab import QKVLayout, split_projections, split_qkv
@@ -36,6 +36,7 @@ from diag.math.updates import UpdateTracker
 from diag.offline.checkpoint import Checkpoint, find_checkpoints, open_checkpoint, step_of
 from diag.offline.layers import ModelLayoutFn, choose_layers
 from diag.offline.layoutfile import LayoutEntry, LayoutFile, read_layout_file
+from diag.outputs.alert_sink import AlertSink
 from diag.outputs.records import LayerArrays, build_record, host_arrays, per_head_default
 from diag.outputs.sinks import FanOut, Record, Sink
 

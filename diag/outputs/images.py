@@ -177,9 +177,10 @@ def flagged_heads(alerts: Iterable, most: int = ALERT_MAPS_PER_STEP) -> list[tup
     once, the most severe level first, at most ``most``. Alerts about a layer or the model are skipped."""
     heads: dict[str, tuple[str, str, int]] = {}
     for alert in sorted(alerts, key=lambda a: _LEVEL_ORDER.get(a.level, len(_LEVEL_ORDER))):
-        match = _HEAD_WHERE.match(alert.where)
-        if match is not None and alert.where not in heads and len(heads) < most:
-            heads[alert.where] = (alert.where, match[1], int(match[2]))
+        for where in getattr(alert, "heads", ()) or (alert.where,):  # a layer's record names its heads
+            match = _HEAD_WHERE.match(where)
+            if match is not None and where not in heads and len(heads) < most:
+                heads[where] = (where, match[1], int(match[2]))
     return list(heads.values())
 
 

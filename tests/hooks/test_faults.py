@@ -23,7 +23,8 @@ import pytest
 import torch
 import zoo
 
-from diag.detectors.core import Alert, AlertSink
+from diag.detectors.core import Alert
+from diag.outputs.alert_sink import AlertSink
 from diag.outputs.sinks import FanOut, MemorySink
 from hooks import Monitor
 

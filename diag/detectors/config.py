@@ -1,0 +1,58 @@
+"""Detector thresholds, one dataclass that checks itself. Why each default: docs/alerts.md#defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from diag.errors import ConfigError
+
+__all__ = ["AlertConfig"]
+
+_COUNTS = ("collapse_persist", "spike_warmup")  # samples
+_STEPS = ("collapse_dwell", "exit_dwell", "warn_window", "note_horizon", "plateau_window")
+
+
+@dataclass
+class AlertConfig:
+    """Thresholds of every detector; windows and dwells in steps, so the sampling interval does not matter."""
+
+    # attention states (collapse.py); the lines scale with the attention's size
+    sparse_entropy: float = 0.5  # nats: below, a query spreads its mass over ~1.6 keys or fewer
+    low_rank_frac: float = 0.1  # effective rank <= 1 + 10% of (rows - 1): a few keys serve every query
+    uniform_frac: float = 0.8  # entropy at 80% of uniform attention's over the same keys is "uniform"
+    collapse_persist: int = 2  # samples a head must stay malignant ... (1: at once)
+    collapse_dwell: int = 10  # ... spanning at least this many steps
+    exit_factor: float = 1.5  # hysteresis: an episode ends only beyond 1.5x its entry line ...
+    exit_dwell: int = 50  # ... held for this many steps (and 2 samples)
+    # early warning (warning.py)
+    warn_window: int = 40  # steps over which sigma_1, entropy and rank trends are measured
+    sigma_growth: float = 12.0  # sigma_1(Wq^T Wk) of the head grows by this factor over the window ...
+    entropy_drop: float = 0.15  # ... while its attention entropy falls by this fraction ...
+    rank_drop: float = 0.25  # ... and its attention rank by this fraction ...
+    sec_warn: float = 0.5  # ... with SEC_s at or above this ...
+    tau_warn: float = 0.01  # ... or an update ratio sigma1(dW)/sigma1(W) above this
+    note_ratio: float = 0.25  # info note: an update a quarter of the weights' size (60x tau = 0.004) ...
+    note_horizon: int = 50  # ... within the first 50 steps: "no warmup", not a collapse
+    # plateau and Eureka-moment (plateau.py)
+    plateau_window: int = 200  # steps of loss in the plateau test
+    plateau_rel: float = 0.05  # the mean losses of the window's halves (in steps) differ by at most 5%
+    plateau_qk_ratio: float = 0.4  # grad_ratio_qk_v below this: the softmax-induced plateau (a warning)
+    plateau_min_frac: float = 0.25  # a plateau sits at this fraction of the first sampled loss or above
+    eureka_drop: float = 0.25  # the loss this far (relative) below the plateau's own trend ...
+    eureka_noise: float = 2.0  # ... and this many noise deviations of the plateau below it, for 2 samples
+    # loss spikes (spike.py)
+    spike_sigma: float = 6.0  # loss above EMA + spike_sigma * EMA std is a spike
+    spike_warmup: int = 10  # samples before spikes are judged
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in _COUNTS:
+                if int(value) < 1:
+                    raise ConfigError(f"AlertConfig.{f.name}={value!r}: expected an integer >= 1")
+            elif f.name in _STEPS:
+                if int(value) < 0 or (f.name == "plateau_window" and int(value) < 2):
+                    raise ConfigError(f"AlertConfig.{f.name}={value!r}: expected a number of steps, "
+                                      f"{'>= 2' if f.name == 'plateau_window' else '>= 0'}")
+            elif not value > 0:
+                raise ConfigError(f"AlertConfig.{f.name}={value!r}: expected a positive number")

@@ -1,0 +1,141 @@
+"""Loss plateaus with small Q/K gradients (Hoffmann et al.) and the Eureka-moment that ends them.
+
+Windows are in steps. A plateau: the mean losses of the two halves of the last ``plateau_window`` steps differ by
+at most ``plateau_rel``, the level (the window's least-squares trend at this step) is at least
+``plateau_min_frac`` of the first loss (a converged run is not stuck), and the Q/K-to-V
+gradient ratio, averaged over layers and the window, is at most ``plateau_qk_ratio``. The
+plateau is an episode; while it lasts its trend is refitted. The Eureka-moment: the loss
+is, for two samples in a row, below the plateau's own extrapolated trend by ``eureka_drop``
+of the level and by ``eureka_noise`` times the plateau's noise, while the Q/K gradient
+share rises above its plateau mean or the attention entropy falls below it (when those
+signals are there). The moment closes the plateau (one ``resolved`` record).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from diag.detectors.base import Alert, Observation
+from diag.detectors.config import AlertConfig
+
+__all__ = ["Plateau", "fit_trend"]
+
+TODO = ("rule out a data or label bug first; then NormSoftmax (divide the logits by their standard deviation "
+        "before the softmax), more seeds, or a longer budget. More learning rate or warmup does not address it")
+
+
+def fit_trend(points: list[list[float]]) -> tuple[float, float, float]:
+    """Least squares ``loss = a + b * step`` over ``[[step, loss, ...], ...]``: (a, b, noise), the noise
+    the residuals' median absolute deviation scaled to a standard deviation; a rising fit becomes the flat
+    mean (b = 0)."""
+    steps, losses = np.array([p[0] for p in points]), np.array([p[1] for p in points])
+    if np.ptp(steps) == 0:
+        return float(losses.mean()), 0.0, 1.4826 * float(np.median(np.abs(losses - np.median(losses))))
+    b, a = np.polyfit(steps, losses, 1)
+    residuals = losses - (a + b * steps)
+    noise = 1.4826 * float(np.median(np.abs(residuals - np.median(residuals))))  # robust: one spike is not noise
+    if b > 0:  # a plateau does not climb: a rising fit is noise, and extrapolated it would drift away
+        a, b = float(losses.mean()), 0.0
+    return float(a), float(b), noise
+
+
+def _mean(points: list[list[float]], column: int) -> float:
+    values = [p[column] for p in points if math.isfinite(p[column])]
+    return float(np.mean(values)) if values else math.nan
+
+
+class Plateau:
+    """The loss history ``losses``: ``[[step, loss, qk_ratio, entropy], ...]`` over the window."""
+
+    def __init__(self, cfg: AlertConfig) -> None:
+        self.cfg = cfg
+        self.losses: list[list[float]] = []
+        self.first_loss: float | None = None
+        self.plateau: dict | None = None  # {"since", "a", "b", "noise", "ratio", "entropy"} while one lasts
+        self.below: list[list[float]] = []  # consecutive samples under the trend line
+        self.start: int | None = None  # the first step of the current watch (the run's, or after a moment)
+
+    def observe(self, obs: Observation) -> list[Alert]:
+        if obs.loss is None or not math.isfinite(obs.loss):
+            return []
+        self.first_loss = obs.loss if self.first_loss is None else self.first_loss
+        self.start = obs.step if self.start is None else self.start
+        ratios = [float(m["grad_ratio_qk_v"][0]) for m in obs.layers.values() if "grad_ratio_qk_v" in m]
+        entropies = [float(np.mean(m["attn_entropy"])) for m in obs.layers.values() if "attn_entropy" in m]
+        point = [float(obs.step), obs.loss, float(np.mean(ratios)) if ratios else math.nan,
+                 float(np.mean(entropies)) if entropies else math.nan]
+        if self.plateau is not None:
+            return self._moment(obs.step, point)
+        self.losses = [p for p in self.losses if p[0] > obs.step - self.cfg.plateau_window] + [point]
+        return self._plateau(obs.step)
+
+    def _plateau(self, step: int) -> list[Alert]:
+        window = self.cfg.plateau_window
+        if len(self.losses) < 4 or step - self.start < window - 1:  # a whole window seen, at any interval
+            return []
+        a, b, noise = fit_trend(self.losses)
+        level = a + b * step
+        ratio = _mean(self.losses, 2)
+        mid = step - window / 2
+        first = np.mean([p[1] for p in self.losses if p[0] <= mid] or [math.nan])
+        second = np.mean([p[1] for p in self.losses if p[0] > mid])
+        flat = abs(first - second) <= self.cfg.plateau_rel * abs(first)  # the window's halves (in steps)
+        high = self.first_loss is not None and level >= self.cfg.plateau_min_frac * self.first_loss
+        if not (flat and high and ratio <= self.cfg.plateau_qk_ratio):
+            return []
+        since = int(self.losses[0][0])
+        self.plateau = {"since": since, "a": a, "b": b, "noise": noise, "ratio": ratio,
+                        "entropy": _mean(self.losses, 3)}
+        return [Alert(step, "eureka_plateau", "warning", "", (
+            f"the loss has been flat at {level:.4g} since step {since} (the halves of the last "
+            f"{window} steps differ by {abs(first - second) / abs(first):.1%}) while Q/K gradients are "
+            f"{ratio:.2f}x of V's: the model may be stuck before a Eureka-moment. What to do: {TODO}"),
+            {"loss": level, "grad_ratio_qk_v": ratio, "noise": noise},
+            "firing", since)]
+
+    def _moment(self, step: int, point: list[float]) -> list[Alert]:
+        p = self.plateau
+        expected = p["a"] + p["b"] * step
+        drop = max(self.cfg.eureka_drop * abs(expected), self.cfg.eureka_noise * p["noise"])
+        if point[1] > expected - drop:
+            self.below = []
+            if point[1] >= expected - max(2.0 * p["noise"], drop / 2):  # on the plateau, not on its way down
+                self._refit(point)
+            return []
+        self.below.append(point)
+        rising = math.isfinite(point[2]) and point[2] > p["ratio"]
+        sharper = math.isfinite(point[3]) and point[3] < p["entropy"]
+        unknown = not (math.isfinite(point[2]) or math.isfinite(point[3]))
+        if len(self.below) < 2 or not (rising or sharper or unknown):
+            return []
+        since = int(self.below[0][0])
+        duration = since - p["since"]
+        self.plateau, self.below, self.losses, self.start = None, [], [], None
+        values = {"loss": point[1], "plateau": expected, "grad_ratio_qk_v": point[2], "attn_entropy": point[3]}
+        return [Alert(step, "eureka_plateau", "info", "", f"resolved: the plateau ended at step {since} after "
+                      f"{duration} steps", {"duration_steps": float(duration)}, "resolved", p["since"]),
+                Alert(step, "eureka_moment", "info", "", (
+                    f"Eureka-moment at step {since}: the loss left its plateau ({point[1]:.4g} against "
+                    f"{expected:.4g} on the plateau's trend) while the Q/K gradient share rose or attention "
+                    "entropy fell. What to do: nothing; validation accuracy should follow"), values, "firing", since)]
+
+    def _refit(self, point: list[float]) -> None:
+        """Still on the plateau: the window rolls on and the trend follows it (a plateau may sink slowly);
+        samples more than 2 noise deviations under the trend are left out, so a slow drop cannot drag it along."""
+        self.losses = [q for q in self.losses if q[0] > point[0] - self.cfg.plateau_window] + [point]
+        a, b, noise = fit_trend(self.losses)
+        self.plateau.update(a=a, b=b, noise=noise, ratio=_mean(self.losses, 2), entropy=_mean(self.losses, 3))
+
+    def state_dict(self) -> dict:
+        return {"losses": [p[1] for p in self.losses], "loss_points": [[p[0], p[2], p[3]] for p in self.losses],
+                "first_loss": self.first_loss, "plateau": self.plateau, "below": self.below, "loss_start": self.start}
+
+    def load_state_dict(self, state: dict) -> None:
+        points = state.get("loss_points", [])  # format 1 has losses but no points: the window starts afresh
+        self.losses = [[s, loss, r, e] for loss, (s, r, e) in zip(state.get("losses", []), points)]
+        self.first_loss = state.get("first_loss")
+        self.plateau = state.get("plateau") if isinstance(state.get("plateau"), dict) else None
+        self.below = [list(p) for p in state.get("below", [])]
+        self.start = state.get("loss_start", self.losses[0][0] if self.losses else None)

@@ -1,0 +1,139 @@
+"""Before a collapse: a warning that predicts, and an honest note about large first updates.
+
+``collapse_warning`` (per head, an episode): over the last ``warn_window`` steps the head's
+``sigma_1(Wq^T Wk)`` grew by ``sigma_growth`` or more *while* its attention entropy and
+attention rank both fell (by ``entropy_drop`` and ``rank_drop`` of their value at the
+window's start), with a concentrated spectrum (``SEC >= sec_warn``) or large steps (update
+ratio ``>= tau_warn``), and the head is not yet malignant: Qi et al.'s loop (a large,
+concentrated ``Wq^T Wk`` making attention sparse and low-rank) seen under way, held for two
+samples. Growth of ``sigma_1`` alone is what every no-warmup run shows in its first steps.
+
+``large_early_updates`` (info, once per run): in the first ``note_horizon`` steps an update
+ratio ``sigma_1(dW)/sigma_1(W) >= note_ratio`` (10x the paper's tau): the run has no, or a
+short, warmup at this learning rate. A fact about the schedule, not a prediction.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from diag.detectors.base import Alert, Observation
+from diag.detectors.collapse import group_by_layer
+from diag.detectors.config import AlertConfig
+from diag.detectors.episodes import Closed, Dwell, Episodes
+from diag.outputs.tags import head_label
+
+__all__ = ["CollapseWarning", "EarlyUpdates"]
+
+TODO = ("add or lengthen warmup, lower the learning rate, or bound the step (QK-norm, sigmaReparam, a spectral "
+        "step limit); watch attn_entropy and attn_rank of this head")
+
+
+class CollapseWarning:
+    """Trend of sigma_1, entropy and rank per head over a window of steps (needs spectra and attention)."""
+
+    def __init__(self, cfg: AlertConfig, malignant: Episodes | None = None) -> None:
+        self.cfg = cfg
+        self.malignant = malignant  # the attention states' malignant episodes: a malignant head is past warning
+        self.episodes = Episodes(Dwell(2, cfg.collapse_dwell), Dwell(2, cfg.exit_dwell))
+        self.trend: dict[str, list[list[float]]] = {}  # head -> [[step, sigma_1, entropy, rank], ...]
+        self.update_ratio: dict[str, float] = {}  # layer -> last max(update_ratio_q, update_ratio_k)
+        self.sigma_prev: dict[str, list] = {}  # layer -> [step, sigma_1 per head] of the previous sample
+
+    def observe(self, obs: Observation) -> list[Alert]:
+        alerts: list[Alert] = []
+        for label, m in obs.layers.items():
+            ratios = [float(m[k][0]) for k in ("update_ratio_q", "update_ratio_k") if k in m]
+            if ratios:
+                self.update_ratio[label] = max(ratios)
+            if all(k in m for k in ("qk_sigma1", "attn_entropy", "attn_rank")):
+                alerts += group_by_layer(label, self._layer(obs.step, label, m))
+            if "qk_sigma1" in m:
+                self.sigma_prev[label] = [obs.step, [float(v) for v in m["qk_sigma1"]]]
+        return alerts
+
+    def _layer(self, step: int, label: str, m: dict[str, np.ndarray]) -> list[Alert]:
+        out = []
+        n = len(m["qk_sigma1"])
+        sec = m["qk_sec"] if "qk_sec" in m else np.full(n, math.nan)
+        fast = self.update_ratio.get(label, 0.0) >= self.cfg.tau_warn
+        for h in range(n):
+            where = f"{label}/{head_label(h, n)}"
+            point = [float(step), float(m["qk_sigma1"][h]), float(m["attn_entropy"][h]), float(m["attn_rank"][h])]
+            history = [p for p in self.trend.get(where, []) if p[0] >= step - self.cfg.warn_window] + [point]
+            self.trend[where] = history
+            inside, outside, values = self._tests(history, float(sec[h]) >= self.cfg.sec_warn or fast)
+            if self.malignant is not None and self.malignant.active(where):
+                inside, outside = False, True
+            event = self.episodes.update(where, step, inside, outside)
+            if isinstance(event, Closed):
+                out.append(Alert(step, "collapse_warning", "info", where, f"resolved: the trend towards collapse "
+                                 f"stopped or became a collapse at step {event.until}, after {event.duration} steps",
+                                 {"duration_steps": float(event.duration)}, "resolved", event.since))
+            elif event is not None:
+                span = int(step - history[0][0])
+                previous = self.sigma_prev.get(label)
+                if previous is not None and previous[1][h] > 0:  # the last interval alone, as measured
+                    values["sigma1_growth_last"] = point[1] / previous[1][h]
+                out.append(Alert(step, "collapse_warning", "warning", where, (
+                    f"towards malignant collapse since step {event.since}: over the last {span} steps "
+                    f"sigma_1(Wq^T Wk) grew x{values['sigma1_growth']:.1f} while attention entropy fell "
+                    f"{values['entropy_drop']:.0%} and attention rank {values['rank_drop']:.0%}. "
+                    f"What to do: {TODO}"), values, "firing", event.since))
+        return out
+
+    def _tests(self, history: list[list[float]], concentrated: bool) -> tuple[bool, bool, dict[str, float]]:
+        (s0, sigma0, e0, r0), (s1, sigma1, e1, r1) = history[0], history[-1]
+        if not all(math.isfinite(x) and x > 0 for x in (sigma0, sigma1, e0, r0)) or not math.isfinite(e1 + r1):
+            return False, False, {}
+        values = {"sigma1_growth": sigma1 / sigma0, "entropy_drop": 1.0 - e1 / e0, "rank_drop": 1.0 - r1 / r0,
+                  "qk_sigma1": sigma1, "attn_entropy": e1, "attn_rank": r1}
+        covered = s1 - s0 >= 0.5 * self.cfg.warn_window
+        falling = values["entropy_drop"] >= self.cfg.entropy_drop and values["rank_drop"] >= self.cfg.rank_drop
+        inside = covered and concentrated and falling and values["sigma1_growth"] >= self.cfg.sigma_growth
+        f = self.cfg.exit_factor
+        outside = covered and (values["entropy_drop"] < self.cfg.entropy_drop / f
+                               or values["rank_drop"] < self.cfg.rank_drop / f)
+        return inside, outside, values
+
+    def state_dict(self) -> dict:
+        return {"warning_episodes": self.episodes.state_dict(), "trend": self.trend,
+                "update_ratio": dict(self.update_ratio), "sigma_prev": dict(self.sigma_prev)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.episodes.load_state_dict(state.get("warning_episodes", {}))
+        self.trend = {k: [list(p) for p in v] for k, v in state.get("trend", {}).items()}
+        self.update_ratio = dict(state.get("update_ratio", {}))
+        self.sigma_prev = {k: list(v) for k, v in state.get("sigma_prev", {}).items()}
+
+
+class EarlyUpdates:
+    """The info note: large update ratios in the first steps (needs the ``updates`` signal)."""
+
+    def __init__(self, cfg: AlertConfig) -> None:
+        self.cfg = cfg
+        self.noted = False
+
+    def observe(self, obs: Observation) -> list[Alert]:
+        if self.noted or obs.step > self.cfg.note_horizon:
+            return []
+        ratios = [(float(m[k][0]), label) for label, m in obs.layers.items()
+                  for k in ("update_ratio_q", "update_ratio_k") if k in m and math.isfinite(float(m[k][0]))]
+        if not ratios or max(ratios)[0] < self.cfg.note_ratio:
+            return []
+        self.noted = True
+        ratio, label = max(ratios)
+        return [Alert(obs.step, "large_early_updates", "info", "", (
+            f"the update of step {obs.step} is large next to the weights: sigma_1(dW)/sigma_1(W) = {ratio:.3g} in "
+            f"{label} (Qi et al. bound it at tau = 0.004). This is what a run without (or with a short) warmup "
+            "looks like at this learning rate; it does not predict a collapse by itself. What to do: nothing "
+            "if the run is meant to have no warmup; collapse_warning says when a head is heading for collapse"),
+            {"update_ratio": ratio}, "firing", obs.step)]
+
+    def state_dict(self) -> dict:
+        return {"noted_early_updates": self.noted}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.noted = bool(state.get("noted_early_updates", False))

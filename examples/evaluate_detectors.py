@@ -1,0 +1,238 @@
+"""Replay the detectors over recorded runs: thresholds tuned on one half of the seeds, reported on the other.
+
+    OMP_NUM_THREADS=1 .venv/bin/python examples/evaluate_detectors.py RUNS_DIR [--show RUN] [--markdown]
+
+``RUNS_DIR`` holds one folder per run written by ``examples/evaluate_record.py`` (named
+``collapse-...-s<seed>`` or ``eureka-...-s<seed>``; the Monitor sampled every step). Each run is
+replayed at ``every`` 2, 5, 10 and 20 by keeping the observations whose step is a multiple of
+``every``: what a Monitor at that interval would have passed the detectors. Even seeds tune,
+odd seeds are held out. Ground truth never looks at the detectors:
+
+* established collapse: the first step ``t`` at which one head is malignant and from which, over
+  ``[t, t + 50)`` steps, it is malignant (attention entropy <= 0.5 nats and effective rank <= 10%
+  of its rows, Qi et al.'s sparse and low-rank state, fixed lines) in at least 80% of the every-step
+  samples;
+* accuracy jump: the first held-out evaluation above halfway from the no-indicator accuracy to
+  the run's final accuracy (``examples/eureka.py``), none if the final accuracy is not 0.2 above it;
+* a warning is in time if its first firing precedes the established collapse; a collapse alert on
+  a run with no established collapse is false; a Eureka-moment is on time if its ``since`` step is
+  within 2 intervals of the jump, an interval being ``max(every, 20)`` (the held-out accuracy is
+  evaluated every 20 steps, so the jump is known to 20 steps only); it is false if the last held-out
+  accuracy before it is still within 0.05 of the no-indicator ceiling, or on a run with no jump.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from collections import Counter
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling example modules
+
+from evaluate_record import load_observations  # noqa: E402
+
+from diag.detectors import AlertConfig, Detectors, Observation  # noqa: E402
+
+EVERYS = (2, 5, 10, 20)
+ESTABLISHED_STEPS, ESTABLISHED_SHARE = 50, 0.8
+SPARSE, LOW_RANK = 0.5, 0.1  # the ground truth's fixed lines (not AlertConfig's)
+COLLAPSE_GRID = {"warn_window": (20, 40, 80), "sigma_growth": (2.0, 4.0, 6.0, 8.0, 12.0),
+                 "entropy_drop": (0.15, 0.25, 0.4)}
+EUREKA_GRID = {"eureka_drop": (0.1, 0.15, 0.2, 0.25, 0.3), "eureka_noise": (2.0, 4.0), "plateau_qk_ratio": (0.4, 0.45)}
+PLATEAU_MARGIN = 0.05  # accuracy within 0.05 of the no-indicator ceiling: still on the plateau
+EVAL_EVERY = 20  # steps between held-out evaluations: the accuracy jump is known to this resolution
+
+
+@dataclass
+class Run:
+    name: str
+    task: str
+    seed: int
+    obs: list[Observation]
+    info: dict
+
+    @property
+    def held_out(self) -> bool:
+        return self.seed % 2 == 1
+
+
+def load_runs(folder: Path) -> list[Run]:
+    runs = []
+    for path in sorted(folder.iterdir()):
+        if (path / "run.json").exists() and (path / "observations.jsonl").exists():
+            info = json.loads((path / "run.json").read_text())
+            runs.append(Run(path.name, info["config"]["task"], info["config"]["seed"],
+                            load_observations(path / "observations.jsonl"), info))
+    return runs
+
+
+def replay(obs: list[Observation], cfg: AlertConfig, every: int) -> list:
+    det = Detectors(cfg)
+    return [a for o in obs if o.step % every == 0 for a in det.observe(o)]
+
+
+def established_collapse(obs: list[Observation]) -> int | None:
+    """Ground truth from the attention logged at every step (module docstring)."""
+    series: dict[str, list[tuple[int, bool]]] = {}
+    for o in obs:
+        for label, m in o.layers.items():
+            if "attn_entropy" not in m:
+                continue
+            rows = float(m["attn_rows"][0])
+            for h, (e, r) in enumerate(zip(m["attn_entropy"], m["attn_rank"])):
+                bad = bool(e <= SPARSE and r <= LOW_RANK * rows)
+                series.setdefault(f"{label}/{h}", []).append((o.step, bad))
+    best = None
+    for points in series.values():
+        for i, (t, bad_now) in enumerate(points):
+            if not bad_now:  # the stretch starts at a malignant sample
+                continue
+            span = [bad for s, bad in points[i:] if s < t + ESTABLISHED_STEPS]
+            if points[-1][0] >= t + ESTABLISHED_STEPS - 1 and sum(span) >= ESTABLISHED_SHARE * len(span):
+                best = t if best is None else min(best, t)
+                break
+    return best
+
+
+def accuracy_jump(info: dict) -> int | None:
+    evals, blind = info["evals"], info["blind"]
+    final = sum(acc for _, _, acc in evals[-3:]) / 3
+    if final < blind + 0.2:
+        return None
+    return next((s for s, _, acc in evals if acc > (blind + final) / 2), None)
+
+
+def first(alerts: list, kind: str, attr: str = "step") -> int | None:
+    steps = [getattr(a, attr) for a in alerts if a.kind == kind and a.status == "firing"]
+    return min(steps) if steps else None
+
+
+def records_per_key(alerts: list) -> int:
+    """The most records (firing and resolved) of one kind on one head, layer or run."""
+    counts = Counter((a.kind, a.where) for a in alerts)
+    return max(counts.values(), default=0)
+
+
+def judge_collapse(run: Run, cfg: AlertConfig, every: int, truth: int | None) -> dict:
+    alerts = replay(run.obs, cfg, every)
+    warn, crit = first(alerts, "collapse_warning"), first(alerts, "malignant_collapse")
+    alarm = min((s for s in (warn, crit) if s is not None), default=None)
+    return {"run": run.name, "every": every, "truth": truth, "warning": warn, "critical": crit,
+            "in_time": truth is not None and alarm is not None and alarm < truth,
+            "lead": None if truth is None or alarm is None else truth - alarm,
+            "false": truth is None and alarm is not None, "note": first(alerts, "large_early_updates"),
+            "plateau_alerts": sum(a.kind == "eureka_plateau" and a.status == "firing" for a in alerts),
+            "records": records_per_key(alerts), "n_alerts": sum(a.status == "firing" for a in alerts)}
+
+
+def at_plateau(info: dict, step: int) -> bool:
+    """Held-out accuracy at the last evaluation up to ``step`` still at the plateau's ceiling (+ PLATEAU_MARGIN)."""
+    seen = [acc for s, _, acc in info["evals"] if s <= step]
+    return not seen or seen[-1] <= info["blind"] + PLATEAU_MARGIN
+
+
+def judge_eureka(run: Run, cfg: AlertConfig, every: int, jump: int | None) -> dict:
+    alerts = replay(run.obs, cfg, every)
+    plateau, moment = first(alerts, "eureka_plateau"), first(alerts, "eureka_moment", "since")
+    moments = [a.since for a in alerts if a.kind == "eureka_moment"]
+    interval = max(every, EVAL_EVERY)  # the jump is known to EVAL_EVERY steps only
+    off = None if moment is None or jump is None else (moment - jump) / interval
+    false = sum(1 for m in moments if jump is None or at_plateau(run.info, m))
+    return {"run": run.name, "every": every, "jump": jump, "plateau": plateau, "moment": moment, "offset": off,
+            "on_time": off is not None and abs(off) <= 2, "false": false, "records": records_per_key(alerts),
+            "collapse_alerts": sum(a.kind in ("collapse_warning", "malignant_collapse") for a in alerts)}
+
+
+def score_collapse(rows: list[dict]) -> tuple:
+    missed = sum(r["truth"] is not None and not r["in_time"] for r in rows)
+    false = sum(r["false"] for r in rows)
+    return (missed + false, -sum(r["lead"] or 0 for r in rows))
+
+
+def score_eureka(rows: list[dict]) -> tuple:
+    late = sum(r["jump"] is not None and not r["on_time"] for r in rows)
+    return (late + sum(r["false"] for r in rows), sum(abs(r["offset"] or 0) for r in rows))
+
+
+def tune(runs: list[Run], grid: dict, judge, score, truth) -> AlertConfig:
+    best, best_cfg = None, AlertConfig()
+    for values in itertools.product(*grid.values()):
+        cfg = replace(AlertConfig(), **dict(zip(grid, values)))
+        rows = [judge(r, cfg, every, truth[r.name]) for r in runs for every in EVERYS]
+        s = score(rows)
+        if best is None or s < best:
+            best, best_cfg = s, cfg
+    return best_cfg
+
+
+def runs_table(runs: list[Run], truth: dict) -> list[str]:
+    out = ["| run | split | steps | ground truth |", "|---|---|---|---|"]
+    for r in runs:
+        what = "established collapse" if r.task == "collapse" else "accuracy jump"
+        shown = f"{what} at {truth[r.name]}" if truth[r.name] is not None else f"no {what}"
+        out.append(f"| {r.name} | {'held-out' if r.held_out else 'tuning'} | {r.info['config']['steps']} | {shown} |")
+    return out
+
+
+def summary(rows: list[dict]) -> list[str]:
+    """One markdown row per (split, every): the figures docs/alerts.md reports."""
+    out = ["| split | every | collapses warned in time | lead (steps) | false collapse alerts | plateaus flagged "
+           "| moments within 2 intervals | false moments | most records of one kind on one head |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for split in ("tuning", "held-out"):
+        for every in EVERYS:
+            rs = [r for r in rows if r["split"] == split and r["every"] == every]
+            col = [r for r in rs if "truth" in r]
+            est = [r for r in col if r["truth"] is not None]
+            leads = sorted(r["lead"] for r in est if r["in_time"])
+            eur = [r for r in rs if "jump" in r and "normsoftmax" not in r["run"]]
+            jumped = [r for r in eur if r["jump"] is not None]
+            out.append(
+                f"| {split} | {every} | {sum(r['in_time'] for r in est)}/{len(est)} | "
+                f"{'-' if not leads else f'{leads[0]}-{leads[-1]}'} | "
+                f"{sum(r['false'] for r in col)}/{len(col) - len(est)} no-collapse runs | "
+                f"{sum(r['plateau'] is not None for r in jumped)}/{len(jumped)} | "
+                f"{sum(r['on_time'] for r in jumped)}/{len(jumped)} | {sum(r['false'] for r in eur)} | "
+                f"{max((r['records'] for r in rs), default=0)} |")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", type=Path)
+    parser.add_argument("--show", help="print the alerts of this run at --every with the defaults")
+    parser.add_argument("--every", type=int, default=10)
+    parser.add_argument("--no-tune", action="store_true", help="report the defaults on every run")
+    parser.add_argument("--markdown", action="store_true", help="end with the summary table of docs/alerts.md")
+    args = parser.parse_args()
+    runs = load_runs(args.runs)
+    if args.show:
+        run = next(r for r in runs if r.name == args.show)
+        for a in replay(run.obs, AlertConfig(), args.every):
+            print(f"{a.step:5d} {a.status:8s} {a.level:8s} {a.kind:20s} {a.where:8s} since {a.since}  {a.message}")
+        return
+    truth = {r.name: established_collapse(r.obs) if r.task == "collapse" else accuracy_jump(r.info) for r in runs}
+    collapse = [r for r in runs if r.task == "collapse"]
+    eureka = [r for r in runs if r.task == "eureka" and "normsoftmax" not in r.name]
+    cfg = AlertConfig()
+    if not args.no_tune:
+        cfg_c = tune([r for r in collapse if not r.held_out], COLLAPSE_GRID, judge_collapse, score_collapse, truth)
+        cfg_e = tune([r for r in eureka if not r.held_out], EUREKA_GRID, judge_eureka, score_eureka, truth)
+        cfg = replace(cfg_c, **{k: getattr(cfg_e, k) for k in EUREKA_GRID})
+        print("tuned:", {k: getattr(cfg, k) for k in (*COLLAPSE_GRID, *EUREKA_GRID)})
+    rows = []
+    for r in runs:
+        for every in EVERYS:
+            row = (judge_collapse if r.task == "collapse" else judge_eureka)(r, cfg, every, truth[r.name])
+            rows.append({"split": "held-out" if r.held_out else "tuning", **row})
+            print(json.dumps(rows[-1]))
+    if args.markdown:
+        print("\n".join(runs_table(runs, truth) + [""] + summary(rows)))
+
+
+if __name__ == "__main__":
+    main()

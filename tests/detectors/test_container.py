@@ -1,0 +1,86 @@
+"""The container: every detector's state across a resume, format 1 states, the protocol checked."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import pytest
+
+from diag.detectors import AlertConfig, Detectors, Observation
+from diag.errors import ConfigError
+
+
+def script():
+    """Every detector busy: a head going malignant, sigma_1 growing, large first updates, a plateau, a spike."""
+    rng = np.random.default_rng(1)
+    for step in range(0, 400, 5):
+        collapse = 100 <= step < 250
+        e, r = (0.2, 3.0) if collapse else (max(3.5 - 0.03 * max(step - 60, 0), 0.4), max(30 - step / 5, 3.0))
+        loss = 5.0 if step == 200 else (2.0 + 0.01 * rng.standard_normal() if step < 300 else 0.8)
+        layers = {"L00": {"attn_entropy": np.array([e, 3.0]), "attn_rank": np.array([r, 30.0]),
+                          "attn_rows": np.array([64.0]), "attn_entropy_uniform": np.array([4.1]),
+                          "qk_sigma1": np.array([0.1 * 1.08**step, 1.0]), "qk_sec": np.array([0.9, 0.3]),
+                          "grad_ratio_qk_v": np.array([0.1 if step < 290 else 0.6])}}
+        yield Observation(step, loss, layers)
+        yield Observation(step, None, {"L00": {"update_ratio_q": np.array([0.5 if step == 0 else 0.02])}})
+
+
+def test_resume_at_any_point_continues_identically():
+    cfg = AlertConfig(plateau_window=100)
+    observations = list(script())
+    whole = Detectors(cfg)
+    expected = [(a.step, a.kind, a.status, a.where, a.since) for o in observations for a in whole.observe(o)]
+    assert {k for _, k, s, _, _ in expected if s == "firing"} >= {
+        "malignant_collapse", "collapse_warning", "large_early_updates", "eureka_plateau", "eureka_moment",
+        "loss_spike"}
+    for cut in (7, 41, 95):
+        first = Detectors(cfg)
+        got = [(a.step, a.kind, a.status, a.where, a.since) for o in observations[:cut] for a in first.observe(o)]
+        resumed = Detectors(cfg)
+        resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+        got += [(a.step, a.kind, a.status, a.where, a.since) for o in observations[cut:] for a in resumed.observe(o)]
+        assert got == expected, cut
+
+
+def test_format_1_state_loads_what_carries_over(caplog):
+    old = {"sigma_prev": {"L00": [10, [1.0]]}, "update_ratio": {"L00": 0.02}, "malignant_run": {}, "head_state": {},
+           "warned_layers": ["L00"], "losses": [2.0, 2.1], "qk_ratios": [0.1, 0.1], "plateau_level": None,
+           "first_loss": 2.3, "ema": 2.0, "emvar": 0.01, "n_loss": 12, "nonfinite": ["loss"]}
+    det = Detectors()
+    with caplog.at_level(logging.WARNING, logger="diag"):
+        det.load_state_dict(old)
+    assert "format 1" in caplog.text
+    state = det.state_dict()
+    assert state["version"] == 2 and state["ema"] == 2.0 and state["first_loss"] == 2.3
+    assert state["sigma_prev"] == {"L00": [10, [1.0]]} and state["losses"] == []
+    out = det.observe(Observation(20, 1.0, {}))  # the loss was non-finite before the resume: now it ends
+    assert [(a.kind, a.status) for a in out] == [("nonfinite_loss", "resolved")]
+    with pytest.raises(ConfigError, match="version 3"):
+        Detectors().load_state_dict({"version": 3})
+
+
+class Counter:
+    def __init__(self, key="seen"):
+        self.key, self.n = key, 0
+
+    def observe(self, obs):
+        self.n += 1
+        return []
+
+    def state_dict(self):
+        return {self.key: self.n}
+
+    def load_state_dict(self, state):
+        self.n = state.get(self.key, 0)
+
+
+def test_extra_detectors_join_the_fan_out_and_must_not_share_state_keys():
+    det = Detectors(extra=[Counter()])
+    det.observe(Observation(0, 1.0, {}))
+    assert det.state_dict()["seen"] == 1
+    with pytest.raises(ConfigError, match="'losses'"):
+        Detectors(extra=[Counter("losses")])
+    with pytest.raises(ConfigError, match="protocol"):
+        Detectors(extra=[object()])

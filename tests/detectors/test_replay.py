@@ -1,0 +1,46 @@
+"""The evaluation's premise: detectors replayed over a run recorded at every=1, keeping the steps that are
+multiples of k, raise what a live Monitor at every=k raises (examples/evaluate_record.py, evaluate_detectors.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+
+import evaluate_detectors  # noqa: E402
+import evaluate_record  # noqa: E402
+
+from diag.detectors import AlertConfig  # noqa: E402
+
+STEPS = 25
+
+
+def live(tmp_path, every: int, record: bool):
+    import argparse
+
+    args = argparse.Namespace(lr=5e-3, warmup=0, qk_norm=False, seed=0, every=every, steps=STEPS, context=32)
+    out = tmp_path / f"every{every}"
+    out.mkdir()
+    if record:
+        evaluate_record.record_collapse(args, out)
+        return out
+    import hooks.demo as demo
+
+    ns = argparse.Namespace(lr=5e-3, warmup=0, quiet=True, logdir=str(out), seed=0, every=every, steps=STEPS,
+                            step_limit=None)
+    monitor, _ = demo.train(ns, demo.GPTConfig(block_size=32))
+    return monitor.alert_sink.history
+
+
+@pytest.mark.parametrize("every", [5])
+def test_replay_of_a_recorded_run_matches_the_live_monitor(tmp_path, every):
+    recorded = live(tmp_path, 1, record=True)
+    observations = evaluate_record.load_observations(recorded / "observations.jsonl")
+    assert sorted({o.step for o in observations}) == list(range(STEPS))
+    replayed = evaluate_detectors.replay(observations, AlertConfig(), every)
+    expected = live(tmp_path, every, record=False)
+    key = [(a.step, a.kind, a.where, a.status, a.since) for a in expected]
+    assert key and [(a.step, a.kind, a.where, a.status, a.since) for a in replayed] == key
