@@ -9,21 +9,34 @@ Exit codes:
 * 1: ``demo``: the run failed (the message says why); ``analyze``: some checkpoints
   (or ``--probe`` on some) failed, one ``error:`` line each on stderr, and the others
   were analysed;
-* 2: bad usage (argparse's message), or ``analyze`` found nothing it could analyse
-  (every path missing, corrupt, refused or of an unknown layout), or its ``--out``
-  folder already holds a run (pass ``--overwrite``), or its ``--probe`` file is missing.
+* 2: bad usage (argparse's message), or the output folder (``demo --logdir``, ``analyze --out``)
+  already holds a run and ``--overwrite`` was not given, or ``analyze`` found nothing it could analyse
+  (every path missing, corrupt, refused or of an unknown layout), or its ``--probe`` file is missing.
+
+No command exits 0 without the output it was asked for: ``analyze`` whose report could not be
+written exits 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import shlex
 import sys
+from pathlib import Path
 
 from diag.errors import DiagError
 from diag.math.metrics import DEFAULT_SEC_TOP
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "tensorboard_command"]
+
+
+def tensorboard_command(logdir: str | Path) -> str:
+    """The command that shows ``logdir`` in TensorBoard, from any shell: this Python's full path (the
+    venv's ``tensorboard`` script is not on PATH outside it) and the run named after its folder
+    (``--logdir_spec NAME:PATH``; plain ``--logdir`` names the run folder itself ``.``)."""
+    path = Path(logdir).resolve()
+    return f"{shlex.quote(sys.executable)} -m tensorboard.main --logdir_spec {shlex.quote(f'{path.name}:{path}')}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     demo.add_argument("--step-limit", type=float, default=None, metavar="TAU",
                       help="bound each matrix's step: sigma_1(dW)/sigma_1(W) <= TAU (SpectralStepLimit; default: off)")
+    demo.add_argument("--overwrite", action="store_true", help="replace the run --logdir already holds (without "
+                      "it, such a folder is refused)")
     demo.add_argument("--quiet", action="store_true", help="no progress output")
     _add_analyze(sub)
     return parser
@@ -111,14 +126,25 @@ def main(argv: list[str] | None = None) -> int:
         from diag.cli.analyze import run_analyze
 
         return run_analyze(args)
-    try:
-        if args.command == "demo":
-            # The demo is a live training loop, which lives in ``hooks``; imported
-            # only here so that the rest of ``diag`` never depends on ``hooks``.
-            from hooks.demo import run_demo
+    return _demo(args)
 
-            run_demo(args)
+
+def _demo(args: argparse.Namespace) -> int:
+    # The demo is a live training loop, which lives in ``hooks``; imported only here so that the
+    # rest of ``diag`` never depends on ``hooks``.
+    from diag.outputs.sinks import check_logdir
+
+    try:
+        check_logdir(args.logdir, overwrite=args.overwrite, how="--overwrite to replace it")
+    except DiagError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    from hooks.demo import run_demo
+
+    try:
+        run_demo(args)
     except DiagError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    print(f"\nTensorBoard: {tensorboard_command(args.logdir)}")
     return 0

@@ -26,13 +26,9 @@ FIGURES = ("heatmaps.png", "sigma1.png", "spectra.png", "attention.png", "update
 
 
 def _figure(width: float, height: float):
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError as err:  # pragma: no cover - an optional dependency
-        from diag.errors import ConfigError
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
-        raise ConfigError("the report needs matplotlib: pip install matplotlib, or pass --no-report") from err
     fig = Figure(figsize=(width, height), dpi=90, layout="constrained")
     FigureCanvasAgg(fig)
     return fig
