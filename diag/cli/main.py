@@ -6,12 +6,13 @@ generated from the same definitions that parse the arguments.
 Exit codes:
 
 * 0: success;
-* 1: ``demo``: the run failed (the message says why); ``analyze``: some checkpoints
-  (or ``--probe`` on some) failed, one ``error:`` line each on stderr, and the others
-  were analysed;
+* 1: ``demo``: the run failed (the message says why); ``report``: the page could not be written;
+  ``analyze``: some checkpoints (or ``--probe`` on some) failed, one ``error:`` line each on
+  stderr, and the others were analysed, or its report could not be written;
 * 2: bad usage (argparse's message), or the output folder (``demo --logdir``, ``analyze --out``)
-  already holds a run and ``--overwrite`` was not given, or ``analyze`` found nothing it could analyse
-  (every path missing, corrupt, refused or of an unknown layout), or its ``--probe`` file is missing.
+  already holds a run and ``--overwrite`` was not given, or ``report``'s LOGDIR holds no run, or
+  ``analyze`` found nothing it could analyse (every path missing, corrupt, refused or of an
+  unknown layout), or its ``--probe`` file is missing.
 
 No command exits 0 without the output it was asked for: ``analyze`` whose report could not be
 written exits 1.
@@ -33,10 +34,11 @@ __all__ = ["main", "build_parser", "tensorboard_command"]
 
 def tensorboard_command(logdir: str | Path) -> str:
     """The command that shows ``logdir`` in TensorBoard, from any shell: this Python's full path (the
-    venv's ``tensorboard`` script is not on PATH outside it) and the run named after its folder
-    (``--logdir_spec NAME:PATH``; plain ``--logdir`` names the run folder itself ``.``)."""
+    venv's ``tensorboard`` script is not on PATH outside it), and the folder above the run, so that
+    TensorBoard names the run after its folder (``demo``; its layers ``demo/L00``, ...) instead of
+    ``.``, beside the runs it can be compared with."""
     path = Path(logdir).resolve()
-    return f"{shlex.quote(sys.executable)} -m tensorboard.main --logdir_spec {shlex.quote(f'{path.name}:{path}')}"
+    return f"{shlex.quote(sys.executable)} -m tensorboard.main --logdir {shlex.quote(str(path.parent))}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,6 +66,16 @@ def build_parser() -> argparse.ArgumentParser:
                       "it, such a folder is refused)")
     demo.add_argument("--quiet", action="store_true", help="no progress output")
     _add_analyze(sub)
+    report = sub.add_parser(
+        "report",
+        help="a self-contained HTML report of a live run (from its metrics.jsonl and alerts.jsonl)",
+        description="Write one HTML page about a run a Monitor wrote: the loss and every signal per layer with "
+        "the alert episodes shaded, heatmaps of every head over time, and the alerts with their advice. "
+        "Reads only metrics.jsonl and alerts.jsonl; works while the run is still going.",
+    )
+    report.add_argument("logdir", metavar="LOGDIR", help="the run folder (the Monitor's logdir, e.g. runs/demo)")
+    report.add_argument("--out", metavar="FILE", help="the HTML file (default: LOGDIR/report.html; replaced if "
+                        "it exists: it is derived from the run)")
     return parser
 
 
@@ -126,7 +138,24 @@ def main(argv: list[str] | None = None) -> int:
         from diag.cli.analyze import run_analyze
 
         return run_analyze(args)
+    if args.command == "report":
+        return _report(args)
     return _demo(args)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from diag.outputs.run_report import write_run_report
+
+    try:
+        path = write_run_report(args.logdir, args.out)
+    except DiagError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        print(f"error: the report was not written: {err}", file=sys.stderr)
+        return 1
+    print(f"report: {path}")
+    return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -146,5 +175,6 @@ def _demo(args: argparse.Namespace) -> int:
     except DiagError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    print(f"\nTensorBoard: {tensorboard_command(args.logdir)}")
+    print(f"\nTensorBoard: {tensorboard_command(args.logdir)}\nreport:      {shlex.quote(sys.executable)} -m diag "
+          f"report {shlex.quote(str(args.logdir))}")
     return 0
