@@ -1,5 +1,6 @@
 """Screenshots of what a user sees, taken in a real browser: TensorBoard on a run, and the HTML reports.
 
+    python -m diag demo --logdir runs/demo && python -m diag report runs/demo
     python examples/screenshots.py runs/demo --report runs/demo/report.html --out docs/img
 
 Starts a real TensorBoard server (``python -m tensorboard.main``, bound to 127.0.0.1 only) on the
@@ -87,8 +88,9 @@ def browser() -> Iterator[object]:
             b.close()
 
 
-def custom_scalars(page, base: str, out: Path) -> dict:
-    """The Custom Scalars dashboard: each chart's title, its lines' colours and the runs it lists."""
+def custom_scalars(page, base: str, out: Path, runs: list[str]) -> dict:
+    """The Custom Scalars dashboard: each chart's lines' colours, and which runs its runs list (the legend of
+    the colours) names."""
     page.goto(base + "/#custom_scalars")
     page.wait_for_selector("tf-custom-scalar-multi-line-chart-card", timeout=90_000)
     page.wait_for_timeout(6000)
@@ -101,7 +103,8 @@ def custom_scalars(page, base: str, out: Path) -> dict:
         title = card.locator("#chart-title, .title, h3").first
         charts.append({"title": title.inner_text().strip() if title.count() else "",
                        "colours": sorted(set(strokes))})
-    return {"charts": charts, "page_text": page.locator("body").inner_text()}
+    legend = [run for run in runs if page.get_by_text(run, exact=True).count()]  # pierces the shadow DOM
+    return {"charts": charts, "legend": legend}
 
 
 def time_series(page, base: str, out: Path, tag: str) -> dict:
@@ -124,6 +127,7 @@ def images(page, base: str, out: Path) -> dict:
     """The Images dashboard: every image shown, with its natural size."""
     page.goto(base + "/#images")
     page.wait_for_selector("img", timeout=90_000)
+    page.locator("input[placeholder*='Filter tags']").fill("^(heatmap|step_size)/")  # the figures, not the maps
     page.wait_for_timeout(5000)
     page.screenshot(path=str(out / "tb_images.png"), full_page=False)
     sizes = page.locator("img").evaluate_all(
@@ -153,12 +157,21 @@ def shoot(run: Path, out: Path, reports: list[Path], tag: str = "by_layer/qk_sig
     with browser() as page:
         with tensorboard(run.resolve().parent) as base:
             facts["runs"] = json.loads(urllib.request.urlopen(base + "/data/runs").read())
-            facts["custom_scalars"] = custom_scalars(page, base, out)
+            facts["custom_scalars"] = custom_scalars(page, base, out, facts["runs"])
             facts["time_series"] = time_series(page, base, out, tag)
             facts["images"] = images(page, base, out)
         for path in reports:
-            facts[path.stem] = report(page, path, out, f"report_{path.stem}")
+            name = {"report.html": "run", "index.html": "checkpoints"}.get(path.name, path.stem)
+            facts[name] = report(page, path, out, f"report_{name}")
     return facts
+
+
+def shrink(folder: Path, colours: int = 128) -> None:
+    """Palette PNGs (a few tens of kB each), for the docs."""
+    from PIL import Image
+
+    for path in folder.glob("*.png"):
+        Image.open(path).convert("RGB").quantize(colours).save(path, optimize=True)
 
 
 def main() -> None:
@@ -168,8 +181,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("screenshots"), help="folder for the PNGs")
     args = parser.parse_args()
     facts = shoot(args.run, args.out, args.report)
-    for r in args.report:
-        facts[r.stem].pop("text")
+    shrink(args.out)
+    for value in facts.values():
+        if isinstance(value, dict):
+            value.pop("text", None)
     print(json.dumps(facts, indent=1))
 
 

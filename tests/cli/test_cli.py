@@ -76,3 +76,17 @@ def test_one_policy_for_existing_output_folders(tmp_path, capsys):
     assert main(["analyze", str(path), "--heads", "4", "--out", str(logdir), "--quiet"]) == 2
     assert "already holds a run" in capsys.readouterr().err
     assert main(["analyze", str(path), "--heads", "4", "--out", str(logdir), "--quiet", "--overwrite"]) == 0
+
+
+def test_unreadable_files_are_explained_in_whole_sentences(tmp_path, capsys):
+    text = tmp_path / "notes.pt"
+    text.write_text("hello, not weights\n")
+    good = _checkpoint(tmp_path)
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    for path in (text, cut):
+        assert main(["analyze", str(path), "--out", str(tmp_path / f"out-{path.stem}"), "--quiet"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert "(it starts with 'hello, n': not a zip archive or a pickle, so not a file torch.save wrote)" in lines[0]
+    assert "(its zip archive has no central directory: the file is cut short)" in lines[2]
+    assert all(line.endswith(("re-save it", "see the errors above")) for line in lines), lines

@@ -82,8 +82,8 @@ def test_custom_scalars_draw_every_layer_in_its_own_colour(seen):
     # every per-layer chart: four lines (the layers) in four colours; loss: one line
     assert len(per_layer) >= 9, charts
     assert all(len(c["colours"]) >= len(LAYERS) for c in per_layer[:-1]), charts
-    body = seen["facts"]["custom_scalars"]["page_text"]
-    assert all(name in body for name in LAYERS), "the runs list (the legend) names every layer"
+    legend = seen["facts"]["custom_scalars"]["legend"]
+    assert set(LAYERS) <= set(legend), "the runs list (the legend of the colours) names every layer"
 
 
 def test_time_series_card_names_the_layers_and_draws_their_lines(seen):
@@ -107,7 +107,7 @@ def test_images_decode_to_figures_with_axes(seen):
 
 
 def test_live_report_shows_curves_heatmaps_and_alerts_with_advice(seen):
-    page = seen["facts"]["report"]
+    page = seen["facts"]["run"]
     assert page["headings"][:1] == ["attnscope run report"]
     assert {"Alerts", "Curves", "Heatmaps over time"} <= set(page["headings"])
     assert len(page["figures"]) >= 12 and all(w > 300 and h > 100 for w, h, _ in page["figures"]), page["figures"]
@@ -117,6 +117,6 @@ def test_live_report_shows_curves_heatmaps_and_alerts_with_advice(seen):
 
 
 def test_checkpoint_report_figures_decode(seen):
-    page = seen["facts"]["index"]
+    page = seen["facts"]["checkpoints"]
     assert page["headings"][0] == "attnscope checkpoint report"
     assert len(page["figures"]) >= 4 and all(w > 300 and h > 200 for w, h, _ in page["figures"]), page["figures"]
