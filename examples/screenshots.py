@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -127,7 +128,8 @@ def images(page, base: str, out: Path) -> dict:
     """The Images dashboard: every image shown, with its natural size."""
     page.goto(base + "/#images")
     page.wait_for_selector("img", timeout=90_000)
-    page.locator("input[placeholder*='Filter tags']").fill("^(heatmap|step_size)/")  # the figures, not the maps
+    # the figures, not the attention maps (this dashboard's filter is a labelled input, no placeholder)
+    page.get_by_label(re.compile("Filter tags")).first.fill("^(heatmap|step_size)/")
     page.wait_for_timeout(5000)
     page.screenshot(path=str(out / "tb_images.png"), full_page=False)
     sizes = page.locator("img").evaluate_all(
