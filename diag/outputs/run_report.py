@@ -166,7 +166,8 @@ def _heatmap_over_time(run: Run, metric: str, title: str) -> str | None:
         return None
     steps = sorted({s for t in rows for s in run.series[t]})
     grid = np.array([[np.nan if run.series[t].get(s) is None else run.series[t][s] for s in steps] for t in rows])
-    labels = ["/".join(t.split("/")[1:]) if per_head else t.split("/")[1] for t in rows]
+    parsed = [parse_tag(t) for t in rows]
+    labels = [f"{p.layer}/{p.part}" if per_head else p.layer for p in parsed]
     finite = grid[np.isfinite(grid)]
     lo, hi = (0.0, 1.0) if metric == "qk_sec" else (0.0, float(finite.max()) if finite.size else 1.0)
     fig = grid_figure(grid, title=f"{title}, {'every head' if per_head else 'per layer'} over time", rows=labels,

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from diag.outputs.tags import parse_tag
 from hooks.demo.data import get_batch, load_text
 from hooks.demo.model import GPT, GPTConfig
 from hooks.monitor import Monitor
@@ -26,7 +27,7 @@ DEFAULT_LR = 5e-3
 def _signals(last: dict[str, float]) -> str:
     """The headline signals of the last sampled step, across layers."""
     def pick(metric: str, stat: str, fn) -> float:
-        values = [v for tag, v in last.items() if tag.startswith(metric + "/") and tag.endswith("/" + stat)]
+        values = [v for tag, v in last.items() if (p := parse_tag(tag)) and p.metric == metric and p.part == stat]
         return fn(values) if values else math.nan
     return (f"sigma1 max {pick('qk_sigma1', 'max', max):6.2f}  attn entropy min "
             f"{pick('attn_entropy', 'min', min):.2f}  attn rank min {pick('attn_rank', 'min', min):5.1f}")
