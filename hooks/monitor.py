@@ -35,11 +35,10 @@ from diag.math.updates import UpdateTracker
 from diag.offline.layoutfile import FILE_NAME as LAYOUT_FILE
 from diag.offline.layoutfile import LayoutEntry, layout_document, write_layout_file
 from diag.outputs.alert_sink import AlertSink
-from diag.outputs.images import UpdateRatioHistory, attention_map_image, flagged_heads, layer_head_heatmaps
 from diag.outputs.records import attention_metrics, build_record, host_arrays, per_head_default
 from diag.outputs.sinks import FanOut, JsonlSink, Record, Sink, TensorBoardSink, check_logdir
-from diag.outputs.tags import layer_tag, update_metric_names
-from diag.outputs.tb_layout import build_layout
+from diag.outputs.tags import layer_tag
+from diag.outputs.tb_views import TensorBoardViews
 from hooks.compiled import EagerCapture
 from hooks.discovery import AttentionLayer, discover
 from hooks.distributed import QKVReader, SharedDetectors, rank, world_size
@@ -71,7 +70,10 @@ class Monitor:
         sinks: more sinks (objects with write/flush/close).
         alerts: detector thresholds; ``on_alert``: called with each Alert.
         stop_on_critical: raise ``TrainingHalted`` from ``step`` on a critical alert.
-        purge_step: on resume, TensorBoard discards events at or after this step.
+        purge_step: on resume, TensorBoard discards events at or after this step; the run goes on
+            in a ``logdir`` that already holds one.
+        overwrite: replace the run a ``logdir`` already holds. Without it (or ``purge_step``) such
+            a folder is refused: the one policy of every output folder (docs/tensorboard.md).
         images: write TensorBoard images (layer x head heatmaps, update ratios over time,
             attention maps of heads an alert names); default: when ``logdir`` is set.
         image_every: heatmaps and update-ratio images every this many steps (a multiple of
@@ -98,6 +100,7 @@ class Monitor:
         on_alert: Callable[[Alert], None] | None = None,
         stop_on_critical: bool = False,
         purge_step: int | None = None,
+        overwrite: bool = False,
         images: bool | None = None,
         image_every: int | None = None,
         grad_scaler: torch.amp.GradScaler | None = None,
@@ -125,7 +128,8 @@ class Monitor:
         # Distributed (docs/distributed.md): only rank 0 has the logdir files and the alert callback;
         # every rank computes the metrics, and the detectors agree across ranks.
         main = rank() == 0
-        self.logdir = None if logdir is None or not main else check_logdir(logdir)
+        resume = purge_step is not None
+        self.logdir = None if logdir is None or not main else check_logdir(logdir, overwrite=overwrite, resume=resume)
         if self.logdir is not None:
             sink_list += [TensorBoardSink(self.logdir, purge_step), JsonlSink(self.logdir / "metrics.jsonl")]
         self.sinks = FanOut(sink_list)
@@ -373,33 +377,14 @@ class Monitor:
             images = self.logdir is not None and importlib.util.find_spec("PIL") is not None
         self.images = images
         self.image_every = image_every
-        self._layout_written = False
-        self._update_history = UpdateRatioHistory()
-        if self.images and "updates" in self.signals:
-            self.sinks.add(self._update_history)
+        self._views = TensorBoardViews(self.sinks, [layer.label for layer in self.layers], images=images,
+                                       image_every=image_every, updates="updates" in self.signals,
+                                       with_o=any(layer.o is not None for layer in self.layers))
 
     def _tensorboard(self, record: Record, arrays: dict, results: dict, alerts: list[Alert]) -> None:
-        """The custom-scalars layout (once, from the first sampled step's tags) and this step's images."""
-        if not self._layout_written:
-            self._layout_written = True
-            with_o = any(layer.o is not None for layer in self.layers)
-            updates = update_metric_names("qkvo" if with_o else "qkv") if "updates" in self.signals else ()
-            self.sinks.write_layout(build_layout(record.scalars, updates=updates))
-        if not self.images:
-            return
-        labels = [layer.label for layer in self.layers]
-        images: dict[str, np.ndarray] = {}
-        if record.step % self.image_every == 0:
-            images.update(layer_head_heatmaps(arrays, labels))
-            images.update(self._update_history.images(labels))
-        index = {layer.label: layer.index for layer in self.layers}
-        for where, label, head in flagged_heads(alerts):
-            stats = results.get(index.get(label, -1))
-            maps = None if stats is None else stats.maps
-            if maps is not None and head < maps.shape[0]:
-                images[f"attention_map/{where}"] = attention_map_image(maps[head].float().cpu().numpy())
-        if images:
-            self.sinks.write(Record(record.step, images=images))
+        """The layout, alert events and images of this step (diag.outputs.tb_views)."""
+        maps = {layer.label: getattr(results.get(layer.index), "maps", None) for layer in self.layers}
+        self._views.on_sample(record, arrays, maps, alerts)
 
 
 class _Weights(NamedTuple):

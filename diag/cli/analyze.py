@@ -18,24 +18,24 @@ from pathlib import Path
 
 import numpy as np
 
+from diag.cli.main import tensorboard_command
 from diag.errors import DiagError
 from diag.offline.series import Analysis, analyze_checkpoints
 from diag.outputs.sinks import JsonlSink, Sink, TensorBoardSink, check_logdir
 
 __all__ = ["run_analyze"]
 
-OUTPUTS = ("metrics.jsonl", "alerts.jsonl")
-
-
 def _prepare_out(out: Path, overwrite: bool) -> str | None:
-    """None when ``out`` is ready; else the reason it is not."""
-    earlier = [p for p in (out / n for n in OUTPUTS) if p.exists()] + sorted(out.glob("events.out.tfevents.*"))
-    if earlier and not overwrite:
-        return (f"--out {out} already holds a run ({earlier[0].name}); pass another folder, or --overwrite "
-                "to replace it")
-    for path in earlier:
-        path.unlink()
-    check_logdir(out)
+    """None when ``out`` is ready; else the reason it is not (the policy of every output folder:
+    :func:`diag.outputs.sinks.check_logdir`)."""
+    try:
+        check_logdir(out, overwrite=overwrite, how="--overwrite to replace it")
+    except DiagError as err:
+        return str(err)
+    if overwrite and (out / "report").is_dir():
+        for old in (out / "report").iterdir():
+            if old.is_file() and old.suffix in (".png", ".html"):
+                old.unlink()
     return None
 
 
@@ -58,11 +58,12 @@ def _model_layout():
 def _progress(quiet: bool):
     if quiet:
         return None
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover - tqdm is optional
-        return None
-    return lambda items: tqdm(items, desc="checkpoints", unit="ckpt", file=sys.stderr, leave=False)
+    from tqdm import tqdm
+
+    # Only on a terminal (disable=None), and only once a series takes more than a second: a quick
+    # run, or one that fails at its first checkpoint, prints no bar before its message.
+    return lambda items: tqdm(items, desc="checkpoints", unit="ckpt", file=sys.stderr, leave=False,
+                              disable=None, delay=1.0)
 
 
 def _log_above_progress(active: bool) -> contextlib.AbstractContextManager:
@@ -98,7 +99,7 @@ def _describe(analysis: Analysis, out: Path, report: Path | None) -> str:
         _table(analysis),
         f"alerts: {len(analysis.alerts)}"
         + "".join(f"\n  step {a.step} {a.level} {a.kind} {a.where}: {a.message}" for a in analysis.alerts),
-        f"TensorBoard: tensorboard --logdir {out}",
+        f"TensorBoard: {tensorboard_command(out)}",
     ]
     if report is not None:
         head.append(f"report: {report}")
@@ -107,10 +108,7 @@ def _describe(analysis: Analysis, out: Path, report: Path | None) -> str:
 
 def run_analyze(args: argparse.Namespace) -> int:
     out = Path(args.out)
-    try:
-        reason = _prepare_out(out, args.overwrite)
-    except DiagError as err:
-        reason = str(err)
+    reason = _prepare_out(out, args.overwrite)
     if reason:
         print(f"error: {reason}", file=sys.stderr)
         return 2
@@ -146,8 +144,8 @@ def run_analyze(args: argparse.Namespace) -> int:
             from diag.offline.report import write_report
 
             report = write_report(analysis, out / "report")
-        except DiagError as err:
-            print(f"error: {err}", file=sys.stderr)
+        except (DiagError, OSError) as err:
+            print(f"error: the report was not written: {err}", file=sys.stderr)
     if args.quiet and not args.json and analysis.heads is not None:
         for assumption in analysis.heads.assumptions:  # never silent about what was assumed
             print(f"note: {assumption}", file=sys.stderr)
@@ -157,4 +155,4 @@ def run_analyze(args: argparse.Namespace) -> int:
         print(json.dumps(summary))
     elif not args.quiet:
         print(_describe(analysis, out, report))
-    return 1 if analysis.failures else 0
+    return 1 if analysis.failures or (report is None and not args.no_report) else 0

@@ -6,24 +6,39 @@ generated from the same definitions that parse the arguments.
 Exit codes:
 
 * 0: success;
-* 1: ``demo``: the run failed (the message says why); ``analyze``: some checkpoints
-  (or ``--probe`` on some) failed, one ``error:`` line each on stderr, and the others
-  were analysed;
-* 2: bad usage (argparse's message), or ``analyze`` found nothing it could analyse
-  (every path missing, corrupt, refused or of an unknown layout), or its ``--out``
-  folder already holds a run (pass ``--overwrite``), or its ``--probe`` file is missing.
+* 1: ``demo``: the run failed (the message says why); ``report``: the page could not be written;
+  ``analyze``: some checkpoints (or ``--probe`` on some) failed, one ``error:`` line each on
+  stderr, and the others were analysed, or its report could not be written;
+* 2: bad usage (argparse's message), or the output folder (``demo --logdir``, ``analyze --out``)
+  already holds a run and ``--overwrite`` was not given, or ``report``'s LOGDIR holds no run, or
+  ``analyze`` found nothing it could analyse (every path missing, corrupt, refused or of an
+  unknown layout), or its ``--probe`` file is missing.
+
+No command exits 0 without the output it was asked for: ``analyze`` whose report could not be
+written exits 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import shlex
 import sys
+from pathlib import Path
 
 from diag.errors import DiagError
 from diag.math.metrics import DEFAULT_SEC_TOP
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "tensorboard_command"]
+
+
+def tensorboard_command(logdir: str | Path) -> str:
+    """The command that shows ``logdir`` in TensorBoard, from any shell: this Python's full path (the
+    venv's ``tensorboard`` script is not on PATH outside it), and the folder above the run, so that
+    TensorBoard names the run after its folder (``demo``; its layers ``demo/L00``, ...) instead of
+    ``.``, beside the runs it can be compared with."""
+    path = Path(logdir).resolve()
+    return f"{shlex.quote(sys.executable)} -m tensorboard.main --logdir {shlex.quote(str(path.parent))}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,8 +62,20 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     demo.add_argument("--step-limit", type=float, default=None, metavar="TAU",
                       help="bound each matrix's step: sigma_1(dW)/sigma_1(W) <= TAU (SpectralStepLimit; default: off)")
+    demo.add_argument("--overwrite", action="store_true", help="replace the run --logdir already holds (without "
+                      "it, such a folder is refused)")
     demo.add_argument("--quiet", action="store_true", help="no progress output")
     _add_analyze(sub)
+    report = sub.add_parser(
+        "report",
+        help="a self-contained HTML report of a live run (from its metrics.jsonl and alerts.jsonl)",
+        description="Write one HTML page about a run a Monitor wrote: the loss and every signal per layer with "
+        "the alert episodes shaded, heatmaps of every head over time, and the alerts with their advice. "
+        "Reads only metrics.jsonl and alerts.jsonl; works while the run is still going.",
+    )
+    report.add_argument("logdir", metavar="LOGDIR", help="the run folder (the Monitor's logdir, e.g. runs/demo)")
+    report.add_argument("--out", metavar="FILE", help="the HTML file (default: LOGDIR/report.html; replaced if "
+                        "it exists: it is derived from the run)")
     return parser
 
 
@@ -116,14 +143,43 @@ def main(argv: list[str] | None = None) -> int:
         from diag.cli.analyze import run_analyze
 
         return run_analyze(args)
-    try:
-        if args.command == "demo":
-            # The demo is a live training loop, which lives in ``hooks``; imported
-            # only here so that the rest of ``diag`` never depends on ``hooks``.
-            from hooks.demo import run_demo
+    if args.command == "report":
+        return _report(args)
+    return _demo(args)
 
-            run_demo(args)
+
+def _report(args: argparse.Namespace) -> int:
+    from diag.outputs.run_report import write_run_report
+
+    try:
+        path = write_run_report(args.logdir, args.out)
+    except DiagError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        print(f"error: the report was not written: {err}", file=sys.stderr)
+        return 1
+    print(f"report: {path}")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    # The demo is a live training loop, which lives in ``hooks``; imported only here so that the
+    # rest of ``diag`` never depends on ``hooks``.
+    from diag.outputs.sinks import check_logdir
+
+    try:
+        check_logdir(args.logdir, overwrite=args.overwrite, how="--overwrite to replace it")
+    except DiagError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    from hooks.demo import run_demo
+
+    try:
+        run_demo(args)
     except DiagError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    print(f"\nTensorBoard: {tensorboard_command(args.logdir)}\nreport:      {shlex.quote(sys.executable)} -m diag "
+          f"report {shlex.quote(str(args.logdir))}")
     return 0

@@ -102,11 +102,30 @@ def load_torch(path: Path) -> Any:
 
 
 def _corrupt(path: Path, err: BaseException) -> CheckpointError:
-    why = str(err).splitlines()[0][:160] if str(err) else type(err).__name__
+    why = _what_is_wrong(path, err)
     return CheckpointError(
         f"{path}: cannot be read as a PyTorch checkpoint ({why}); the file is truncated or corrupt, "
         "or not a checkpoint: re-copy or re-save it"
     )
+
+
+def _what_is_wrong(path: Path, err: BaseException) -> str:
+    """What is wrong with a file torch.load cannot read, in words, never cut mid-sentence."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            f.seek(max(0, path.stat().st_size - 65_536))
+            tail = f.read()
+    except OSError:
+        head = tail = b""
+    if head and not head.startswith((b"PK", b"\x80")):  # neither a zip archive nor a pickle
+        shown = head.decode("ascii", "replace").replace("\n", " ").strip() or repr(head)
+        return f"it starts with {shown!r}: not a zip archive or a pickle, so not a file torch.save wrote"
+    text = str(err)
+    if head.startswith(b"PK") and b"PK\x05\x06" not in tail or "central directory" in text:
+        return "its zip archive has no central directory: the file is cut short"
+    first = text.split(". ")[0].splitlines()[0] if text else type(err).__name__
+    return first.rstrip(".")
 
 
 def _has_tensors(obj: Any) -> bool:

@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from diag.offline.series import Analysis
+from diag.outputs.figures import figure
+from diag.outputs.html import integer_steps, page, table
 from diag.outputs.tags import head_label
 
 __all__ = ["write_report", "FIGURES"]
@@ -26,16 +28,7 @@ FIGURES = ("heatmaps.png", "sigma1.png", "spectra.png", "attention.png", "update
 
 
 def _figure(width: float, height: float):
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError as err:  # pragma: no cover - an optional dependency
-        from diag.errors import ConfigError
-
-        raise ConfigError("the report needs matplotlib: pip install matplotlib, or pass --no-report") from err
-    fig = Figure(figsize=(width, height), dpi=90, layout="constrained")
-    FigureCanvasAgg(fig)
-    return fig
+    return figure(width, height)
 
 
 def _grid(analysis: Analysis, step: int, metric: str) -> np.ndarray:
@@ -50,14 +43,18 @@ def _heatmaps(analysis: Analysis, step: int, path: Path, panels: tuple[tuple[str
     fig = _figure(9, 0.35 * len(analysis.layers) + 2)
     for ax, (metric, title) in zip(fig.subplots(1, len(panels)), panels):
         grid = _grid(analysis, step, metric)
-        image = ax.imshow(grid, aspect="auto", cmap="viridis", interpolation="nearest")
+        # SEC is a fraction: a fixed 0..1 scale (auto-ranging over 0.96..0.99 made near-equal heads look apart)
+        lo, hi = (0.0, 1.0) if metric == "qk_sec" else (None, None)
+        image = ax.imshow(grid, aspect="auto", cmap="viridis", interpolation="nearest", vmin=lo, vmax=hi)
         ax.set(title=f"{title} at step {step}", xlabel="head", ylabel="layer")
         ax.set_yticks(range(grid.shape[0]), [la.label for la in analysis.layers])
         if grid.shape[1] <= 32:
             ax.set_xticks(range(grid.shape[1]))
         if grid.size <= 64:
-            for (i, j), value in np.ndenumerate(grid):
-                ax.text(j, i, f"{value:.3g}", ha="center", va="center", color="w", fontsize="small")
+            for (i, j), value in np.ndenumerate(grid):  # dark text on viridis' bright end, white on its dark end
+                bright = np.isfinite(value) and image.norm(value) > 0.6
+                ax.text(j, i, f"{value:.3g}", ha="center", va="center", color="black" if bright else "white",
+                        fontsize="small")
         fig.colorbar(image, ax=ax)
     fig.savefig(path)
 
@@ -69,6 +66,7 @@ def _trajectories(analysis: Analysis, path: Path, metric: str, source: dict, yla
     for la in analysis.layers:
         ax.plot(steps, [float(np.max(source[s][la.label][metric])) for s in steps], marker=".", label=la.label)
     ax.set(title=title, xlabel="step", ylabel=ylabel, yscale="log")
+    integer_steps(ax)
     ax.legend(fontsize="small", ncol=max(1, len(analysis.layers) // 8))
     fig.savefig(path)
 
@@ -118,29 +116,20 @@ def write_report(analysis: Analysis, folder: str | Path, top: int = 4) -> Path:
     return index
 
 
-def _rows(cells: list[list[object]]) -> str:
-    return "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>\n" for row in cells)
-
-
 def _page(analysis: Analysis, figures: list[tuple[str, str]]) -> str:
     note = analysis.heads.note if analysis.heads else ""
     layers = [[la.label, la.name, la.layout.adapter, la.layout.n_heads, la.layout.kv_heads, la.layout.head_dim]
               for la in analysis.layers]
     alerts = [[a.step, a.level, a.kind, a.where, a.message] for a in analysis.alerts]
     parts = [
-        "<!doctype html><html><head><meta charset='utf-8'><title>attnscope checkpoint report</title>",
-        "<style>body{font-family:sans-serif;max-width:1000px;margin:auto}td{padding:2px 8px}"
-        "img{max-width:100%}</style></head><body><h1>attnscope checkpoint report</h1>",
         f"<p>{len(analysis.analysed)} checkpoint(s), steps {analysis.steps}. {html.escape(note)}.</p>",
-        "<h2>Layers</h2><table><tr><th>layer</th><th>module</th><th>adapter</th><th>heads</th>"
-        f"<th>kv heads</th><th>head dim</th></tr>{_rows(layers)}</table>",
+        "<h2>Layers</h2>" + table(["layer", "module", "adapter", "heads", "kv heads", "head dim"], layers),
         "".join(f"<h2>{html.escape(t)}</h2><img src='{f}' alt='{html.escape(t)}'>" for f, t in figures),
         f"<h2>Alerts ({len(alerts)})</h2>",
-        f"<table><tr><th>step</th><th>level</th><th>kind</th><th>where</th><th>message</th></tr>{_rows(alerts)}"
-        "</table>" if alerts else "<p>No detector fired on the weight-side signals.</p>",
+        table(["step", "level", "kind", "where", "message"], alerts, classes=[a[1] for a in alerts])
+        if alerts else "<p>No detector fired on the weight-side signals.</p>",
     ]
     if analysis.failures:
-        parts.append(f"<h2>Failed checkpoints ({len(analysis.failures)})</h2><table>"
-                     f"{_rows([list(f) for f in analysis.failures])}</table>")
-    parts.append("</body></html>\n")
-    return "\n".join(parts)
+        parts.append(f"<h2>Failed checkpoints ({len(analysis.failures)})</h2>"
+                     + table(["checkpoint", "error"], [list(f) for f in analysis.failures]))
+    return page("attnscope checkpoint report", parts)

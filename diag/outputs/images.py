@@ -1,16 +1,16 @@
-"""Images for TensorBoard: layer x head heatmaps, attention maps, update ratios over time.
+"""The data of the TensorBoard images: layer x head grids, attention maps, update ratios over time.
 
-Pure numpy. Every image is a (height, width, 3) uint8 RGB array for
-``SummaryWriter.add_image(..., dataformats="HWC")``. Each value is one block of
+Pure numpy: the grids and colour ranges that :mod:`diag.outputs.figures` draws with axes,
+tick values and a colour bar (matplotlib), and a plain pixel rendering of them. Every image is a
+(height, width, 3) uint8 RGB array for ``SummaryWriter.add_image(..., dataformats="HWC")``. Each value is one block of
 ``cell x cell`` identical pixels (nearest neighbour, so a browser that scales
 the image never blurs two heads together); row 0 is at the top.
 
 Colour: viridis (dark purple = low, yellow = high) from a 17-colour table taken
 from matplotlib's viridis and linearly interpolated to 256 entries (within
-6/255 of matplotlib's, checked by the tests). matplotlib is not imported: it is
-an optional dependency, importing it in a training process costs time and
-memory, and the images are the same with or without it. Non-finite values
-(and missing heads or layers) are mid grey, a colour viridis does not contain.
+6/255 of matplotlib's, checked by the tests); matplotlib is not imported here.
+Non-finite values (and missing heads or layers) are mid grey, a colour viridis
+does not contain.
 
 Image tags (see docs/tensorboard.md):
 
@@ -24,12 +24,12 @@ Image tags (see docs/tensorboard.md):
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
 from diag.outputs.sinks import Record
+from diag.outputs.tags import parse_tag, parse_where
 
 __all__ = [
     "VIRIDIS_ANCHORS",
@@ -169,7 +169,6 @@ def attention_map_image(probs: np.ndarray) -> np.ndarray:
 # head of an encoder turning uniform at initialisation); the most severe alerts first.
 ALERT_MAPS_PER_STEP = 8
 _LEVEL_ORDER = {"critical": 0, "warning": 1, "info": 2}
-_HEAD_WHERE = re.compile(r"^(L[^/]+)/H(\d+)$")
 
 
 def flagged_heads(alerts: Iterable, most: int = ALERT_MAPS_PER_STEP) -> list[tuple[str, str, int]]:
@@ -177,10 +176,10 @@ def flagged_heads(alerts: Iterable, most: int = ALERT_MAPS_PER_STEP) -> list[tup
     once, the most severe level first, at most ``most``. Alerts about a layer or the model are skipped."""
     heads: dict[str, tuple[str, str, int]] = {}
     for alert in sorted(alerts, key=lambda a: _LEVEL_ORDER.get(a.level, len(_LEVEL_ORDER))):
-        for where in getattr(alert, "heads", ()) or (alert.where,):  # a layer's record names its heads
-            match = _HEAD_WHERE.match(where)
-            if match is not None and where not in heads and len(heads) < most:
-                heads[where] = (where, match[1], int(match[2]))
+        for name in getattr(alert, "heads", ()) or (alert.where,):  # a layer's record names its heads
+            where = parse_where(name)
+            if where is not None and where[1] is not None and name not in heads and len(heads) < most:
+                heads[name] = (name, where[0], where[1])
     return list(heads.values())
 
 
@@ -205,9 +204,6 @@ def update_ratio_image(values: np.ndarray) -> np.ndarray:
     return heatmap(logv, lo, hi, (cell_h, cell_w))
 
 
-_UPDATE_TAG = re.compile(r"^(update_ratio_[a-z]+)/(L[^/]+)$")
-
-
 class UpdateRatioHistory:
     """A sink that keeps ``update_ratio_<x>/<layer>`` per step, for :func:`update_ratio_image`.
 
@@ -223,9 +219,9 @@ class UpdateRatioHistory:
 
     def write(self, record: Record) -> None:
         for tag, value in record.scalars.items():
-            match = _UPDATE_TAG.match(tag)
-            if match:
-                self.series.setdefault(record.step, {})[(match[1], match[2])] = float(value)
+            parsed = parse_tag(tag)
+            if parsed and parsed.layer and parsed.part is None and parsed.metric.startswith("update_ratio_"):
+                self.series.setdefault(record.step, {})[(parsed.metric, parsed.layer)] = float(value)
         if len(self.series) > 2 * self.most:
             steps = sorted(self.series)
             for step in steps[-2::-2]:  # every other step, the newest kept
@@ -250,7 +246,16 @@ class UpdateRatioHistory:
                 out[i, j] = values.get((metric, label), math.nan)
         return out
 
+    def metrics(self) -> list[str]:
+        return sorted({metric for values in self.series.values() for metric, _ in values})
+
     def images(self, labels: Sequence[str]) -> dict[str, np.ndarray]:
-        """``{"step_size/<metric>": image}`` for each update-ratio metric seen so far."""
-        metrics = sorted({metric for values in self.series.values() for metric, _ in values})
-        return {f"step_size/{m}": update_ratio_image(self.matrix(m, labels)) for m in metrics}
+        """``{"step_size/<metric>": image}`` for each update-ratio metric seen so far (plain pixels)."""
+        return {f"step_size/{m}": update_ratio_image(self.matrix(m, labels)) for m in self.metrics()}
+
+    def figures(self, labels: Sequence[str]) -> dict[str, np.ndarray]:
+        """The same as :meth:`images`, drawn with axes, step ticks and a colour bar."""
+        from diag.outputs.figures import update_ratio_figure
+
+        steps = self.steps()
+        return {f"step_size/{m}": update_ratio_figure(self.matrix(m, labels), steps, labels, m) for m in self.metrics()}

@@ -7,7 +7,9 @@ the training loop after construction.
 
 A sink may also have ``write_layout(layout)``: the custom-scalars layout of the run
 (``{category: {chart: ["Multiline", [tag regex, ...]]}}``, see :mod:`diag.outputs.tb_layout`),
-which :class:`FanOut` passes only to the sinks that have it.
+and ``write_view(record)``: what only a dashboard shows (the alert events, the constants as
+text, see :mod:`diag.outputs.tb_views`); :class:`FanOut` passes them only to the sinks that
+have them.
 
 Chosen libraries: ``torch.utils.tensorboard.SummaryWriter`` (the official
 writer, from the ``tensorboard`` package) for event files; the standard
@@ -28,8 +30,10 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from diag.errors import SinkError, WarnOnce
+from diag.outputs.tags import layer_runs
 
-__all__ = ["Record", "Sink", "TensorBoardSink", "JsonlSink", "MemorySink", "FanOut", "check_logdir"]
+__all__ = ["Record", "Sink", "TensorBoardSink", "JsonlSink", "MemorySink", "FanOut", "check_logdir", "earlier_run",
+           "RUN_FILES"]
 
 log = logging.getLogger("diag")
 
@@ -44,6 +48,8 @@ class Record:
     histograms: dict[str, np.ndarray] = field(default_factory=dict)
     texts: dict[str, str] = field(default_factory=dict)
     images: dict[str, np.ndarray] = field(default_factory=dict)
+    # TensorBoard only: scalars of other runs (sub-folders of the logdir), {run: {tag: value}}
+    runs: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 @runtime_checkable
@@ -55,11 +61,39 @@ class Sink(Protocol):
     def close(self) -> None: ...
 
 
-def check_logdir(logdir: str | os.PathLike) -> Path:
-    """Create ``logdir`` and prove it writable now, not in the middle of training."""
+# What a run writes into its folder: an earlier run is found by these (TensorBoard runs of their own:
+# the layers L00/, L01/, ..., the alert levels alerts/critical/, ...).
+RUN_FILES = ("metrics.jsonl", "alerts.jsonl", "events.out.tfevents.*", "L*/events.out.tfevents.*",
+             "alerts/*/events.out.tfevents.*")
+
+
+def earlier_run(logdir: str | os.PathLike) -> list[Path]:
+    """The files of an earlier run in ``logdir`` (empty when there is none)."""
     path = Path(logdir)
+    return sorted(f for pattern in RUN_FILES for f in path.glob(pattern) if f.is_file())
+
+
+def check_logdir(logdir: str | os.PathLike, *, overwrite: bool = False, resume: bool = False,
+                 how: str = "overwrite=True to replace it, or purge_step=<the step you resume from> to continue it",
+                 ) -> Path:
+    """Create ``logdir`` and prove it writable now, not in the middle of training.
+
+    One policy for every output folder (the Monitor's ``logdir``, ``analyze --out``,
+    ``demo --logdir``): a folder that already holds a run is refused, unless ``overwrite``
+    (its run files are deleted first) or ``resume`` (the run goes on in it: the Monitor's
+    ``purge_step``). ``how``: the caller's ways out, for the message.
+    """
+    path = Path(logdir)
+    earlier = earlier_run(path)
+    if earlier and not resume and not overwrite:
+        raise SinkError(
+            f"{path} already holds a run ({earlier[0].relative_to(path)}); pass another folder, or {how}"
+        )
     try:
         path.mkdir(parents=True, exist_ok=True)
+        if overwrite and not resume:
+            for old in earlier:
+                old.unlink()
         probe = path / ".diag-write-probe"
         probe.write_text("ok")
         probe.unlink()
@@ -72,16 +106,35 @@ def check_logdir(logdir: str | os.PathLike) -> Path:
 
 
 class TensorBoardSink:
-    """Event files through TensorBoard's own writer; no flush per write."""
+    """Event files through TensorBoard's own writer; no flush per write.
+
+    Besides the run in ``logdir`` (every tag), one run per layer in ``logdir/L03`` with the
+    charted statistics under one name for all layers (:func:`diag.outputs.tags.layer_runs`), so
+    TensorBoard draws the layers of a chart in distinct colours and names them; and the runs a
+    record names in ``Record.runs`` (the alert events).
+    """
 
     def __init__(self, logdir: str | os.PathLike, purge_step: int | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
+        self.logdir, self.purge_step = Path(logdir), purge_step
         self.writer = SummaryWriter(log_dir=str(logdir), purge_step=purge_step)
+        self.runs: dict[str, SummaryWriter] = {}
+
+    def _run(self, name: str):
+        if name not in self.runs:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.runs[name] = SummaryWriter(log_dir=str(self.logdir / name), purge_step=self.purge_step)
+        return self.runs[name]
 
     def write(self, record: Record) -> None:
         for tag, value in record.scalars.items():
             self.writer.add_scalar(tag, value, record.step)
+        for run, scalars in [*layer_runs(record.scalars).items(), *record.runs.items()]:
+            writer = self._run(run)
+            for tag, value in scalars.items():
+                writer.add_scalar(tag, value, record.step)
         for tag, values in record.histograms.items():
             finite = values[np.isfinite(values)]
             if finite.size:
@@ -95,11 +148,16 @@ class TensorBoardSink:
         """The custom-scalars layout; TensorBoard shows the newest one of the run."""
         self.writer.add_custom_scalars(layout)
 
+    def write_view(self, record: Record) -> None:
+        self.write(record)
+
     def flush(self) -> None:
-        self.writer.flush()
+        for writer in [self.writer, *self.runs.values()]:
+            writer.flush()
 
     def close(self) -> None:
-        self.writer.close()
+        for writer in [self.writer, *self.runs.values()]:
+            writer.close()
 
 
 def _json_value(value: float) -> float | None:
@@ -145,12 +203,16 @@ class MemorySink:
     def __init__(self) -> None:
         self.records: list[Record] = []
         self.layouts: list[dict] = []
+        self.views: list[Record] = []
 
     def write(self, record: Record) -> None:
         self.records.append(record)
 
     def write_layout(self, layout: dict) -> None:
         self.layouts.append(layout)
+
+    def write_view(self, record: Record) -> None:
+        self.views.append(record)
 
     def flush(self) -> None:
         pass
@@ -187,6 +249,9 @@ class FanOut:
 
     def write_layout(self, layout: dict) -> None:
         self._call("write_layout", layout, optional=True)  # only sinks that have it
+
+    def write_view(self, record: Record) -> None:
+        self._call("write_view", record, optional=True)  # only sinks that have it
 
     def flush(self) -> None:
         self._call("flush")

@@ -5,6 +5,13 @@
 * layer-only: ``<metric>/L<layer>``             e.g. ``update_ratio_q/L03``, ``update_ratio_o/L03``
 * histogram:  ``<metric>/L<layer>/heads``        the values of all heads of a layer
 * global:     ``<metric>``                      e.g. ``loss``
+* alerts:     ``alerts/<kind>``                 the number of alerts of a kind at a step
+
+TensorBoard also gets one run per layer (a sub-folder ``L03/`` of the logdir, see
+:func:`layer_runs`) holding ``by_layer/<metric>/<stat>`` and ``by_layer/<metric>``: the same
+name in every layer's run, so one chart shows every layer as a line of its own colour, named
+in the legend. This module builds every tag and parses them back (:func:`parse_tag`,
+:func:`parse_where`); nothing else spells the scheme out.
 
 Layers are counted from 0 in module registration order (the order of the state
 dict, which is the execution order for every supported family) and zero-padded
@@ -14,7 +21,20 @@ suffix ``.cross`` (``L03.cross``).
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
 __all__ = [
+    "Tag",
+    "parse_tag",
+    "parse_where",
+    "layer_runs",
+    "layer_run_tag",
+    "CHART_STAT",
+    "CONSTANT_METRICS",
+    "LAYER_RUN_PREFIX",
+    "ALERT_PREFIX",
     "PER_HEAD_METRICS",
     "LAYER_METRICS",
     "update_metric_names",
@@ -54,6 +74,77 @@ LAYER_METRICS = (
     "update_fro_o",
 )
 STATS = ("max", "min", "mean")
+# Layer metrics that do not change during a run (they describe the sample): shown as text, not charts.
+CONSTANT_METRICS = ("attn_rows", "attn_entropy_uniform")
+# The statistic across heads charted per metric: the direction that signals trouble.
+CHART_STAT = {
+    "qk_sigma1": "max",  # the fastest-growing head
+    "qk_sec": "max",  # the most concentrated spectrum
+    "qk_erank": "min",
+    "qk_stable_rank": "min",
+    "attn_entropy": "min",  # the most collapsed head
+    "attn_rank": "min",
+    "attn_max_logit": "max",
+    "grad_norm_q": "mean",  # the Eureka plateau compares Q/K with V gradients layer-wide
+    "grad_norm_k": "mean",
+    "grad_norm_v": "mean",
+}
+LAYER_RUN_PREFIX = "by_layer"
+ALERT_PREFIX = "alerts"
+LAYER = r"L\d+(?:\.cross)?"
+_TAG = re.compile(rf"^(?P<metric>[A-Za-z0-9_.]+)/(?P<layer>{LAYER})(?:/(?P<part>H\d+|max|min|mean|heads))?$")
+_WHERE = re.compile(rf"^(?P<layer>{LAYER})(?:/H(?P<head>\d+))?$")
+
+
+@dataclass(frozen=True)
+class Tag:
+    """A parsed tag: ``metric``; ``layer`` (``L03``, ``L03.cross``) or None for a global tag; ``part``:
+    ``H07``, a statistic (``max``, ``min``, ``mean``), ``heads`` (histogram) or None (a layer metric)."""
+
+    metric: str
+    layer: str | None = None
+    part: str | None = None
+
+    @property
+    def head(self) -> int | None:
+        return int(self.part[1:]) if self.part and self.part[0] == "H" else None
+
+
+def parse_tag(tag: str) -> Tag | None:
+    """The parts of a tag of this scheme; a global tag (no ``/``) is ``Tag(tag)``; None for anything else
+    (``alerts/<kind>``, ``limit/...``)."""
+    if "/" not in tag:
+        return Tag(tag)
+    match = _TAG.match(tag)
+    return None if match is None else Tag(match["metric"], match["layer"], match["part"])
+
+
+def parse_where(where: str) -> tuple[str, int | None] | None:
+    """``"L03/H05"`` -> ``("L03", 5)``, ``"L03"`` -> ``("L03", None)``; None for ``""`` (the model)."""
+    match = _WHERE.match(where)
+    if match is None:
+        return None
+    return match["layer"], None if match["head"] is None else int(match["head"])
+
+
+def layer_run_tag(metric: str, stat: str | None = None) -> str:
+    """The tag of a metric in the per-layer runs: ``by_layer/qk_sigma1/max``, ``by_layer/update_ratio_q``."""
+    return f"{LAYER_RUN_PREFIX}/{metric}" + (f"/{stat}" if stat else "")
+
+
+def layer_runs(scalars: Mapping[str, float]) -> dict[str, dict[str, float]]:
+    """``{layer label: {by_layer tag: value}}``: the charted statistic of each per-head metric
+    (:data:`CHART_STAT`, ``max`` if not listed) and each layer metric but the constants."""
+    runs: dict[str, dict[str, float]] = {}
+    for tag, value in scalars.items():
+        parsed = parse_tag(tag)
+        if parsed is None or parsed.layer is None:
+            continue
+        if parsed.part is None and parsed.metric not in CONSTANT_METRICS:
+            runs.setdefault(parsed.layer, {})[layer_run_tag(parsed.metric)] = value
+        elif parsed.part == CHART_STAT.get(parsed.metric, "max"):
+            runs.setdefault(parsed.layer, {})[layer_run_tag(parsed.metric, parsed.part)] = value
+    return runs
 
 
 def _pad(i: int, count: int) -> str:

@@ -1,21 +1,26 @@
-"""The custom-scalars layout: one chart per metric with every layer, by family, and the alerts.
+"""The custom-scalars layout: one chart per metric with every layer a line of its own colour, by family.
 
 Built from the tags a run really wrote (the first sampled step's record), so it
 follows whatever the Monitor logs: a metric that is not written gets no chart, a
 new metric gets one without a change here. Format: what
 ``SummaryWriter.add_custom_scalars`` takes,
 ``{category: {chart title: ["Multiline", [tag regex, ...]]}}``; TensorBoard's
-custom-scalars plugin matches each regex against the run's scalar tags with
+custom-scalars plugin matches each regex against every run's scalar tags with
 ``re.match``, so every regex here is anchored at both ends.
 
-* a per-head metric (tags ``<metric>/L03/max|min|mean``): one chart of one
-  statistic across heads, every layer a line; the statistic is the one that
-  moves towards trouble (:data:`CHART_STAT`, ``max`` for a metric not listed);
-* a layer metric (``<metric>/L03``): one chart, every layer a line;
-* a global scalar (``loss``): one chart in the ``training`` category, which comes first;
-* ``alerts/<kind>``: one chart with every alert kind (empty until an alert fires).
+TensorBoard colours a chart's lines by run, and names the runs in the chart's
+tooltip and in the runs list: so the per-layer charts read the per-layer runs
+(``L03/``, tags ``by_layer/...``, see :func:`diag.outputs.tags.layer_runs`), where
+every layer is a run of its own.
 
-Categories follow the Monitor's signals by metric-name prefix (:data:`FAMILIES`).
+* a per-head metric (tags ``<metric>/L03/max|min|mean``): one chart of one
+  statistic across heads (:data:`~diag.outputs.tags.CHART_STAT`, the one that
+  moves towards trouble), ``by_layer/<metric>/<stat>``, a line per layer;
+* a layer metric (``<metric>/L03``): ``by_layer/<metric>``, a line per layer; the
+  constants (``attn_rows``, ``attn_entropy_uniform``) get no chart: they are text;
+* a global scalar (``loss``): one chart in the ``training`` category, which comes first;
+* alerts: the alerts raised at each sampled step, one run per level
+  (``alerts/critical``, ...), zero where none fired, so each alert is a spike at its step.
 """
 
 from __future__ import annotations
@@ -23,27 +28,21 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-__all__ = ["FAMILIES", "CHART_STAT", "ALERT_CATEGORY", "build_layout", "chart_regexes", "family"]
+from diag.outputs.tags import CHART_STAT, CONSTANT_METRICS, layer_run_tag, parse_tag
+
+__all__ = ["FAMILIES", "CHART_STAT", "ALERT_CATEGORY", "ALERT_LEVELS", "ALERT_EVENT_TAG", "alert_run",
+           "build_layout", "chart_regexes", "family"]
 
 # metric-name prefix -> category (the Monitor's signal that writes it)
 FAMILIES = {"qk_": "spectra", "attn_": "attention", "grad_": "grads", "update_": "updates"}
 ALERT_CATEGORY = "alerts"
-# The statistic across heads charted per metric: the direction that signals trouble.
-CHART_STAT = {
-    "qk_sigma1": "max",  # the fastest-growing head
-    "qk_sec": "max",  # the most concentrated spectrum
-    "qk_erank": "min",
-    "qk_stable_rank": "min",
-    "attn_entropy": "min",  # the most collapsed head
-    "attn_rank": "min",
-    "attn_max_logit": "max",
-    "grad_norm_q": "mean",  # the Eureka plateau compares Q/K with V gradients layer-wide
-    "grad_norm_k": "mean",
-    "grad_norm_v": "mean",
-}
+ALERT_LEVELS = ("critical", "warning", "info")
+ALERT_EVENT_TAG = "alerts_raised"
 
-_TAG = re.compile(r"^(?P<metric>[a-z0-9_]+)/(?P<layer>L\d+(?:\.cross)?)(?:/(?P<rest>H\d+|max|min|mean|heads))?$")
-_LAYER = r"L\d+(?:\.cross)?"
+
+def alert_run(level: str) -> str:
+    """The TensorBoard run (a sub-folder of the logdir) of the alert events of one level."""
+    return f"alerts/{level}"
 
 
 def family(metric: str) -> str:
@@ -62,16 +61,15 @@ def build_layout(tags: Iterable[str], updates: Iterable[str] = ()) -> dict[str, 
     per_layer: set[str] = set(updates)
     global_tags: set[str] = set()
     for tag in tags:
-        match = _TAG.match(tag)
-        if match is None:
-            if "/" not in tag:
-                global_tags.add(tag)
+        parsed = parse_tag(tag)
+        if parsed is None:
             continue
-        rest = match["rest"]
-        if rest in ("max", "min", "mean"):
-            per_head.add(match["metric"])
-        elif rest is None:
-            per_layer.add(match["metric"])
+        if parsed.layer is None:
+            global_tags.add(tag)
+        elif parsed.part in ("max", "min", "mean"):
+            per_head.add(parsed.metric)
+        elif parsed.part is None and parsed.metric not in CONSTANT_METRICS:
+            per_layer.add(parsed.metric)
     charts: dict[str, dict[str, list]] = {}
     for tag in sorted(global_tags):
         charts.setdefault("training", {})[tag] = ["Multiline", [rf"^{re.escape(tag)}$"]]
@@ -79,11 +77,12 @@ def build_layout(tags: Iterable[str], updates: Iterable[str] = ()) -> dict[str, 
     for metric in sorted(per_head | per_layer, key=lambda m: (order.index(family(m)), m)):
         if metric in per_head:
             stat = CHART_STAT.get(metric, "max")
-            title, regex = f"{metric} ({stat} over heads), all layers", rf"^{metric}/{_LAYER}/{stat}$"
+            title, tag = f"{metric} ({stat} over heads), a line per layer", layer_run_tag(metric, stat)
         else:
-            title, regex = f"{metric}, all layers", rf"^{metric}/{_LAYER}$"
-        charts.setdefault(family(metric), {})[title] = ["Multiline", [regex]]
-    charts[ALERT_CATEGORY] = {"alerts per step, by kind": ["Multiline", [r"^alerts/.+$"]]}
+            title, tag = f"{metric}, a line per layer", layer_run_tag(metric)
+        charts.setdefault(family(metric), {})[title] = ["Multiline", [rf"^{re.escape(tag)}$"]]
+    charts[ALERT_CATEGORY] = {"alerts raised per sampled step, a line per level":
+                              ["Multiline", [rf"^{ALERT_EVENT_TAG}$"]]}
     return charts
 
 

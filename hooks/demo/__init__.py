@@ -14,7 +14,7 @@ without warmup (:class:`diag.SpectralStepLimit`). Compare them in one TensorBoar
 
     python -m diag demo --logdir runs/demo
     python -m diag demo --warmup 100 --logdir runs/demo-warmup
-    tensorboard --logdir runs
+    python -m tensorboard.main --logdir runs
 
 The Monitor is attached exactly as in any training loop. The package is also the
 examples' and benchmarks' model and data: ``model`` (``GPTConfig``, ``GPT``), ``data``

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from diag.outputs.tags import parse_tag
 from hooks.demo.data import get_batch, load_text
 from hooks.demo.model import GPT, GPTConfig
 from hooks.monitor import Monitor
@@ -26,7 +27,7 @@ DEFAULT_LR = 5e-3
 def _signals(last: dict[str, float]) -> str:
     """The headline signals of the last sampled step, across layers."""
     def pick(metric: str, stat: str, fn) -> float:
-        values = [v for tag, v in last.items() if tag.startswith(metric + "/") and tag.endswith("/" + stat)]
+        values = [v for tag, v in last.items() if (p := parse_tag(tag)) and p.metric == metric and p.part == stat]
         return fn(values) if values else math.nan
     return (f"sigma1 max {pick('qk_sigma1', 'max', max):6.2f}  attn entropy min "
             f"{pick('attn_entropy', 'min', min):.2f}  attn rank min {pick('attn_rank', 'min', min):5.1f}")
@@ -44,15 +45,13 @@ def train(args: Namespace, cfg: GPTConfig | None = None) -> tuple[Monitor, list[
     data = torch.tensor([stoi[ch] for ch in text], dtype=torch.long)  # (N,)
     cfg.vocab_size = len(chars)
     unigram = -sum(n / len(text) * math.log(n / len(text)) for n in Counter(text).values())
-    if (Path(args.logdir) / "metrics.jsonl").exists():
-        say(f"note: {args.logdir} already holds a run; this one is added to it (use a new --logdir)")
 
     torch.manual_seed(args.seed)  # the weights; the batches come from their own generator
     gen = torch.Generator().manual_seed(args.seed)
     model = GPT(cfg)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
-    monitor = Monitor(model, logdir=args.logdir, every=args.every)
+    monitor = Monitor(model, logdir=args.logdir, every=args.every, overwrite=getattr(args, "overwrite", False))
     tau = getattr(args, "step_limit", None)
     if tau is not None:  # the remedy (diag.SpectralStepLimit); the scheduler keeps driving the shared lr
         optimizer = SpectralStepLimit(optimizer, tau, model=model, monitor=monitor, audit=True)
@@ -96,4 +95,3 @@ def run_demo(args: Namespace) -> None:
         if info:
             print("  and info alerts: " + ", ".join(f"{kind} x{n}" for kind, n in sorted(info.items()))
                   + f" (all in {Path(args.logdir) / 'alerts.jsonl'})")
-    print(f"\ntensorboard --logdir {args.logdir}")

@@ -43,6 +43,9 @@ def callback_options(every: object, kwargs: dict[str, Any]) -> tuple[dict[str, A
     """What both ``MonitorCallback``s do with their arguments: the Monitor keyword arguments, checked,
     without ``stop_on_critical`` and ``on_alert``, which go to the ranks' shared :class:`CriticalStop`."""
     checked = check_monitor_kwargs("MonitorCallback", every, kwargs)
+    # The trainer owns its output folder: a fresh train()/fit() replaces the Monitor's earlier run there
+    # (a resume continues it through purge_step); overwrite=False asks for the Monitor's refusal instead.
+    checked.setdefault("overwrite", True)
     stop = CriticalStop(bool(checked.pop("stop_on_critical", False)), checked.pop("on_alert", None))
     return checked, stop
 

@@ -3,22 +3,20 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import torch
 
-from diag.cli.main import build_parser
-from hooks.demo import run_demo
+from diag.cli.main import main
 
 
 def test_demo_writes_all_signals(tmp_path, capsys):
     logdir = tmp_path / "demo"
-    args = build_parser().parse_args(
-        ["demo", "--logdir", str(logdir), "--steps", "40", "--every", "10", "--quiet"]
-    )
+    argv = ["demo", "--logdir", str(logdir), "--steps", "40", "--every", "10", "--quiet"]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model: one thread is fastest on a shared machine
     try:
-        run_demo(args)
+        assert main(argv) == 0
     finally:
         torch.set_num_threads(threads)
 
@@ -28,8 +26,12 @@ def test_demo_writes_all_signals(tmp_path, capsys):
         assert family in families, f"{family} missing from metrics.jsonl: {sorted(families)}"
     assert {r["step"] for r in records if r["tag"] == "loss"} == {0, 10, 20, 30}
     assert list(logdir.glob("events.out.tfevents.*")), "no TensorBoard event file"
-    assert f"tensorboard --logdir {logdir}" in capsys.readouterr().out
+    # the printed command works outside the venv (this Python's full path) and names the run "demo"
+    assert f"{sys.executable} -m tensorboard.main --logdir {logdir.resolve().parent}" in capsys.readouterr().out
     alerts = [json.loads(line) for line in (logdir / "alerts.jsonl").read_text().splitlines()]
     # Changed with issue #17: this asserted collapse_warning, which fired at the first sample of every no-warmup
     # run (the bug); within 40 steps the honest alert is the note on the large first updates
     assert "large_early_updates" in {a["kind"] for a in alerts}, "the demo exists to show an alert"
+    # the one policy for output folders: a second run into the same folder is refused, --overwrite replaces it
+    assert main(argv) == 2
+    assert "already holds a run" in capsys.readouterr().err and len(list(logdir.glob("events.out.tfevents.*"))) == 1

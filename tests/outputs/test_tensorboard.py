@@ -49,7 +49,7 @@ from diag.outputs.images import (
     update_ratio_image,
 )
 from diag.outputs.sinks import MemorySink, Record
-from diag.outputs.tags import LAYER_METRICS, PER_HEAD_METRICS, update_metric_names
+from diag.outputs.tags import LAYER_METRICS, PER_HEAD_METRICS, layer_runs, update_metric_names
 from diag.outputs.tb_layout import CHART_STAT, build_layout, chart_regexes, family
 from hooks import Monitor
 
@@ -146,8 +146,15 @@ def _same_float32(expected: float, got: float) -> bool:
 # ------------------------------------------------------------- the server
 
 
+# The run scheme changed on purpose (#18): besides the run itself (every tag), one run per layer (its
+# charted statistics under one name, so a chart draws the layers in distinct colours and names them) and
+# one per alert level (the alerts raised at each sampled step, zero when none).
+LAYER_RUNS = [f"{RUN}/L00", f"{RUN}/L01"]
+ALERT_RUNS = [f"{RUN}/alerts/{level}" for level in ("critical", "warning", "info")]
+
+
 def test_server_lists_the_run_and_its_plugins(server):
-    assert _json(server, "/data/runs") == [RUN]
+    assert sorted(_json(server, "/data/runs")) == sorted([RUN, *LAYER_RUNS, *ALERT_RUNS])
     listing = _json(server, "/data/plugins_listing")
     for plugin in ("scalars", "histograms", "images", "text", "custom_scalars"):
         assert listing[plugin]["enabled"], (plugin, listing[plugin])
@@ -183,27 +190,43 @@ def test_layout_is_what_the_monitor_wrote_and_every_chart_matches_written_tags(s
                for cat in served["category"]}
     assert as_dict == written[0]
     assert list(as_dict) == ["training", "spectra", "attention", "grads", "updates", "alerts"]
-    assert {"update_ratio_o, all layers", "update_fro_o, all layers"} <= set(as_dict["updates"])
+    assert {"update_ratio_o, a line per layer", "update_fro_o, a line per layer"} <= set(as_dict["updates"])
 
     tags = set(_json(server, "/data/plugin/scalars/tags")[RUN])
-    layers = ["L00", "L01"]
+    all_tags = _json(server, "/data/plugin/scalars/tags")
     for (category, title), regexes in chart_regexes(written[0]).items():
+        runs = [RUN] if category == "training" else ALERT_RUNS if category == "alerts" else LAYER_RUNS
         for regex in regexes:
-            # the server resolves the chart's regex itself (re.match over the run's scalar tags)
-            answer = _json(server, "/data/plugin/custom_scalars/scalars", run=RUN, tag=regex)
-            assert answer["regex_valid"], regex
-            matched = set(answer["tag_to_events"])
-            assert matched, f"chart {category}/{title}: {regex} matches no written tag"
-            assert matched == {t for t in tags if re.match(regex, t)}
-            if category not in ("training", "alerts"):  # one line per layer
-                assert sorted(t.split("/")[1] for t in matched) == layers, (regex, matched)
-            for tag, events in answer["tag_to_events"].items():
-                assert [e[1] for e in events] == [e[1] for e in _json(
-                    server, "/data/plugin/scalars/scalars", run=RUN, tag=tag)], tag
-    # each written per-head metric and layer metric has its chart
-    metrics = {t.split("/")[0] for t in tags if "/L" in t}
-    charted = {r.split("/")[0].lstrip("^") for rs in chart_regexes(written[0]).values() for r in rs}
+            # the server resolves the chart's regex itself (re.match over each run's scalar tags): one
+            # series per run, so TensorBoard gives each layer (each alert level) a colour and its name
+            for name in runs:
+                answer = _json(server, "/data/plugin/custom_scalars/scalars", run=name, tag=regex)
+                assert answer["regex_valid"], regex
+                matched = set(answer["tag_to_events"])
+                assert len(matched) == 1, f"chart {category}/{title}: {regex} in {name}: {matched}"
+                assert matched == {t for t in all_tags[name] if re.match(regex, t)}
+                ((tag, events),) = answer["tag_to_events"].items()
+                if name in LAYER_RUNS:  # the same values as the run's per-layer tag
+                    metric, stat = (tag.split("/")[1:] + [None])[:2]
+                    source = f"{metric}/{name.split('/')[-1]}" + (f"/{stat}" if stat else "")
+                    main = _json(server, "/data/plugin/scalars/scalars", run=RUN, tag=source)
+                    assert [e[1:] for e in events] == [e[1:] for e in main], (name, tag)
+                if name in ALERT_RUNS:  # an event at every sampled step (see the next test)
+                    assert [e[1] for e in events] == list(range(STEPS)), (name, events)
+    # each written per-head metric and layer metric (but the constants) has its chart
+    metrics = {t.split("/")[0] for t in tags if "/L" in t} - {"attn_rows", "attn_entropy_uniform"}
+    charted = {r.lstrip("^").rstrip("$").split("/")[1] for rs in chart_regexes(written[0]).values() for r in rs
+               if r.startswith("^by_layer/")}
     assert metrics <= charted, metrics - charted
+
+
+def test_alert_events_are_spikes_at_the_steps_that_raised_them(server, run):
+    history = run["monitor"].alert_sink.history
+    for level in ("critical", "warning", "info"):
+        events = _json(server, "/data/plugin/scalars/scalars", run=f"{RUN}/alerts/{level}", tag="alerts_raised")
+        expected = [sum(1 for a in history if a.step == step and a.level == level) for step in range(STEPS)]
+        assert [(e[1], e[2]) for e in events] == list(enumerate(map(float, expected))), level
+    assert any(a.level == "info" for a in history)  # benign collapse at step 0: a spike, then zeros
 
 
 def _png(server: str, tag: str) -> list[tuple[int, np.ndarray]]:
@@ -236,17 +259,20 @@ def test_images_are_served_pixel_for_pixel(server, run):
         assert sorted(served) == sorted(drawn[tag]), tag
         for step, pixels in served.items():
             np.testing.assert_array_equal(pixels, drawn[tag][step], err_msg=f"{tag} at step {step}")
-    # the update-ratio image at step 4 has one column per update step 0..3 (8 pixels each), one row per layer
-    assert drawn["step_size/update_ratio_q"][4].shape == (2 * 16, 4 * 8, 3)
-    # attention maps: causal, queries down, keys across: key j > query i has probability 0 (darkest)
-    # and the first query puts all its mass on key 0 (brightest)
-    image = drawn["attention_map/L01/H02"][0]
-    cell = image.shape[0] // zoo.SEQ
-    assert image.shape == (zoo.SEQ * cell, zoo.SEQ * cell, 3)
-    grid = image[::cell, ::cell]
-    upper = np.triu(np.ones((zoo.SEQ, zoo.SEQ), dtype=bool), k=1)
-    assert (grid[upper] == LUT[0]).all()
-    assert (grid[0, 0] == LUT[-1]).all()
+    # (#18, on purpose) every image is a figure with axes, tick values, labels and a colour bar, not bare cells
+    for tag in drawn:
+        for step, image in drawn[tag].items():
+            assert looks_like_a_figure(image), (tag, step)
+
+
+def looks_like_a_figure(image: np.ndarray) -> bool:
+    """A matplotlib figure: a white background around the plot, dark text/axes, and viridis colours."""
+    rgb = image.astype(int)
+    white = (rgb > 245).all(axis=-1).mean()
+    dark = (rgb < 60).all(axis=-1).mean()
+    dist = np.abs(rgb[:, :, None, :] - LUT[None, None, ::8, :].astype(int)).sum(-1).min(-1)
+    viridis = (dist < 30).mean()
+    return image.shape[0] >= 200 and image.shape[1] >= 250 and white > 0.15 and dark > 0.002 and viridis > 0.05
 
 
 def test_histograms_and_alert_texts_are_served(server, run):
@@ -265,7 +291,11 @@ def test_histograms_and_alert_texts_are_served(server, run):
     assert sum(count for _, _, count in buckets) == pytest.approx(n_heads * d_head)
     assert buckets[0][0] == pytest.approx(first.histograms["qk_spectrum/L00"].min(), rel=1e-6)
     # SummaryWriter.add_text appends "/text_summary" to the tag
-    assert _json(server, "/data/plugin/text/tags")[RUN] == ["alerts/benign_collapse/text_summary"]
+    assert sorted(_json(server, "/data/plugin/text/tags")[RUN]) == ["alerts/benign_collapse/text_summary",
+                                                                    "run/attention_sample/text_summary"]
+    # the constants of the attention sample are a table, not charts (#18)
+    (table,) = _json(server, "/data/plugin/text/text", run=RUN, tag="run/attention_sample/text_summary")
+    assert table["step"] == 0 and "attn_rows" in table["text"] and "L01" in table["text"]
     (entry,) = _json(server, "/data/plugin/text/text", run=RUN, tag="alerts/benign_collapse/text_summary")
     assert entry["step"] == 0
     assert all(f"L{i:02d}/H{h:02d}" in entry["text"] for i in range(2) for h in range(4))
@@ -381,18 +411,19 @@ def test_layout_rules_follow_the_tag_scheme():
     tags = ["loss", "qk_sigma1/L00/max", "qk_sigma1/L00/min", "qk_sigma1/L00/mean", "qk_sigma1/L00/H00",
             "attn_rows/L00", "new_metric/L03/max", "alerts/loss_spike", "limit/scale"]
     layout = build_layout(tags)
-    assert layout == {
+    assert layout == {  # the per-layer charts read the per-layer runs (#18); constants get no chart
         "training": {"loss": ["Multiline", ["^loss$"]]},
-        "spectra": {"qk_sigma1 (max over heads), all layers": ["Multiline", [r"^qk_sigma1/L\d+(?:\.cross)?/max$"]]},
-        "attention": {"attn_rows, all layers": ["Multiline", [r"^attn_rows/L\d+(?:\.cross)?$"]]},
-        "other": {"new_metric (max over heads), all layers": ["Multiline", [r"^new_metric/L\d+(?:\.cross)?/max$"]]},
-        "alerts": {"alerts per step, by kind": ["Multiline", [r"^alerts/.+$"]]},
+        "spectra": {"qk_sigma1 (max over heads), a line per layer": ["Multiline", [r"^by_layer/qk_sigma1/max$"]]},
+        "other": {"new_metric (max over heads), a line per layer": ["Multiline", [r"^by_layer/new_metric/max$"]]},
+        "alerts": {"alerts raised per sampled step, a line per level": ["Multiline", [r"^alerts_raised$"]]},
     }
+    assert layer_runs({t: 1.0 for t in tags}) == {"L00": {"by_layer/qk_sigma1/max": 1.0}, "L03": {
+        "by_layer/new_metric/max": 1.0}}
     with_updates = build_layout(tags, updates=update_metric_names())["updates"]
-    assert sorted(with_updates) == sorted(f"{m}, all layers" for m in LAYER_METRICS if m.startswith("update_"))
-    assert with_updates["update_ratio_o, all layers"] == ["Multiline", [r"^update_ratio_o/L\d+(?:\.cross)?$"]]
+    assert sorted(with_updates) == sorted(f"{m}, a line per layer" for m in LAYER_METRICS if m.startswith("update_"))
+    assert with_updates["update_ratio_o, a line per layer"] == ["Multiline", [r"^by_layer/update_ratio_o$"]]
     without_o = build_layout(tags, updates=update_metric_names("qkv"))["updates"]  # no layer has W_O
-    assert sorted(without_o) == [f"update_{m}_{x}, all layers" for m in ("fro", "ratio") for x in "kqv"]
+    assert sorted(without_o) == [f"update_{m}_{x}, a line per layer" for m in ("fro", "ratio") for x in "kqv"]
 
 
 # --------------------------------------------------------------- Monitor options
@@ -435,18 +466,19 @@ def test_per_head_off_and_fewer_signals_give_a_matching_layout():
     (layout,) = memory.layouts
     assert list(layout) == ["training", "spectra", "grads", "alerts"]
     tags = {t for r in memory.records for t in r.scalars}
-    for (category, _), regexes in chart_regexes(layout).items():
-        if category != "alerts":  # no alert fired
-            assert all(any(re.match(rx, t) for t in tags) for rx in regexes), regexes
+    tags |= {t for r in memory.records for run in layer_runs(r.scalars).values() for t in run}
+    tags |= {t for r in memory.views for run in r.runs.values() for t in run}  # the alert events
+    for regexes in chart_regexes(layout).values():  # every chart, the alert events included (zero when none)
+        assert all(any(re.match(rx, t) for t in tags) for rx in regexes), regexes
 
 
 def test_image_faults_never_reach_training(monkeypatch):
-    import hooks.monitor as monitor_module
+    import diag.outputs.figures as figures
 
     def broken(*args, **kwargs):
         raise RuntimeError("drawing failed")
 
-    monkeypatch.setattr(monitor_module, "layer_head_heatmaps", broken)
+    monkeypatch.setattr(figures, "layer_head_figures", broken)  # the drawing moved to diag.outputs (#18)
     case, memory = zoo.nanogpt(), MemorySink()
     seen: list[Alert] = []
     with warnings.catch_warnings(record=True) as caught:

@@ -1,0 +1,246 @@
+"""``python -m diag report LOGDIR``: one self-contained HTML page of a live run.
+
+Read from the run's ``metrics.jsonl`` and ``alerts.jsonl`` only (no TensorBoard, no model):
+
+* the loss, and one chart per signal with a line per layer (the statistic across heads that
+  moves towards trouble, :data:`diag.outputs.tags.CHART_STAT`), alert episodes shaded in the
+  colour of their level;
+* heatmaps over time: every head (rows) at every sampled step (columns) for sigma_1, SEC and the
+  attention entropy;
+* the alert timeline (a chart) and every alert with its advice and a link to its docs.
+
+Figures are inline PNGs (matplotlib, Agg canvas), so the page is one file that opens anywhere.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from diag.errors import ConfigError
+from diag.outputs.figures import figure, grid_figure
+from diag.outputs.html import LEVEL_COLOURS, docs_link, inline_img, integer_steps, page, table
+from diag.outputs.tags import CHART_STAT, CONSTANT_METRICS, parse_tag, parse_where
+
+__all__ = ["Run", "read_run", "write_run_report", "ADVICE", "episodes"]
+
+# kind -> what to do, in one line (the long form, with the evidence, is in docs/alerts.md)
+ADVICE = {
+    "collapse_warning": "add or lengthen warmup, lower the learning rate, or bound the step (QK-norm, "
+                        "sigmaReparam, a spectral step limit); watch the head's attention entropy and rank",
+    "malignant_collapse": "go back to a checkpoint from before it and restart with warmup, a lower learning "
+                          "rate, QK-norm or a spectral step bound",
+    "benign_collapse": "usually nothing: sparse but full-rank heads train well; watch whether it spreads or "
+                       "turns malignant",
+    "uniform_attention": "look at the head; low-rank attention across layers is rank collapse",
+    "eureka_plateau": "rule out a data or label bug first; then NormSoftmax, or train longer",
+    "eureka_moment": "nothing to do: the plateau ended",
+    "nonfinite_loss": "check the data of that step, lower the learning rate, clip gradients, check loss scaling",
+    "nonfinite_weights": "check the data of that step, lower the learning rate, clip gradients, check loss scaling",
+    "nonfinite_gradients": "check the data of that step, lower the learning rate, clip gradients, check loss scaling",
+    "gradient_overflow": "nothing if rare; if it repeats at every sample, look for non-finite float32 "
+                         "gradients or use bf16",
+    "loss_spike": "inspect the batch; clip gradients; if attn_max_logit climbs too, QK-norm or a lower "
+                  "learning rate",
+}
+HEATMAPS_OVER_TIME = (("qk_sigma1", "sigma_1(Wq_h^T Wk_h)"), ("qk_sec", "SEC"),
+                      ("attn_entropy", "attention entropy (nats)"))
+EXTRA_CURVES = ("grad_ratio_qk_v", "update_ratio_q", "update_ratio_k", "update_ratio_v", "update_ratio_o")
+
+
+@dataclass
+class Run:
+    """What a run folder holds: ``series[tag] = {step: value}`` (None for a non-finite value) and the alerts."""
+
+    folder: Path
+    series: dict[str, dict[int, float | None]] = field(default_factory=dict)
+    alerts: list[dict] = field(default_factory=list)
+
+    def layers(self) -> list[str]:
+        found = {p.layer for p in map(parse_tag, self.series) if p is not None and p.layer}
+        return sorted(found)
+
+    def curve(self, tag: str) -> tuple[np.ndarray, np.ndarray]:
+        points = sorted(self.series.get(tag, {}).items())
+        steps = np.array([s for s, _ in points], dtype=np.int64)
+        return steps, np.array([math.nan if v is None else v for _, v in points], dtype=np.float64)
+
+
+def _jsonl(path: Path) -> list[dict]:
+    rows = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path}, line {number}: not JSON ({err.msg}); the file is not one a Monitor "
+                              "wrote, or it was edited: pass the run folder a Monitor wrote") from None
+    return rows
+
+
+def read_run(folder: str | Path) -> Run:
+    """Read ``metrics.jsonl`` (needed) and ``alerts.jsonl`` (when present) of a run folder."""
+    folder = Path(folder)
+    metrics = folder / "metrics.jsonl"
+    if not metrics.is_file():
+        what = "does not exist" if not folder.exists() else "holds no metrics.jsonl"
+        raise ConfigError(f"{folder} {what}; pass the logdir of a Monitor run (the folder with metrics.jsonl "
+                          "and alerts.jsonl), e.g. python -m diag report runs/demo")
+    run = Run(folder)
+    for row in _jsonl(metrics):
+        run.series.setdefault(str(row["tag"]), {})[int(row["step"])] = row["value"]
+    if not run.series:
+        raise ConfigError(f"{metrics} is empty: the run has not reached its first sampled step yet")
+    alerts = folder / "alerts.jsonl"
+    if alerts.is_file():
+        run.alerts = sorted(_jsonl(alerts), key=lambda a: a["step"])
+    return run
+
+
+def episodes(steps: Sequence[int], gap: float) -> list[tuple[int, int]]:
+    """Consecutive steps (no more than ``gap`` apart) as (first, last) episodes."""
+    out: list[tuple[int, int]] = []
+    for step in sorted(steps):
+        if out and step - out[-1][1] <= gap:
+            out[-1] = (out[-1][0], step)
+        else:
+            out.append((step, step))
+    return out
+
+
+def _spacing(run: Run) -> int:
+    steps = sorted(run.series.get("loss") or next(iter(run.series.values())))
+    return int(np.median(np.diff(steps))) if len(steps) > 1 else 1
+
+
+def _mark_alerts(ax, run: Run, layer_of: str | None = None) -> None:
+    """Shade each alert episode (per kind and place) in its level's colour; one legend entry per level."""
+    spacing, seen = _spacing(run), set()
+    groups: dict[tuple[str, str, str], list[int]] = {}
+    for a in run.alerts:
+        where = parse_where(a.get("where", ""))
+        if layer_of is not None and where is not None and where[0] != layer_of:
+            continue
+        groups.setdefault((a["level"], a["kind"], a.get("where", "")), []).append(int(a["step"]))
+    for (level, _, _), steps in groups.items():
+        colour = LEVEL_COLOURS.get(level, "#888888")
+        for first, last in episodes(steps, 2 * spacing):
+            label = None if level in seen else f"{level} alert"
+            seen.add(level)
+            ax.axvspan(first - spacing / 4, last + spacing / 4, color=colour, alpha=0.15, lw=0, label=label)
+
+
+def _curves(run: Run, metric: str, stat: str | None) -> str | None:
+    layers = [la for la in run.layers() if (f"{metric}/{la}/{stat}" if stat else f"{metric}/{la}") in run.series]
+    if not layers:
+        return None
+    fig = figure(8, 3.6)
+    ax = fig.subplots()
+    for la in layers:
+        ax.plot(*run.curve(f"{metric}/{la}/{stat}" if stat else f"{metric}/{la}"), marker=".", label=la)
+    _mark_alerts(ax, run)
+    what = f"{metric} ({stat} over heads)" if stat else metric
+    ax.set(title=f"{what}, a line per layer", xlabel="step", ylabel=what)
+    if metric.startswith(("update_", "grad_ratio")):
+        ax.set_yscale("log")
+    integer_steps(ax)
+    ax.legend(fontsize="small", ncol=max(1, len(layers) // 6), loc="best")
+    return inline_img(fig, f"{what} per layer over the sampled steps; shaded: alert episodes")
+
+
+def _heatmap_over_time(run: Run, metric: str, title: str) -> str | None:
+    rows = sorted({t for t in run.series if (p := parse_tag(t)) and p.metric == metric and p.head is not None},
+                  key=lambda t: (parse_tag(t).layer, parse_tag(t).head))
+    per_head = bool(rows)
+    if not rows:
+        stat = CHART_STAT.get(metric, "max")
+        rows = [f"{metric}/{la}/{stat}" for la in run.layers() if f"{metric}/{la}/{stat}" in run.series]
+    if not rows:
+        return None
+    steps = sorted({s for t in rows for s in run.series[t]})
+    grid = np.array([[np.nan if run.series[t].get(s) is None else run.series[t][s] for s in steps] for t in rows])
+    parsed = [parse_tag(t) for t in rows]
+    labels = [f"{p.layer}/{p.part}" if per_head else p.layer for p in parsed]
+    finite = grid[np.isfinite(grid)]
+    lo, hi = (0.0, 1.0) if metric == "qk_sec" else (0.0, float(finite.max()) if finite.size else 1.0)
+    fig = grid_figure(grid, title=f"{title}, {'every head' if per_head else 'per layer'} over time", rows=labels,
+                      cols=[str(s) for s in steps], xlabel="sampled step", ylabel="layer/head" if per_head else
+                      "layer", cbar=title, lo=lo, hi=hi, annotate=False)
+    return inline_img(fig, f"{title}: rows are heads, columns sampled steps")
+
+
+def _timeline(run: Run) -> str | None:
+    if not run.alerts:
+        return None
+    kinds = sorted({a["kind"] for a in run.alerts})
+    fig = figure(8, 1.2 + 0.35 * len(kinds))
+    ax = fig.subplots()
+    for level, colour in LEVEL_COLOURS.items():
+        chosen = [a for a in run.alerts if a["level"] == level]
+        if chosen:
+            ax.scatter([a["step"] for a in chosen], [kinds.index(a["kind"]) for a in chosen], color=colour,
+                       label=level, marker="|" if level == "info" else "o", s=60)
+    ax.set_yticks(range(len(kinds)), kinds)
+    ax.set(title="alerts over the run", xlabel="step")
+    integer_steps(ax)
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return inline_img(fig, "each alert at its step, by kind; colour: level")
+
+
+def _alert_table(run: Run) -> str:
+    if not run.alerts:
+        return "<p>No alert was raised in this run.</p>"
+    rows = [[a["step"], a["level"], a["kind"], a.get("where") or "model", a["message"],
+             html.escape(ADVICE.get(a["kind"], "see the docs")) + "<br>" + docs_link("alerts.md", "the-kinds",
+                                                                                   f"docs: {a['kind']}")]
+            for a in run.alerts]
+    return table(["step", "level", "kind", "where", "message", "what to do"], rows, raw=(5,),
+                 classes=[a["level"] for a in run.alerts])
+
+
+def _constants(run: Run) -> str:
+    rows = []
+    for la in run.layers():
+        cells = [run.curve(f"{m}/{la}")[1] for m in CONSTANT_METRICS]
+        if any(c.size for c in cells):
+            rows.append([la, *(f"{np.nanmean(c):.4g}" if c.size else "-" for c in cells)])
+    if not rows:
+        return ""
+    return ("<h2>The attention sample</h2>" + table(["layer", "query rows analysed", "entropy of uniform "
+                                                      "attention (nats)"], rows))
+
+
+def write_run_report(folder: str | Path, out: str | Path | None = None) -> Path:
+    """Write the report of the run in ``folder`` to ``out`` (default ``folder/report.html``)."""
+    run = read_run(folder)
+    out = Path(out) if out is not None else run.folder / "report.html"
+    steps = sorted({s for series in run.series.values() for s in series})
+    levels = {lv: sum(a["level"] == lv for a in run.alerts) for lv in LEVEL_COLOURS}
+    body = [f"<p>Run <b>{html.escape(str(run.folder))}</b>: {len(run.layers())} attention layers, sampled steps "
+            f"{steps[0]}..{steps[-1]} ({len(steps)} samples); alerts: "
+            + ", ".join(f"<span class='{lv}'>{n} {lv}</span>" for lv, n in levels.items()) + ".</p>",
+            "<h2>Alerts</h2>", _timeline(run) or "", _alert_table(run), "<h2>Curves</h2>"]
+    if "loss" in run.series:
+        fig = figure(8, 3.2)
+        ax = fig.subplots()
+        ax.plot(*run.curve("loss"), marker=".", color="black", label="loss")
+        _mark_alerts(ax, run)
+        ax.set(title="training loss", xlabel="step", ylabel="loss")
+        integer_steps(ax)
+        ax.legend(fontsize="small")
+        body.append(inline_img(fig, "training loss at the sampled steps; shaded: alert episodes"))
+    body += [c for m, stat in CHART_STAT.items() if (c := _curves(run, m, stat))]
+    body += [c for m in EXTRA_CURVES if (c := _curves(run, m, None))]
+    body.append("<h2>Heatmaps over time</h2>")
+    body += [h for m, title in HEATMAPS_OVER_TIME if (h := _heatmap_over_time(run, m, title))]
+    body.append(_constants(run))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(page("attnscope run report", body), encoding="utf-8")
+    return out

@@ -1,0 +1,98 @@
+"""What the Monitor draws for TensorBoard at a sampled step, apart from the scalars themselves.
+
+* the custom-scalars layout, once, from the first sampled step's tags (:mod:`diag.outputs.tb_layout`);
+* the alert events: at every sampled step, the number of alerts of each level raised there (zero
+  when none), in the runs ``alerts/critical``, ``alerts/warning``, ``alerts/info``: spikes at the
+  steps where alerts fired, never a line joining two far-apart alerts;
+* the constants of the attention sample (``attn_rows``, ``attn_entropy_uniform`` per layer): a
+  text table, once;
+* at image steps: layer x head heatmaps and the update-ratio strips, with axes, tick values and
+  colour bars (:mod:`diag.outputs.figures`, matplotlib imported then); at every sampled step the
+  attention maps of the heads an alert names.
+
+No live model here: the Monitor hands in its record, per-layer arrays, the captured attention
+maps by layer label, and the alerts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from diag.outputs.images import UpdateRatioHistory, flagged_heads
+from diag.outputs.sinks import FanOut, Record
+from diag.outputs.tags import CONSTANT_METRICS, update_metric_names
+from diag.outputs.tb_layout import ALERT_EVENT_TAG, ALERT_LEVELS, alert_run, build_layout
+
+__all__ = ["TensorBoardViews", "constants_table", "alert_events"]
+
+
+def alert_events(alerts: Sequence) -> dict[str, dict[str, float]]:
+    """``{run: {"alerts_raised": count}}`` for every level, zero included."""
+    counts = dict.fromkeys(ALERT_LEVELS, 0.0)
+    for alert in alerts:
+        if alert.level in counts:
+            counts[alert.level] += 1.0
+    return {alert_run(level): {ALERT_EVENT_TAG: n} for level, n in counts.items()}
+
+
+def constants_table(arrays: Mapping[str, Mapping[str, np.ndarray]]) -> str | None:
+    """A markdown table of the per-layer constants of the attention sample, or None if there are none."""
+    rows = [(label, metrics) for label, metrics in arrays.items() if any(m in metrics for m in CONSTANT_METRICS)]
+    if not rows:
+        return None
+    lines = ["| layer | query rows analysed (`attn_rows`) | entropy of uniform attention, nats "
+             "(`attn_entropy_uniform`) |", "|---|---|---|"]
+    for label, metrics in rows:
+        cells = [f"{float(np.mean(metrics[m])):.4g}" if m in metrics else "-" for m in CONSTANT_METRICS]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + ("\n\nThe same at every sampled step of this run (they describe the sample, not "
+                               "the model); `attn_entropy` is compared with the second column.")
+
+
+class TensorBoardViews:
+    """The layout, alert events, constants and images of one Monitor's run."""
+
+    def __init__(self, sinks: FanOut, labels: Sequence[str], *, images: bool, image_every: int,
+                 updates: bool, with_o: bool) -> None:
+        self.sinks, self.labels = sinks, list(labels)
+        self.images, self.image_every = images, image_every
+        self.updates = update_metric_names("qkvo" if with_o else "qkv") if updates else ()
+        self.history = UpdateRatioHistory()
+        self._layout_written = False
+        self._constants_written = False
+        if images and updates:
+            sinks.add(self.history)  # rides along as a sink: sees the update ratios when they arrive
+
+    def on_sample(self, record: Record, arrays: Mapping[str, Mapping[str, np.ndarray]],
+                  maps: Mapping[str, object], alerts: Sequence) -> None:
+        """maps: layer label -> (heads, queries, keys) attention probabilities of that layer, or None."""
+        extra = Record(record.step, runs=alert_events(alerts))
+        if not self._layout_written:
+            self._layout_written = True
+            self.sinks.write_layout(build_layout(record.scalars, updates=self.updates))
+        if not self._constants_written:
+            table = constants_table(arrays)
+            if table is not None:
+                self._constants_written = True
+                extra.texts["run/attention_sample"] = table
+        self.sinks.write_view(extra)  # dashboards only: not metrics.jsonl, not the records of a MemorySink
+        if self.images:  # after the events: a drawing that fails costs only the images
+            images = self._images(record.step, arrays, maps, alerts)
+            if images:
+                self.sinks.write(Record(record.step, images=images))
+
+    def _images(self, step: int, arrays: Mapping, maps: Mapping[str, object], alerts: Sequence) -> dict:
+        from diag.outputs.figures import attention_map_figure, layer_head_figures
+
+        images: dict[str, np.ndarray] = {}
+        if step % self.image_every == 0:
+            images.update(layer_head_figures(arrays, self.labels, step))
+            images.update(self.history.figures(self.labels))
+        for where, label, head in flagged_heads(alerts):
+            layer_maps = maps.get(label)
+            if layer_maps is not None and head < layer_maps.shape[0]:
+                probs = layer_maps[head].float().cpu().numpy()  # (queries, keys)
+                images[f"attention_map/{where}"] = attention_map_figure(probs, where, step)
+        return images
