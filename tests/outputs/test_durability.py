@@ -86,6 +86,10 @@ def test_resume_with_purge_step_does_not_duplicate_tensorboard_steps(tmp_path):
         monitor.close()
 
     run(0, 6, None)  # crashed after step 5; the last checkpoint was at step 3
+    # A real resume is a later process. TensorBoard orders a folder's event files by name: the creation second,
+    # then a per-process writer counter compared as text ('10' < '9'); within one second and process the
+    # resumed file could sort first, so wait for the next second as a resumed process would.
+    time.sleep(1.1)
     run(3, 8, 3)  # resumed from the checkpoint of step 3
     acc = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
     acc.Reload()
