@@ -95,6 +95,23 @@ def _refuse(layer: AttentionLayer, what: str, inferred: QKVLayout | None = None,
                    f"{spec_hint(layer, inferred)}")
 
 
+def _unconfirmed(layer: AttentionLayer, checked: str, heads: int | None = None) -> Verdict:
+    """A generic adapter's proposal that the computation could not confirm: refused, never guessed; the
+    message offers the proposal (with the kernel's head count) as a spec, to pass only if it is right."""
+    lay = layer.layout
+    width, kv_width = lay.n_heads * lay.head_dim, lay.kv_heads * lay.head_dim
+    if heads and heads != lay.n_heads and width % heads == 0 and kv_width % (width // heads) == 0:
+        d = width // heads
+        lay = QKVLayout.from_dict({**lay.to_dict(), "n_heads": heads, "head_dim": d, "n_kv_heads": kv_width // d})
+    spec = spec_text({layer.pattern: QKVLayout.from_dict({**lay.to_dict(), "adapter": "spec"})})
+    return Verdict(problem=(
+        f"{layer.name} ({type(layer.module).__name__}): the layout proposed from names, {lay.describe()}, could "
+        f"not be confirmed: the kernel's q and k were not visible to compare with the module input (compared: "
+        f"{checked}; logits made by einsum or bmm, or the input not the first argument); it is not guessed. "
+        f"If that split is right (packing, head order, query->key pairing), pass it: Monitor(model, {spec})"
+    ))
+
+
 def _shape_problem(lay: QKVLayout, seen) -> str | None:
     if seen.heads != lay.n_heads:
         return f"the attention call computes {seen.heads} heads, the layout says n_heads={lay.n_heads}"
@@ -123,12 +140,11 @@ def check_call(layer: AttentionLayer, seen, inputs: Inputs | None, n: int) -> Ve
                                                        else "shapes")
             if checked == "q,k" or not is_provisional(lay):
                 return Verdict(checked=checked)
-            problem = (f"the layout proposed from names ({lay.describe()}) could not be confirmed: the kernel's "
-                       f"q and k could not be compared with the module input (compared: {checked})")
+            return _unconfirmed(layer, checked)
         else:
             problem = verdict.problem
     if not visible:
-        return _refuse(layer, problem)
+        return _unconfirmed(layer, "heads", seen.heads) if is_provisional(lay) else _refuse(layer, problem)
     return _from_computation(layer, problem, seen, inputs, n)
 
 

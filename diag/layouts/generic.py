@@ -119,8 +119,8 @@ def fused_generic(view: ModuleView) -> QKVLayout | None:
         heads, d = 1, e
     if d is None or rows % d or (rows // d - heads) % 2 or rows // d <= heads:
         return None
-    g = kv_count(view) or (rows // d - heads) // 2
-    if (heads + 2 * g) * d != rows or heads % g:
+    g = (rows // d - heads) // 2  # the attributes may disagree (Falcon: multi_query with num_kv_heads)
+    if heads % g:
         return None
     layout = QKVLayout(heads, d, q=name, packing="fused", n_kv_heads=g, transposed=transposed, adapter="fused-qkv")
     return generic_o(view, layout)
@@ -132,6 +132,14 @@ def _role(name: str) -> str | None:
     return roles[0] if len(roles) == 1 else None
 
 
+def _plainest(names: list[str]) -> str | None:
+    """The one name with the fewest words, or None when there is none or a tie."""
+    ranked = sorted((len(_tokens(_path(n)[0])), n) for n in names)
+    if not ranked or (len(ranked) > 1 and ranked[0][0] == ranked[1][0]):
+        return None
+    return ranked[0][1]
+
+
 def separate_generic(view: ModuleView) -> QKVLayout | None:
     """Three projections whose names say q, k and v (``W_q``, ``to_q``, ``query``, ``proj.q``, ...)."""
     found: dict[str, list[str]] = {"q": [], "k": [], "v": []}
@@ -139,9 +147,10 @@ def separate_generic(view: ModuleView) -> QKVLayout | None:
         role = _role(name) if _near(name) and len(shape) in (2, 3) else None
         if role is not None:
             found[role].append(name)
-    if any(len(v) != 1 for v in found.values()):
+    picked = [_plainest(found[r]) for r in "qkv"]  # "query_proj" over "pos_query_proj" (DeBERTa)
+    if any(p is None for p in picked):
         return None
-    q, k, v = (found[r][0] for r in "qkv")
+    q, k, v = picked
     shapes = [view.params[n] for n in (q, k, v)]
     if len({len(s) for s in shapes}) != 1:
         return None
