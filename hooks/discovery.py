@@ -37,10 +37,12 @@ class AttentionLayer:
     module: nn.Module
     layout: QKVLayout
     o: nn.Parameter | None = field(default=None, repr=False)  # W_O (``layout.o``), found at discovery
-    pattern: str = ""  # the spec pattern that selects this module and no other kind (for messages)
+    # spec patterns that select this module and its like (its siblings in other blocks) and no other
+    # module: one pattern, or the exact names when ``*`` would also take feed-forward children (messages)
+    patterns: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        self.pattern = self.pattern or generalise(self.name)
+        self.patterns = self.patterns or (generalise(self.name),)
 
     @property
     def cross(self) -> bool:
@@ -164,9 +166,17 @@ def discover(model: nn.Module, spec: Mapping[str, QKVLayout] | None = None) -> l
     names = [name for name, _, _, _ in found]
     patterns = patterns_for(names, (n for n, _ in model.named_modules()))
     return [
-        AttentionLayer(i, label, name, module, layout, o, next(p for p in patterns if matches(name, p)))
+        AttentionLayer(i, label, name, module, layout, o, _kin(name, names, patterns))
         for i, (label, (name, module, layout, o)) in enumerate(zip(labels, found))
     ]
+
+
+def _kin(name: str, names: list[str], patterns: list[str]) -> tuple[str, ...]:
+    """The patterns that select ``name`` and the modules like it (the same name up to block indices)."""
+    mine = next(p for p in patterns if matches(name, p))
+    if mine != name:
+        return (mine,)
+    return tuple(n for n in names if generalise(n) == generalise(name))
 
 
 def _discovered(name: str, module: nn.Module) -> QKVLayout | None:

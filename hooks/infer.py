@@ -25,6 +25,16 @@ __all__ = ["read_layout", "adopt"]
 _NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)
 
 
+class _L2Norm(nn.Module):
+    """A parameterless QK-norm (``F.normalize``; an RMS norm has the same direction): q / ||q|| per head."""
+
+    def forward(self, z: Tensor) -> Tensor:
+        return torch.nn.functional.normalize(z, dim=-1)
+
+
+_L2 = _L2Norm()
+
+
 def _tolerance(t: Tensor) -> float:
     return max(2e-3, 8 * torch.finfo(t.dtype).eps)
 
@@ -72,7 +82,7 @@ def _blocks(module: nn.Module, x: Tensor, d: int, norms: list) -> tuple[list[Blo
         bias = next((params[b] for b in bias_names(name) if b in params), None)
         for orient in _orientations(tuple(w.shape), x.shape[-1], d):
             z = _project(x, w, bias, orient, d)
-            for label, norm in [("", None)] + norms:
+            for label, norm in [("", None), ("l2", _L2)] + norms:
                 try:
                     with torch.no_grad():
                         zt = z if norm is None else norm.forward(z.to(w.dtype)).double()

@@ -77,13 +77,17 @@ def module_inputs(args: tuple, kwargs: dict, n: int) -> Inputs:
     return Inputs(x, kv)
 
 
+def _spec(layer: AttentionLayer, layout: QKVLayout) -> str:
+    return spec_text(dict.fromkeys(layer.patterns, layout))
+
+
 def spec_hint(layer: AttentionLayer, inferred: QKVLayout | None = None) -> str:
     """The fix to offer: the spec read from the computation where there is one, else a template."""
     given = f"its layout {layer.layout.describe()} (adapter {layer.layout.adapter!r}) disagrees with the model"
     if inferred is not None:
-        return f"{given}; the computation says: pass Monitor(model, {spec_text({layer.pattern: inferred})})"
+        return f"{given}; the computation says: pass Monitor(model, {_spec(layer, inferred)})"
     return (
-        f"{given}; pass the right one, e.g. Monitor(model, spec={{{layer.pattern!r}: QKVLayout(n_heads=..., "
+        f"{given}; pass the right one, e.g. Monitor(model, spec={{{layer.patterns[0]!r}: QKVLayout(n_heads=..., "
         "head_dim=..., q=..., packing='fused' | 'fused_per_head' | 'fused_per_group' | 'separate' | 'q_kv' | "
         "'heads_3d', n_kv_heads=..., kv_map=..., transposed=..., cross=...)}) (docs/layouts.md)"
     )
@@ -103,12 +107,28 @@ def _unconfirmed(layer: AttentionLayer, checked: str, heads: int | None = None) 
     if heads and heads != lay.n_heads and width % heads == 0 and kv_width % (width // heads) == 0:
         d = width // heads
         lay = QKVLayout.from_dict({**lay.to_dict(), "n_heads": heads, "head_dim": d, "n_kv_heads": kv_width // d})
-    spec = spec_text({layer.pattern: QKVLayout.from_dict({**lay.to_dict(), "adapter": "spec"})})
+    spec = _spec(layer, QKVLayout.from_dict({**lay.to_dict(), "adapter": "spec"}))
     return Verdict(problem=(
         f"{layer.name} ({type(layer.module).__name__}): the layout proposed from names, {lay.describe()}, could "
         f"not be confirmed: the kernel's q and k were not visible to compare with the module input (compared: "
         f"{checked}; logits made by einsum or bmm, or the input not the first argument); it is not guessed. "
         f"If that split is right (packing, head order, query->key pairing), pass it: Monitor(model, {spec})"
+    ))
+
+
+def _unpaired(layer: AttentionLayer) -> Verdict:
+    """Grouped-query heads whose pairing the call does not show (logits without a visible q @ k^T): the
+    pairing h // (H / G) would be a guess (models tile h % G too), so the layer is refused."""
+    lay = layer.layout
+    tiled = QKVLayout.from_dict({**lay.to_dict(), "adapter": "spec",
+                                 "kv_map": [h % lay.kv_heads for h in range(lay.n_heads)]})
+    default = QKVLayout.from_dict({**lay.to_dict(), "adapter": "spec"})
+    return Verdict(problem=(
+        f"{layer.name} ({type(layer.module).__name__}): grouped-query attention ({lay.n_heads} query heads, "
+        f"{lay.kv_heads} key heads) whose logits come without a visible q @ k^T (einsum or bmm), so which key "
+        "head each query head reads cannot be checked; it is not guessed. Pass the pairing the model uses: "
+        f"Monitor(model, {_spec(layer, default)}) for h // (H / G), or "
+        f"Monitor(model, {_spec(layer, tiled)}) for h % G"
     ))
 
 
@@ -138,6 +158,8 @@ def check_call(layer: AttentionLayer, seen, inputs: Inputs | None, n: int) -> Ve
         if verdict is None or verdict.problem is None:
             checked = verdict.checked if verdict else ("heads" if seen.logits is not None and seen.q is None
                                                        else "shapes")
+            if checked == "heads" and 1 < lay.kv_heads < lay.n_heads and lay.adapter != "spec":
+                return _unpaired(layer)
             if checked == "q,k" or not is_provisional(lay):
                 return Verdict(checked=checked)
             return _unconfirmed(layer, checked)
