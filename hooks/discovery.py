@@ -13,6 +13,7 @@ from diag.layouts.generic import generic_o, head_count, is_provisional
 from diag.layouts.patterns import first_match, generalise, matches, patterns_for
 from diag.layouts.vocab import QKVLayout, shape_problem
 from diag.outputs.tags import layer_labels
+from hooks.suspects import suspects_text
 
 __all__ = ["AttentionLayer", "discover", "module_view"]
 
@@ -180,8 +181,6 @@ def _kin(name: str, names: list[str], patterns: list[str]) -> tuple[str, ...]:
 
 
 def _discovered(name: str, module: nn.Module) -> QKVLayout | None:
-    if not name:  # the root module is never an attention layer of its own
-        return None
     view = module_view(name, module)
     layout = find_layout(view)
     if layout is None or not is_provisional(layout):
@@ -197,34 +196,10 @@ def _nothing_found(model: nn.Module, spec: Mapping[str, QKVLayout] | None) -> st
             f"no module of {type(model).__name__} matches the spec patterns {list(spec)}; "
             "patterns match module names as model.named_modules() prints them, e.g. 'blocks.*.attn'"
         )
-    suspects = [
-        (n, m)
-        for n, m in model.named_modules()
-        if n and any(w in n.lower() or w in type(m).__name__.lower() for w in ("attn", "attention"))
-    ][:6]
-    seen = "; ".join(_suspect(n, m) for n, m in suspects) or "none"
     tried = "; ".join(f"{a.name}: {a.describes}" for a in ADAPTERS)
     return (
         f"no attention layer recognised in {type(model).__name__}. Tried {tried}. "
-        f"Attention-like modules seen: {seen}. Pass an explicit spec, e.g. "
-        "Monitor(model, spec={'blocks.*.attn': QKVLayout(n_heads=8, head_dim=64, "
+        f"Modules whose forward computes attention: {suspects_text(model, module_view)}. Pass an explicit spec "
+        "(docs/layouts.md), e.g. Monitor(model, spec={'blocks.*.attn': QKVLayout(n_heads=8, head_dim=64, "
         "q='qkv.weight', packing='fused')})"
     )
-
-
-def _suspect(name: str, module: nn.Module) -> str:
-    """A suspect module, with the spec to pass when it holds one fused (3E, E) or (E, 3E) weight."""
-    text = f"{name} ({type(module).__name__})"
-    view = module_view(name, module)
-    for param, shape in view.params.items():
-        if len(shape) != 2 or 3 * min(shape) != max(shape):
-            continue
-        e, transposed = min(shape), shape[0] < shape[1]
-        pattern = generalise(name)
-        extra = ", transposed=True" if transposed else ""
-        return (
-            f"{text} holds a fused weight {param!r} {shape}: pass spec={{{pattern!r}: QKVLayout(n_heads=H, "
-            f"head_dim={e}//H, q={param!r}, packing='fused'{extra})}} if its rows are [all Q | all K | all V], "
-            f"or packing='fused_per_head' if they are [Q_h | K_h | V_h] per head"
-        )
-    return text
