@@ -174,7 +174,7 @@ def discover(model: nn.Module, spec: Mapping[str, QKVLayout] | None = None) -> l
 
 def _kin(name: str, names: list[str], patterns: list[str]) -> tuple[str, ...]:
     """The patterns that select ``name`` and the modules like it (the same name up to block indices)."""
-    mine = next(p for p in patterns if matches(name, p))
+    mine = next((p for p in patterns if matches(name, p)), name)  # the root module: no pattern selects it
     if mine != name:
         return (mine,)
     return tuple(n for n in names if generalise(n) == generalise(name))

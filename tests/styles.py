@@ -262,8 +262,26 @@ class RawTransposed(Style):
         return y @ self.W_o
 
 
+class QPlusKV(Style):
+    """``to_q`` and one fused ``to_kv`` [all K | all V] (lucidrains style), GQA, ``heads``, matmul + softmax."""
+
+    kernel, n_kv = "matmul", G
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads = H
+        self.to_q, self.to_kv, self.to_out = nn.Linear(E, H * D), nn.Linear(E, 2 * G * D), nn.Linear(H * D, E)
+
+    def project(self, x):
+        k, v = self.to_kv(x).chunk(2, dim=-1)
+        return _heads(self.to_q(x), H), _heads(k, G), _heads(v, G)
+
+    def out_proj(self, y):
+        return self.to_out(y)
+
+
 STYLES = {cls.__name__: cls for cls in (FusedHeadsAttr, PerHeadNumHeads, PerGroupRope, TileEinsum, TileSdpa,
-                                        Nested, Heads3D, OddQKNorm, NoAttrSequential, RawTransposed)}
+                                        Nested, Heads3D, OddQKNorm, NoAttrSequential, RawTransposed, QPlusKV)}
 
 
 class Block(nn.Module):

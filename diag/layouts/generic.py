@@ -148,6 +148,9 @@ def separate_generic(view: ModuleView) -> QKVLayout | None:
         if role is not None:
             found[role].append(name)
     picked = [_plainest(found[r]) for r in "qkv"]  # "query_proj" over "pos_query_proj" (DeBERTa)
+    if picked[0] is not None and picked[1] is None and picked[2] is None:
+        layout = _q_kv(view, picked[0])
+        return None if layout is None else generic_o(view, layout)
     if any(p is None for p in picked):
         return None
     q, k, v = picked
@@ -156,6 +159,22 @@ def separate_generic(view: ModuleView) -> QKVLayout | None:
         return None
     layout = _heads_3d(view, q, k, v, shapes) if len(shapes[0]) == 3 else _separate_2d(view, q, k, v, shapes)
     return None if layout is None else generic_o(view, layout)
+
+
+def _q_kv(view: ModuleView, q: str) -> QKVLayout | None:
+    """A query weight beside one fused key/value weight (``to_q`` + ``to_kv``): rows [all K | all V]."""
+    kvs = [n for n, s in view.params.items() if len(s) == 2 and _near(n) and _path(n)[1] and n != q
+           and "kv" in _tokens(_path(n)[0])]
+    if len(kvs) != 1 or len(view.params[q]) != 2 or view.params[kvs[0]][1] != view.params[q][1]:
+        return None
+    (q_rows, e), kv_rows = view.params[q], view.params[kvs[0]][0]
+    heads, d = _attr_geometry(view, e)
+    if heads is None or d is None:
+        d = view.first(*HEAD_DIM_KEYS) or math.gcd(q_rows, kv_rows // 2)
+        heads = q_rows // d
+    if heads * d != q_rows or kv_rows % (2 * d) or heads % (kv_rows // (2 * d)):
+        return None
+    return QKVLayout(heads, d, q, kvs[0], packing="q_kv", n_kv_heads=kv_rows // (2 * d), adapter="separate-named")
 
 
 def _heads_3d(view: ModuleView, q: str, k: str, v: str, shapes: list) -> QKVLayout | None:
