@@ -55,15 +55,25 @@ def match_heads(kernel: Tensor, candidates: Tensor, tol: float) -> list[list[int
     return [torch.nonzero(row <= tol).flatten().tolist() for row in dist]
 
 
+def _thin(shape: tuple[int, ...], e_axis: int) -> tuple[int, ...]:
+    """The shape with its input axis (size E) cut to 1: a split depends on rows only, so ids stay small."""
+    return tuple(1 if i == e_axis % len(shape) else size for i, size in enumerate(shape))
+
+
+def _e_axis(layout: QKVLayout, ndim: int) -> int:
+    if ndim == 3:
+        return 1 if layout.transposed else 2
+    return 0 if layout.transposed else 1
+
+
 def split_ids(layout: QKVLayout, shapes: Mapping[str, tuple[int, ...]]) -> tuple[Tensor, Tensor]:
-    """Which stored elements each head reads: ids (H, D, E) for Q, and (H, D, E) for the K paired with
-    each query head. Two layouts that give the same ids split the same weights the same way."""
+    """Which stored rows each head reads: ids (H, D, 1) for Q, and (H, D, 1) for the K paired with each
+    query head. Two layouts that give the same ids split the same weights the same way."""
     tensors, offset = {}, 0
     for name in sorted(set(layout.param_names)):
-        n = 1
-        for size in shapes[name]:
-            n *= size
-        tensors[name] = torch.arange(offset, offset + n).reshape(shapes[name])
+        shape = _thin(tuple(shapes[name]), _e_axis(layout, len(shapes[name])))
+        n = torch.Size(shape).numel()
+        tensors[name] = torch.arange(offset, offset + n).reshape(shape)
         offset += n
     q, k, _ = split_qkv(tensors, layout, paired=True)
     if k.shape[0] != q.shape[0]:
@@ -80,8 +90,12 @@ def same_split(a: QKVLayout, b: QKVLayout, shapes: Mapping[str, tuple[int, ...]]
     return qa.shape == qb.shape and ka.shape == kb.shape and bool((qa == qb).all() and (ka == kb).all())
 
 
+_BLOCK_E_AXIS = {"rows": 1, "cols": 0, "heads": 2, "heads_t": 1}
+
+
 def _block_ids(block: Block, shape: tuple[int, ...], d: int) -> Tensor:
-    """The stored-element ids (D, E) of a block, with the same numbering as :func:`split_ids` (offset 0)."""
+    """The stored-row ids (D, 1) of a block, numbered as :func:`_ids_by_param` numbers its parameter."""
+    shape = _thin(shape, _BLOCK_E_AXIS[block.orient])
     ids = torch.arange(torch.Size(shape).numel()).reshape(shape)
     if block.orient == "cols":
         ids = ids.T
@@ -141,8 +155,11 @@ def layout_from_blocks(q_blocks: Sequence[Block], k_blocks: Sequence[Block], kv_
 
 
 def _ids_by_param(layout: QKVLayout, shapes: Mapping[str, tuple[int, ...]]) -> tuple[Tensor, Tensor]:
-    """Per-parameter element ids (each parameter numbered from 0, as :func:`_block_ids` does): Q (H, D, E),
-    K (G, D, E), unpaired."""
-    tensors = {n: torch.arange(torch.Size(shapes[n]).numel()).reshape(shapes[n]) for n in set(layout.param_names)}
+    """Per-parameter row ids (each parameter numbered from 0, as :func:`_block_ids` does): Q (H, D, 1),
+    K (G, D, 1), unpaired."""
+    tensors = {}
+    for name in set(layout.param_names):
+        shape = _thin(tuple(shapes[name]), _e_axis(layout, len(shapes[name])))
+        tensors[name] = torch.arange(torch.Size(shape).numel()).reshape(shape)
     q, k, _ = split_qkv(tensors, layout)
     return q, k
