@@ -167,7 +167,10 @@ def check_call(layer: AttentionLayer, seen, inputs: Inputs | None, n: int) -> Ve
             problem = verdict.problem
     if not visible:
         return _unconfirmed(layer, "heads", seen.heads) if is_provisional(lay) else _refuse(layer, problem)
-    return _from_computation(layer, problem, seen, inputs, n)
+    try:
+        return _from_computation(layer, problem, seen, inputs, n)
+    except Exception as err:  # noqa: BLE001 - e.g. sharded weights: the layer is refused, never left unchecked
+        return _refuse(layer, f"{problem}; reading the layout from the computation failed ({err!r})")
 
 
 def _from_computation(layer: AttentionLayer, problem: str, seen, inputs: Inputs, n: int) -> Verdict:
