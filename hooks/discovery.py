@@ -15,7 +15,7 @@ from diag.layouts.vocab import QKVLayout, shape_problem
 from diag.outputs.tags import layer_labels
 from hooks.suspects import suspects_text
 
-__all__ = ["AttentionLayer", "discover", "module_view"]
+__all__ = ["AttentionLayer", "discover", "module_view", "unconfirmable"]
 
 _INT_ATTRS = HEAD_ATTRS + (  # module attributes of some families on top of the config names
     "attention_head_size",
@@ -188,6 +188,17 @@ def _discovered(name: str, module: nn.Module) -> QKVLayout | None:
     if _owner(module, layout):  # the projections belong to a module further down
         return None
     return replace(layout, cross=is_cross(view))
+
+
+def unconfirmable(layers: list[AttentionLayer]) -> dict[int, str]:
+    """Layers whose layout only a captured forward can confirm (a generic adapter's proposal), for a Monitor
+    that captures no attention: refused, with the spec to pass if the proposal is right."""
+    return {
+        layer.index: (f"{layer.name}: the layout proposed from names, {layer.layout.describe()}, is confirmed "
+                      "only against the attention kernel's q and k, and signals= leaves out 'attention'; add it, "
+                      f"or pass the layout as a spec if it is right: spec={{{layer.patterns[0]!r}: ...}}")
+        for layer in layers if is_provisional(layer.layout)
+    }
 
 
 def _nothing_found(model: nn.Module, spec: Mapping[str, QKVLayout] | None) -> str:

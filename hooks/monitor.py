@@ -40,7 +40,7 @@ from diag.outputs.sinks import FanOut, JsonlSink, Record, Sink, TensorBoardSink,
 from diag.outputs.tags import layer_tag
 from diag.outputs.tb_views import TensorBoardViews
 from hooks.compiled import EagerCapture
-from hooks.discovery import AttentionLayer, discover
+from hooks.discovery import AttentionLayer, discover, unconfirmable
 from hooks.distributed import QKVReader, SharedDetectors, rank, world_size
 
 __all__ = ["Monitor", "SIGNALS"]
@@ -148,6 +148,8 @@ class Monitor:
         # Layers whose captured attention disagreed with their layout: every metric of theirs is
         # suspect (the head split may be wrong), so none is logged from then on.
         self.refused: dict[int, str] = {}
+        if "attention" not in self.signals:  # only a captured forward confirms a layout proposed from names
+            self.refused.update(unconfirmable(self.layers))
         self._closed = False
         self._init_tensorboard(images, image_every)
         self._layout_source = "Monitor spec" if spec else "Monitor discovery"

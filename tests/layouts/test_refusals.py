@@ -151,3 +151,15 @@ def test_a_wrong_spec_is_refused_and_the_inferred_spec_is_exact(name):
     monitor, record, checked, _ = run(Net(STYLES[name]), inferred)
     assert checked == {0: "q,k", 1: "q,k"} and not monitor.refused
     assert_exact(monitor, record)  # against the weights read through the model's own code (tests/styles.py)
+
+
+def test_without_the_attention_signal_a_proposal_from_names_is_refused():
+    """Nothing would confirm it: its spectra are not logged under a guess."""
+    model = Net(STYLES["PerGroupRope"])
+    monitor = Monitor(model, every=1, signals=("spectra", "grads"))
+    loss = model(torch.randn(2, 6, E)).square().mean()
+    loss.backward()
+    with pytest.warns(RuntimeWarning, match="not measured at all"):
+        monitor.step(0)
+    monitor.close()
+    assert set(monitor.refused) == {0, 1}
