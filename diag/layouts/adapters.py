@@ -13,6 +13,7 @@ from diag.layouts.generic import (
     PROVISIONAL,
     ModuleView,
     fused_generic,
+    generic_o,
     is_provisional,
     separate_generic,
 )
@@ -254,7 +255,7 @@ def _structural(view: ModuleView) -> QKVLayout | None:
     for stems, o_stems in STRUCTURAL_STEMS:
         layout = _separate_named(view, stems, "structural-separate", o_stems)
         if layout is not None:
-            return layout
+            return layout if layout.o is not None else generic_o(view, layout)  # diffusers' to_out.0
     return None
 
 

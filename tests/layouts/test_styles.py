@@ -55,6 +55,7 @@ def test_style_is_exact_with_no_spec(name):
     assert checked == {0: "q,k", 1: "q,k"}, (checked, caught)
     assert not monitor.refused and not [m for m in caught if "not measured" in m]
     assert all(layer.layout.n_heads == 4 for layer in monitor.layers)
+    assert all(layer.layout.o is not None for layer in monitor.layers)  # out, proj, wo, o, to_out.0, W_o, ...
     assert_exact(monitor, record)
 
 
@@ -72,3 +73,36 @@ def test_inferred_layouts_round_trip_as_specs():
         again, record2, checked, caught = run(Net(STYLES[name]), spec)
         assert checked == {0: "q,k", 1: "q,k"} and not again.refused, (name, caught)
         assert record2.scalars == pytest.approx(record.scalars, rel=1e-6), name
+
+
+@pytest.mark.parametrize("name", ["PerGroupRope", "OddQKNorm", "NoAttrSequential"])
+def test_training_is_bit_identical_with_the_layout_read_from_the_computation(name):
+    """Reading the layout at the first forward draws no random number and changes nothing the model computes."""
+
+    def train(monitored: bool) -> tuple[list[float], list[torch.Tensor], torch.Tensor]:
+        model = Net(STYLES[name])
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        gen = torch.Generator().manual_seed(5)
+        monitor = Monitor(model, every=1) if monitored else None
+        losses = []
+        for step in range(3):
+            loss = model(torch.randn(3, 10, E, generator=gen)).square().mean()
+            loss.backward()
+            if monitor is not None:
+                monitor.step(step, loss=loss)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        if monitor is not None:
+            assert not monitor.refused and "qk_sigma1/L01/H03" in monitor.last
+            assert any(tag.startswith("attn_entropy/L01") for tag in monitor.last)
+            monitor.close()
+        return losses, [p.detach().clone() for p in model.parameters()], torch.get_rng_state()
+
+    torch.manual_seed(123)
+    plain = train(False)
+    torch.manual_seed(123)
+    watched = train(True)
+    assert plain[0] == watched[0]
+    assert all(torch.equal(a, b) for a, b in zip(plain[1], watched[1]))
+    assert torch.equal(plain[2], watched[2])
