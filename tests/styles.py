@@ -44,8 +44,10 @@ def attend(q: Tensor, k: Tensor, v: Tensor, kernel: str) -> Tensor:
     mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
     if kernel == "matmul":
         logits = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    else:  # einsum
+    elif kernel == "einsum":
         logits = torch.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    else:  # broadcast: a product the capture cannot see (no matmul, bmm or einsum)
+        logits = (q.unsqueeze(3) * k.unsqueeze(2)).sum(-1) / math.sqrt(q.shape[-1])
     p = logits.masked_fill(~mask, float("-inf")).softmax(dim=-1)
     return p @ v
 
@@ -155,6 +157,12 @@ class TileEinsum(Style):
 
     def out_proj(self, y):
         return self.o(y)
+
+
+class TileBroadcast(TileEinsum):
+    """As :class:`TileEinsum`, with logits from a broadcast product and sum: q and k are never visible."""
+
+    kernel = "broadcast"
 
 
 class TileSdpa(TileEinsum):

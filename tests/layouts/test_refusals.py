@@ -163,3 +163,18 @@ def test_without_the_attention_signal_a_proposal_from_names_is_refused():
         monitor.step(0)
     monitor.close()
     assert set(monitor.refused) == {0, 1}
+
+
+def test_grouped_heads_whose_product_is_invisible_are_refused_with_both_pairings_and_the_right_one_is_exact():
+    """Logits from a broadcast product: the capture sees the softmax but not q and k, so the pairing of a
+    grouped-query layout cannot be checked; both pairings are offered as specs, and h % G (this model's) is exact."""
+    from styles import TileBroadcast
+
+    monitor, record, checked, caught = run(Net(TileBroadcast))
+    assert set(monitor.refused) == {0, 1} and not any("/L00" in t for t in record.scalars)
+    message = next(m for m in caught if "not measured at all" in m)
+    default, tiled = specs_in(message)[-2:]
+    assert tiled["blocks.*.attn"].kv_map == (0, 1, 0, 1) and default["blocks.*.attn"].kv_map is None
+    monitor, record, checked, caught = run(Net(TileBroadcast), tiled)
+    assert checked == {0: "heads", 1: "heads"} and not monitor.refused
+    assert_exact(monitor, record)

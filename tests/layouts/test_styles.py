@@ -13,9 +13,6 @@ from diag.outputs.sinks import MemorySink
 from hooks import Monitor
 
 REL = 1e-5
-# Logits built with torch.einsum: the capture sees the softmax but not (yet) the q and k the einsum read, so a
-# layout proposed from names cannot be confirmed and the layer must be refused rather than guessed.
-EINSUM = {"TileEinsum"}
 
 
 def run(model, spec=None, seed: int = 1):
@@ -47,11 +44,6 @@ def assert_exact(monitor, record) -> None:
 def test_style_is_exact_with_no_spec(name):
     monitor, record, checked, caught = run(Net(STYLES[name]))
     assert [layer.name for layer in monitor.layers] == ["blocks.0.attn", "blocks.1.attn"]
-    if name in EINSUM and not checked:  # needs the einsum capture: refused, never logged with a guess
-        assert set(monitor.refused) == {0, 1}
-        assert not any("/L00" in t or "/L01" in t for t in record.scalars)
-        assert sum("not measured at all" in m for m in caught) == 2
-        return
     assert checked == {0: "q,k", 1: "q,k"}, (checked, caught)
     assert not monitor.refused and not [m for m in caught if "not measured" in m]
     assert all(layer.layout.n_heads == 4 for layer in monitor.layers)
@@ -59,8 +51,9 @@ def test_style_is_exact_with_no_spec(name):
     assert_exact(monitor, record)
 
 
-def test_the_pairing_h_mod_g_is_read_from_the_kernel():
-    monitor, record, checked, _ = run(Net(STYLES["TileSdpa"]))
+@pytest.mark.parametrize("name", ["TileSdpa", "TileEinsum"])
+def test_the_pairing_h_mod_g_is_read_from_the_kernel(name):
+    monitor, record, checked, _ = run(Net(STYLES[name]))
     assert [layer.layout.kv_map for layer in monitor.layers] == [(0, 1, 0, 1)] * 2
     assert monitor.layers[0].layout.adapter == "inferred"
 
