@@ -111,7 +111,8 @@ def _unconfirmed(layer: AttentionLayer, checked: str, heads: int | None = None) 
     return Verdict(problem=(
         f"{layer.name} ({type(layer.module).__name__}): the layout proposed from names, {lay.describe()}, could "
         f"not be confirmed: the kernel's q and k were not visible to compare with the module input (compared: "
-        f"{checked}; logits made by einsum or bmm, or the input not the first argument); it is not guessed. "
+        f"{checked}; logits from a product the capture cannot see, or the input not an argument it reads); "
+        "it is not guessed. "
         f"If that split is right (packing, head order, query->key pairing), pass it: Monitor(model, {spec})"
     ))
 
@@ -125,7 +126,7 @@ def _unpaired(layer: AttentionLayer) -> Verdict:
     default = QKVLayout.from_dict({**lay.to_dict(), "adapter": "spec"})
     return Verdict(problem=(
         f"{layer.name} ({type(layer.module).__name__}): grouped-query attention ({lay.n_heads} query heads, "
-        f"{lay.kv_heads} key heads) whose logits come without a visible q @ k^T (einsum or bmm), so which key "
+        f"{lay.kv_heads} key heads) whose logits come from a product the capture cannot see, so which key "
         "head each query head reads cannot be checked; it is not guessed. Pass the pairing the model uses: "
         f"Monitor(model, {_spec(layer, default)}) for h // (H / G), or "
         f"Monitor(model, {_spec(layer, tiled)}) for h % G"
