@@ -1,11 +1,12 @@
-"""A custom attention module that discovery does not recognise, monitored through an explicit spec.
+"""A custom attention module monitored through an explicit spec.
 
 Run:  .venv/bin/python examples/custom_attention.py   (a few seconds on a CPU)
 
 The module keeps Q, K and V in one fused ``qkv`` Linear whose rows are
-[all Q | all K | all V], and stores its head count under a name the adapters do
-not read (``heads``), so ``Monitor(model)`` alone would raise a SpecError. The
-spec names the weight and the packing; the Monitor does the rest.
+[all Q | all K | all V] and its head count in ``heads``. ``Monitor(model)`` alone
+finds it too (the packing is read from the computation at the first forward);
+a spec pins the layout instead: it names the weight and the packing, and the
+first forward checks it against the q and k the kernel receives.
 """
 
 import torch

@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-import fnmatch
-import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from torch import nn
 
 from diag.errors import SpecError
-from diag.layouts.adapters import ADAPTERS, HEAD_ATTRS, ModuleView, find_layout, resolve, with_sibling_o
+from diag.layouts.adapters import ADAPTERS, HEAD_ATTRS, ModuleView, find_layout, is_cross, resolve, with_sibling_o
+from diag.layouts.generic import generic_o, head_count, is_provisional
+from diag.layouts.patterns import first_match, generalise, matches, patterns_for
 from diag.layouts.vocab import QKVLayout, shape_problem
 from diag.outputs.tags import layer_labels
+from hooks.suspects import suspects_text
 
-__all__ = ["AttentionLayer", "discover", "module_view"]
+__all__ = ["AttentionLayer", "discover", "module_view", "unconfirmable"]
 
 _INT_ATTRS = HEAD_ATTRS + (  # module attributes of some families on top of the config names
     "attention_head_size",
@@ -22,7 +23,9 @@ _INT_ATTRS = HEAD_ATTRS + (  # module attributes of some families on top of the 
     "head_size",
     "d_kv",
 )
-_FLAG_ATTRS = ("is_cross_attention",)  # booleans, stored as 0/1
+_FLAG_ATTRS = ("is_cross_attention", "multi_query")  # booleans, stored as 0/1
+_DEPTH = 3  # a view holds parameters up to this many module levels below the module
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential, nn.ParameterList, nn.ParameterDict)
 
 
 @dataclass
@@ -35,6 +38,12 @@ class AttentionLayer:
     module: nn.Module
     layout: QKVLayout
     o: nn.Parameter | None = field(default=None, repr=False)  # W_O (``layout.o``), found at discovery
+    # spec patterns that select this module and its like (its siblings in other blocks) and no other
+    # module: one pattern, or the exact names when ``*`` would also take feed-forward children (messages)
+    patterns: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.patterns = self.patterns or (generalise(self.name),)
 
     @property
     def cross(self) -> bool:
@@ -55,9 +64,10 @@ class AttentionLayer:
 
 def module_view(name: str, module: nn.Module) -> ModuleView:
     params = {n: tuple(p.shape) for n, p in module.named_parameters(recurse=False)}
-    for child_name, child in module.named_children():
-        for n, p in child.named_parameters(recurse=False):
-            params[f"{child_name}.{n}"] = tuple(p.shape)
+    for sub_name, sub in module.named_modules():
+        if sub_name and sub_name.count(".") < _DEPTH:
+            for n, p in sub.named_parameters(recurse=False):
+                params[f"{sub_name}.{n}"] = tuple(p.shape)
     attrs: dict[str, int] = {}
     for source in (getattr(module, "config", None), module):
         for key in _INT_ATTRS:
@@ -70,13 +80,42 @@ def module_view(name: str, module: nn.Module) -> ModuleView:
     return ModuleView(name=name, cls=type(module).__name__, params=params, attrs=attrs)
 
 
-def _spec_layout(name: str, spec: Mapping[str, QKVLayout]) -> QKVLayout | None:
-    if not name:  # the root module is never an attention layer of its own
-        return None
-    for pattern, layout in spec.items():
-        if fnmatch.fnmatchcase(name, pattern):
-            return layout
-    return None
+def _owner(module: nn.Module, layout: QKVLayout) -> str:
+    """Which module a generic layout's projections belong to, relative to ``module`` ("" = itself).
+
+    The deepest module above all the projections that is not a container (``ModuleList``,
+    ``ModuleDict``, ``Sequential``) and holds an output projection or a head count; else the deepest
+    non-container. So a block holding ``attn.qkv`` leaves it to ``attn``, and ``attn`` keeps projections
+    nested in a helper module ``attn.proj.q``."""
+    parents = []
+    for name in layout.param_names:
+        parts = name.split(".")
+        parents.append(parts[:-2] if parts[-1] == "weight" else parts[:-1])  # the projection's parent
+    common: list[str] = []
+    for level in zip(*parents):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    chain = [".".join(common[:i]) for i in range(len(common), -1, -1)]  # deepest first
+    fallback = None
+    for path in chain:
+        sub = module.get_submodule(path) if path else module
+        if isinstance(sub, _CONTAINERS):
+            continue
+        fallback = path if fallback is None else fallback
+        view = module_view(path, sub)
+        if head_count(view) or generic_o(view, _relative(layout, path)).o is not None:
+            return path
+    return "" if fallback is None else fallback
+
+
+def _relative(layout: QKVLayout, path: str) -> QKVLayout:
+    """The layout as seen from the submodule ``path`` (its names with the prefix removed)."""
+    if not path:
+        return layout
+    cut = len(path) + 1
+    names = {n: getattr(layout, n) for n in ("q", "k", "v")}
+    return QKVLayout(**{**layout.to_dict(), **{n: v[cut:] for n, v in names.items() if v is not None}, "o": None})
 
 
 def _check_params(name: str, module: nn.Module, layout: QKVLayout, o: nn.Parameter | None) -> None:
@@ -113,7 +152,7 @@ def discover(model: nn.Module, spec: Mapping[str, QKVLayout] | None = None) -> l
     for name, module in model.named_modules():
         if inside and any(name.startswith(p + ".") for p in inside):
             continue
-        layout = _spec_layout(name, spec) if spec else find_layout(module_view(name, module))
+        layout = first_match(name, spec) if spec else _discovered(name, module)
         if layout is None:
             continue
         if not spec:
@@ -125,10 +164,41 @@ def discover(model: nn.Module, spec: Mapping[str, QKVLayout] | None = None) -> l
     if not found:
         raise SpecError(_nothing_found(model, spec))
     labels = layer_labels([layout.cross for _, _, layout, _ in found])
+    names = [name for name, _, _, _ in found]
+    patterns = patterns_for(names, (n for n, _ in model.named_modules()))
     return [
-        AttentionLayer(i, label, name, module, layout, o)
+        AttentionLayer(i, label, name, module, layout, o, _kin(name, names, patterns))
         for i, (label, (name, module, layout, o)) in enumerate(zip(labels, found))
     ]
+
+
+def _kin(name: str, names: list[str], patterns: list[str]) -> tuple[str, ...]:
+    """The patterns that select ``name`` and the modules like it (the same name up to block indices)."""
+    mine = next((p for p in patterns if matches(name, p)), name)  # the root module: no pattern selects it
+    if mine != name:
+        return (mine,)
+    return tuple(n for n in names if generalise(n) == generalise(name))
+
+
+def _discovered(name: str, module: nn.Module) -> QKVLayout | None:
+    view = module_view(name, module)
+    layout = find_layout(view)
+    if layout is None or not is_provisional(layout):
+        return layout
+    if _owner(module, layout):  # the projections belong to a module further down
+        return None
+    return replace(layout, cross=is_cross(view))
+
+
+def unconfirmable(layers: list[AttentionLayer]) -> dict[int, str]:
+    """Layers whose layout only a captured forward can confirm (a generic adapter's proposal), for a Monitor
+    that captures no attention: refused, with the spec to pass if the proposal is right."""
+    return {
+        layer.index: (f"{layer.name}: the layout proposed from names, {layer.layout.describe()}, is confirmed "
+                      "only against the attention kernel's q and k, and signals= leaves out 'attention'; add it, "
+                      f"or pass the layout as a spec if it is right: spec={{{layer.patterns[0]!r}: ...}}")
+        for layer in layers if is_provisional(layer.layout)
+    }
 
 
 def _nothing_found(model: nn.Module, spec: Mapping[str, QKVLayout] | None) -> str:
@@ -137,34 +207,10 @@ def _nothing_found(model: nn.Module, spec: Mapping[str, QKVLayout] | None) -> st
             f"no module of {type(model).__name__} matches the spec patterns {list(spec)}; "
             "patterns match module names as model.named_modules() prints them, e.g. 'blocks.*.attn'"
         )
-    suspects = [
-        (n, m)
-        for n, m in model.named_modules()
-        if n and any(w in n.lower() or w in type(m).__name__.lower() for w in ("attn", "attention"))
-    ][:6]
-    seen = "; ".join(_suspect(n, m) for n, m in suspects) or "none"
     tried = "; ".join(f"{a.name}: {a.describes}" for a in ADAPTERS)
     return (
         f"no attention layer recognised in {type(model).__name__}. Tried {tried}. "
-        f"Attention-like modules seen: {seen}. Pass an explicit spec, e.g. "
-        "Monitor(model, spec={'blocks.*.attn': QKVLayout(n_heads=8, head_dim=64, "
+        f"Modules whose forward computes attention: {suspects_text(model, module_view)}. Pass an explicit spec "
+        "(docs/layouts.md), e.g. Monitor(model, spec={'blocks.*.attn': QKVLayout(n_heads=8, head_dim=64, "
         "q='qkv.weight', packing='fused')})"
     )
-
-
-def _suspect(name: str, module: nn.Module) -> str:
-    """A suspect module, with the spec to pass when it holds one fused (3E, E) or (E, 3E) weight."""
-    text = f"{name} ({type(module).__name__})"
-    view = module_view(name, module)
-    for param, shape in view.params.items():
-        if len(shape) != 2 or 3 * min(shape) != max(shape):
-            continue
-        e, transposed = min(shape), shape[0] < shape[1]
-        pattern = re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)", "*", name)
-        extra = ", transposed=True" if transposed else ""
-        return (
-            f"{text} holds a fused weight {param!r} {shape}: pass spec={{{pattern!r}: QKVLayout(n_heads=H, "
-            f"head_dim={e}//H, q={param!r}, packing='fused'{extra})}} if its rows are [all Q | all K | all V], "
-            f"or packing='fused_per_head' if they are [Q_h | K_h | V_h] per head"
-        )
-    return text

@@ -96,7 +96,7 @@ def _candidates(view, h: int, d: int, e: int) -> list[QKVLayout]:
     """Layouts a module's own weights could hold with h heads of d (names first, then every packing)."""
     found: list[QKVLayout] = []
     cross = is_cross(view)
-    named = find_layout(view)
+    named = find_layout(view, provisional=False)  # the probe checks candidates itself; no generic guesses
     if named is not None:
         found.append(named)
     # children's weights (c_attn.weight) and own weights other than a Linear's (in_proj_weight)

@@ -40,7 +40,7 @@ from diag.outputs.sinks import FanOut, JsonlSink, Record, Sink, TensorBoardSink,
 from diag.outputs.tags import layer_tag
 from diag.outputs.tb_views import TensorBoardViews
 from hooks.compiled import EagerCapture
-from hooks.discovery import AttentionLayer, discover
+from hooks.discovery import AttentionLayer, discover, unconfirmable
 from hooks.distributed import QKVReader, SharedDetectors, rank, world_size
 
 __all__ = ["Monitor", "SIGNALS"]
@@ -148,6 +148,8 @@ class Monitor:
         # Layers whose captured attention disagreed with their layout: every metric of theirs is
         # suspect (the head split may be wrong), so none is logged from then on.
         self.refused: dict[int, str] = {}
+        if "attention" not in self.signals:  # only a captured forward confirms a layout proposed from names
+            self.refused.update(unconfirmable(self.layers))
         self._closed = False
         self._init_tensorboard(images, image_every)
         self._layout_source = "Monitor spec" if spec else "Monitor discovery"
@@ -294,7 +296,8 @@ class Monitor:
                 self._warn_once("no-grad", f"diag: {layer.name} has no .grad at a sampled step; "
                                 "call monitor.step after loss.backward()")
         projections = split_projections(weights, layer.layout) if "updates" in self.signals else None
-        return values, _Weights(split_qkv(weights, layer.layout), projections)
+        # K row h: the key head of query head h (kv_map), so the spectra pair heads as the model does
+        return values, _Weights(split_qkv(weights, layer.layout, paired=True), projections)
 
     def _spectra(self, step: int, per_layer: Sequence[dict], weights: Sequence[_Weights]) -> bool:
         """The spectra of every layer; if the linear algebra fails (an eigensolver or SVD that does
@@ -313,7 +316,11 @@ class Monitor:
         return True
 
     def _attention(self, layer, values: dict, results: dict, problems: dict) -> None:
-        if layer.index in problems:
+        if layer.index in self.refused:  # every metric of the layer is dropped: say so, once
+            self._warn_once(f"attn-{layer.index}", f"diag: {layer.label} {layer.name} not measured at all (no "
+                            "spectra, gradient norms, update ratios or attention statistics for this layer): "
+                            f"the head split is suspect: {self.refused[layer.index]}")
+        elif layer.index in problems:
             self._warn_once(f"attn-{layer.index}", f"diag: attention of {layer.name} not measured: "
                             f"{problems[layer.index]}")
         note = self.capture.notes.get(layer.index)

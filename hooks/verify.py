@@ -19,21 +19,31 @@ where the model shows how it really splits its heads, so it is checked there:
   input (``q @ k^T``) are checked the same way; when the logits come from
   elsewhere (einsum, bmm), only the head count is checked.
 
+When the layout disagrees (or was only a generic adapter's proposal, or a per-head check fails with a norm
+between projection and kernel), the layout is read from the computation (:mod:`hooks.infer`): a
+discovered layout is replaced by it, a spec's is refused with the inferred spec in the message.
+
 Runs on sampled forwards only, under no_grad, on the first ``n`` sequences.
 """
 
 from __future__ import annotations
 
-import re
+import logging
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from diag.layouts.vocab import bias_names, split_qkv, split_qkv_bias
+from diag.layouts.generic import is_provisional
+from diag.layouts.infer import same_split
+from diag.layouts.patterns import spec_text
+from diag.layouts.vocab import QKVLayout, bias_names, split_qkv, split_qkv_bias
 from hooks.discovery import AttentionLayer
+from hooks.infer import adopt, read_layout
 
 __all__ = ["Inputs", "Verdict", "module_inputs", "check_call", "spec_hint"]
+
+log = logging.getLogger("diag")
 
 _X_KEYS = ("hidden_states", "x", "query", "input", "inputs")
 _KV_KEYS = ("key_value_states", "encoder_hidden_states")
@@ -67,40 +77,116 @@ def module_inputs(args: tuple, kwargs: dict, n: int) -> Inputs:
     return Inputs(x, kv)
 
 
-def spec_hint(layer: AttentionLayer) -> str:
-    pattern = re.sub(r"(?<=\.)\d+(?=\.|$)", "*", layer.name)
+def _spec(layer: AttentionLayer, layout: QKVLayout) -> str:
+    return spec_text(dict.fromkeys(layer.patterns, layout))
+
+
+def spec_hint(layer: AttentionLayer, inferred: QKVLayout | None = None) -> str:
+    """The fix to offer: the spec read from the computation where there is one, else a template."""
+    given = f"its layout {layer.layout.describe()} (adapter {layer.layout.adapter!r}) disagrees with the model"
+    if inferred is not None:
+        return f"{given}; the computation says: pass Monitor(model, {_spec(layer, inferred)})"
     return (
-        f"its layout {layer.layout.describe()} (adapter {layer.layout.adapter!r}) disagrees with the model; "
-        f"pass the right one, e.g. Monitor(model, spec={{{pattern!r}: QKVLayout(n_heads=..., head_dim=..., "
-        "q=..., packing='fused' | 'fused_per_head' | 'separate' | 'q_kv', n_kv_heads=..., transposed=..., "
-        "cross=...)}) (docs/layouts.md)"
+        f"{given}; pass the right one, e.g. Monitor(model, spec={{{layer.patterns[0]!r}: QKVLayout(n_heads=..., "
+        "head_dim=..., q=..., packing='fused' | 'fused_per_head' | 'fused_per_group' | 'separate' | 'q_kv' | "
+        "'heads_3d', n_kv_heads=..., kv_map=..., transposed=..., cross=...)}) (docs/layouts.md)"
     )
 
 
-def _refuse(layer: AttentionLayer, what: str) -> Verdict:
-    return Verdict(problem=f"{layer.name} ({type(layer.module).__name__}): {what}; {spec_hint(layer)}")
+def _refuse(layer: AttentionLayer, what: str, inferred: QKVLayout | None = None, seen: str = "") -> Verdict:
+    observed = f" (observed: {seen})" if seen else ""
+    return Verdict(problem=f"{layer.name} ({type(layer.module).__name__}): {what}{observed}; "
+                   f"{spec_hint(layer, inferred)}")
+
+
+def _unconfirmed(layer: AttentionLayer, checked: str, heads: int | None = None) -> Verdict:
+    """A generic adapter's proposal that the computation could not confirm: refused, never guessed; the
+    message offers the proposal (with the kernel's head count) as a spec, to pass only if it is right."""
+    lay = layer.layout
+    width, kv_width = lay.n_heads * lay.head_dim, lay.kv_heads * lay.head_dim
+    if heads and heads != lay.n_heads and width % heads == 0 and kv_width % (width // heads) == 0:
+        d = width // heads
+        lay = QKVLayout.from_dict({**lay.to_dict(), "n_heads": heads, "head_dim": d, "n_kv_heads": kv_width // d})
+    spec = _spec(layer, QKVLayout.from_dict({**lay.to_dict(), "adapter": "spec"}))
+    return Verdict(problem=(
+        f"{layer.name} ({type(layer.module).__name__}): the layout proposed from names, {lay.describe()}, could "
+        f"not be confirmed: the kernel's q and k were not visible to compare with the module input (compared: "
+        f"{checked}; logits from a product the capture cannot see, or the input not an argument it reads); "
+        "it is not guessed. "
+        f"If that split is right (packing, head order, query->key pairing), pass it: Monitor(model, {spec})"
+    ))
+
+
+def _unpaired(layer: AttentionLayer) -> Verdict:
+    """Grouped-query heads whose pairing the call does not show (logits without a visible q @ k^T): the
+    pairing h // (H / G) would be a guess (models tile h % G too), so the layer is refused."""
+    lay = layer.layout
+    tiled = QKVLayout.from_dict({**lay.to_dict(), "adapter": "spec",
+                                 "kv_map": [h % lay.kv_heads for h in range(lay.n_heads)]})
+    default = QKVLayout.from_dict({**lay.to_dict(), "adapter": "spec"})
+    return Verdict(problem=(
+        f"{layer.name} ({type(layer.module).__name__}): grouped-query attention ({lay.n_heads} query heads, "
+        f"{lay.kv_heads} key heads) whose logits come from a product the capture cannot see, so which key "
+        "head each query head reads cannot be checked; it is not guessed. Pass the pairing the model uses: "
+        f"Monitor(model, {_spec(layer, default)}) for h // (H / G), or "
+        f"Monitor(model, {_spec(layer, tiled)}) for h % G"
+    ))
+
+
+def _shape_problem(lay: QKVLayout, seen) -> str | None:
+    if seen.heads != lay.n_heads:
+        return f"the attention call computes {seen.heads} heads, the layout says n_heads={lay.n_heads}"
+    if seen.q is not None and seen.q.shape[-1] != lay.head_dim:
+        return f"the kernel's q has head size {seen.q.shape[-1]}, the layout says head_dim={lay.head_dim}"
+    if seen.k is not None and seen.k.shape[1] not in (lay.kv_heads, lay.n_heads):
+        return f"the kernel's k has {seen.k.shape[1]} heads, the layout says n_kv_heads={lay.kv_heads}"
+    return None
 
 
 def check_call(layer: AttentionLayer, seen, inputs: Inputs | None, n: int) -> Verdict:
-    """Shapes always, values where visible; a Verdict with ``problem`` set refuses the layer."""
+    """Shapes always, values where visible; a Verdict with ``problem`` set refuses the layer.
+
+    A layout that disagrees with the kernel's q and k is read from them instead: adopted when discovery
+    proposed it (the layer's layout is replaced), refused with the inferred spec when a spec gave it."""
     lay = layer.layout
-    if seen.heads != lay.n_heads:
-        return _refuse(layer, f"the attention call computes {seen.heads} heads, the layout says "
-                       f"n_heads={lay.n_heads}")
-    if seen.q is not None and seen.q.shape[-1] != lay.head_dim:
-        return _refuse(layer, f"the kernel's q has head size {seen.q.shape[-1]}, the layout says "
-                       f"head_dim={lay.head_dim}")
-    if seen.k is not None and seen.k.shape[1] not in (lay.kv_heads, lay.n_heads):
-        return _refuse(layer, f"the kernel's k has {seen.k.shape[1]} heads, the layout says "
-                       f"n_kv_heads={lay.kv_heads}")
-    if seen.logits is not None and seen.q is None:
-        return Verdict(checked="heads")  # eager logits without a visible q @ k^T: shapes only
-    if seen.exact:
+    problem = _shape_problem(lay, seen)
+    if problem is None and seen.exact:
         return Verdict(checked="exact")
     x = None if inputs is None else inputs.x
-    if not lay.verify or x is None or seen.q is None:
-        return Verdict(checked="shapes")
-    return _check_norms(layer, seen.q[:n], seen.k[:n], x, inputs.kv)
+    visible = seen.q is not None and seen.k is not None and x is not None
+    if problem is None:
+        verdict = _check_norms(layer, seen.q[:n], seen.k[:n], x, inputs.kv) if visible and lay.verify else None
+        if verdict is None or verdict.problem is None:
+            checked = verdict.checked if verdict else ("heads" if seen.logits is not None and seen.q is None
+                                                       else "shapes")
+            if checked == "heads" and 1 < lay.kv_heads < lay.n_heads and lay.adapter != "spec":
+                return _unpaired(layer)
+            if checked == "q,k" or not is_provisional(lay):
+                return Verdict(checked=checked)
+            return _unconfirmed(layer, checked)
+        else:
+            problem = verdict.problem
+    if not visible:
+        return _unconfirmed(layer, "heads", seen.heads) if is_provisional(lay) else _refuse(layer, problem)
+    try:
+        return _from_computation(layer, problem, seen, inputs, n)
+    except Exception as err:  # noqa: BLE001 - e.g. sharded weights: the layer is refused, never left unchecked
+        return _refuse(layer, f"{problem}; reading the layout from the computation failed ({err!r})")
+
+
+def _from_computation(layer: AttentionLayer, problem: str, seen, inputs: Inputs, n: int) -> Verdict:
+    inferred, observed = read_layout(layer.module, seen.q[:n], seen.k[:n], inputs.x, inputs.kv, layer.layout.cross)
+    if inferred is None:
+        return _refuse(layer, problem, None, observed)
+    shapes = {name: tuple(p.shape) for name, p in layer.module.named_parameters()}
+    names_known = all(name in shapes for name in layer.layout.param_names)
+    if names_known and same_split(inferred, layer.layout, shapes):
+        return Verdict(checked="q,k")  # e.g. a norm between projection and kernel: the layout holds
+    if layer.layout.adapter == "spec":
+        return _refuse(layer, problem, inferred, observed)
+    adopted = adopt(layer, inferred)
+    log.info("diag: %s: layout read from the computation: %s (%s)", layer.name, adopted.describe(), observed)
+    return Verdict(checked="q,k")
 
 
 def _tolerance(t: Tensor) -> float:
@@ -127,7 +213,7 @@ def _projected_norms(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
 def _check_norms(layer: AttentionLayer, q: Tensor, k: Tensor, x: Tensor, kv: Tensor | None) -> Verdict:
     lay = layer.layout
     params = dict(layer.module.named_parameters())
-    wq, wk, _ = split_qkv({name: params[name].detach() for name in lay.param_names}, lay)
+    wq, wk, _ = split_qkv({name: params[name].detach() for name in lay.param_names}, lay)  # K unpaired (G)
     biases = {}
     for name in lay.param_names:
         found = [b for b in bias_names(name) if b in params]
@@ -141,7 +227,7 @@ def _check_norms(layer: AttentionLayer, q: Tensor, k: Tensor, x: Tensor, kv: Ten
     tol = _tolerance(q)
     dev = _deviation(q.norm(dim=-1), _projected_norms(x, wq, bq))
     if not dev <= tol:
-        return _refuse(layer, f"the per-head norms of the kernel's q differ from the module input projected "
+        return Verdict(problem=f"the per-head norms of the kernel's q differ from the module input projected "
                        f"with the layout (deviation {dev:.3g} > {tol:.3g}): heads are split or ordered differently "
                        "(or the q bias is not named like its weight, or the module transforms its input "
                        "before projecting: then QKVLayout(..., verify=False))")
@@ -152,11 +238,14 @@ def _check_norms(layer: AttentionLayer, q: Tensor, k: Tensor, x: Tensor, kv: Ten
         return Verdict(checked="q")  # keys from another sequence (cross-attention not named as such)
     want = _projected_norms(source, wk, bk)  # (n, G, S)
     if k.shape[1] != want.shape[1]:
-        want = want.repeat_interleave(k.shape[1] // want.shape[1], dim=1)  # query head h <- key head h // r
+        want = want[:, list(lay.kv_index)]  # the model repeated key heads: query head h <- key head kv_map[h]
+    elif not lay.default_pairing:
+        return Verdict(problem=f"the kernel got {k.shape[1]} key heads and pairs query head h with key head "
+                       f"h // {lay.n_heads // lay.kv_heads}, but the layout says kv_map={lay.kv_map}")
     dev = _deviation(k.norm(dim=-1), want)
     if not dev <= tol:
         hint = "" if lay.cross else " (or keys come from another sequence: cross-attention?)"
-        return _refuse(layer, f"the per-head norms of the kernel's k differ from the module input projected "
+        return Verdict(problem=f"the per-head norms of the kernel's k differ from the module input projected "
                        f"with the layout (deviation {dev:.3g} > {tol:.3g}): key heads are split or paired with "
                        f"query heads differently{hint}")
     return Verdict(checked="q,k")

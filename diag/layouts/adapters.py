@@ -6,8 +6,23 @@ needs a live model.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
+from diag.layouts.generic import (
+    HEAD_DIM_KEYS,
+    PROVISIONAL,
+    ModuleView,
+    fused_generic,
+    generic_o,
+    is_provisional,
+    separate_generic,
+)
+from diag.layouts.generic import (
+    head_count as _heads,
+)
+from diag.layouts.generic import (
+    kv_count as _kv_heads,
+)
 from diag.layouts.vocab import QKVLayout
 
 __all__ = [
@@ -20,28 +35,9 @@ __all__ = [
     "with_sibling_o",
     "resolve",
     "is_cross",
+    "PROVISIONAL",
+    "is_provisional",
 ]
-
-
-@dataclass
-class ModuleView:
-    """What an adapter may look at: a class name, parameter shapes and attributes.
-
-    params: parameter name (relative to the module, e.g. ``c_attn.weight``) -> shape.
-    attrs: head counts and sizes found on the module or its config
-    (``num_heads``, ``head_dim``, ``num_key_value_heads``, ``embed_dim``, ...).
-    """
-
-    name: str
-    cls: str
-    params: dict[str, tuple[int, ...]]
-    attrs: dict[str, int] = field(default_factory=dict)
-
-    def first(self, *keys: str) -> int | None:
-        for key in keys:
-            if self.attrs.get(key):
-                return int(self.attrs[key])
-        return None
 
 
 @dataclass(frozen=True)
@@ -66,17 +62,26 @@ HEAD_ATTRS = (
     "num_key_value_heads",
     "n_kv_heads",
     "embed_dim",
+    # research-code spellings (appended: the first four stay the Hugging Face head counts)
+    "heads",
+    "nhead",
+    "num_head",
+    "H",
+    "num_kv_heads",
+    "kv_heads",
+    "n_kv_head",
+    "d_head",
+    "dim_head",
 )
+
 CROSS_NAMES = ("encoder_attn", "crossattention", "EncDecAttention", "multihead_attn", "cross_attn",
                "cross_attention", "src_attn")
-HEAD_DIM_KEYS = ("head_dim", "attention_head_size", "key_value_proj_dim", "head_size", "d_kv")
+
 # Children that normalise q or k after the projection (QK-norm: Qwen3, OLMo2, Gemma3, ...): the
 # kernel's per-head norms then no longer follow x @ Wq_h^T, so the capture checks shapes only.
 QK_NORMS = ("q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_layernorm", "key_layernorm")
 
 
-def _heads(view: ModuleView) -> int | None:
-    return view.first("num_heads", "num_attention_heads", "n_head", "n_heads")
 
 
 def is_cross(view: ModuleView) -> bool:
@@ -226,7 +231,7 @@ def _separate_named(view: ModuleView, stems: tuple[str, str, str], adapter: str,
     head_dim = view.first(*HEAD_DIM_KEYS) or q_rows // heads
     if q_rows != heads * head_dim or k_rows % head_dim:
         return None
-    kv = view.first("num_key_value_heads", "n_kv_heads") or k_rows // head_dim
+    kv = _kv_heads(view) or k_rows // head_dim
     if kv * head_dim != k_rows or heads % kv:
         return None
     qk_norm = any(name.split(".")[0] in QK_NORMS for name in view.params)
@@ -250,7 +255,7 @@ def _structural(view: ModuleView) -> QKVLayout | None:
     for stems, o_stems in STRUCTURAL_STEMS:
         layout = _separate_named(view, stems, "structural-separate", o_stems)
         if layout is not None:
-            return layout
+            return layout if layout.o is not None else generic_o(view, layout)  # diffusers' to_out.0
     return None
 
 
@@ -269,12 +274,21 @@ ADAPTERS: list[Adapter] = [
     Adapter("timm", _timm, "timm Attention (ViT, DeiT, ...): Linear qkv (3E, E), num_heads, optional q_norm/k_norm"),
     Adapter("nanogpt-c_attn", _nanogpt, "nanoGPT CausalSelfAttention: Linear c_attn (3E, E) and n_head"),
     Adapter("structural-separate", _structural, "three projections wq/wk/wv, to_q/to_k/to_v or q_lin/k_lin/v_lin"),
+    Adapter("fused-qkv", fused_generic, "one fused projection named like qkv, to_qkv, Wqkv, qkv_proj, in_proj or "
+            "query_key_value (up to two levels down); confirmed or corrected by the first captured forward"),
+    Adapter("separate-named", separate_generic, "three projections whose names say q, k, v (q/query/wq/W_q, ...), "
+            "2-D or 3-D per head, up to two levels down; confirmed or corrected by the first captured forward"),
 ]
 
 
-def find_layout(view: ModuleView) -> QKVLayout | None:
-    """The first adapter's layout for this module, or None."""
+def find_layout(view: ModuleView, provisional: bool = True) -> QKVLayout | None:
+    """The first adapter's layout for this module, or None.
+
+    ``provisional=False`` skips the adapters whose layouts only a captured forward can confirm
+    (:data:`PROVISIONAL`): the checkpoint analysis has no forward to confirm them with."""
     for adapter in ADAPTERS:
+        if not provisional and adapter.name in PROVISIONAL:
+            continue
         layout = adapter.layout(view)
         if layout is not None:
             return layout

@@ -169,7 +169,8 @@ def find_layers(shapes: Mapping[str, tuple[int, ...]], heads: Heads) -> list[Sta
     for view in module_views(shapes, heads.attrs, heads.cls or signature_class(shapes)):
         if any(view.name.startswith(f"{name}.") for name, _ in found):
             continue
-        layout = find_layout(view) or _fused_key_pattern(view)
+        # no forward offline to confirm a generic adapter's guess: provisional layouts are not proposed here
+        layout = find_layout(view, provisional=False) or _fused_key_pattern(view)
         if layout is not None:
             found.append((view.name, with_sibling_o(view.name, layout, shapes)))
     if not found:

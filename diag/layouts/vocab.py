@@ -11,7 +11,8 @@ gives W_O, whose update ratio is measured with those of Q, K and V.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 from torch import Tensor
 
@@ -28,7 +29,7 @@ __all__ = [
     "shape_problem",
 ]
 
-PACKINGS = ("separate", "fused", "fused_per_head", "q_kv")
+PACKINGS = ("separate", "fused", "fused_per_head", "fused_per_group", "q_kv", "heads_3d")
 
 
 @dataclass(frozen=True)
@@ -40,15 +41,25 @@ class QKVLayout:
       * ``fused``: ``q`` names one weight whose rows are [all Q | all K | all V].
       * ``fused_per_head``: one weight whose rows are, per head, [Q_h | K_h | V_h]
         (GPT-NeoX). Needs n_kv_heads == n_heads.
+      * ``fused_per_group``: one weight whose rows are, per key/value group g,
+        [Q_{g*r} .. Q_{g*r+r-1} | K_g | V_g] with r = n_heads / n_kv_heads (Falcon's
+        new decoder architecture); with n_kv_heads == n_heads it is ``fused_per_head``.
       * ``q_kv``: ``q`` names the query weight, ``k`` one weight whose rows are
         [all K | all V] (GPT-2 cross-attention: ``q_attn`` and ``c_attn``).
+      * ``heads_3d``: ``q``, ``k``, ``v`` name three 3-D per-head parameters
+        (H, D, E), (G, D, E), (G, D, E); ``transposed=True`` for (H, E, D) storage
+        (``einsum("bte,hed->bhtd", x, w)``).
+    Names are paths relative to the module: ``"attn.inner.q_proj.weight"`` reaches a
+    projection nested any number of levels below it.
     transposed: the weights are stored (E, rows), as GPT-2's Conv1D does.
     o: the output projection's weight (E_out, H*D), when the module holds it (GPT-2
     ``c_proj.weight``, LLaMA ``o_proj.weight``); only its update ratio is measured.
     o_transposed: W_O is stored (H*D, E_out); None: as ``transposed`` (Conv1D models
     store every projection that way).
     n_kv_heads: key/value heads (grouped-query attention); query head h pairs
-    with key head h // (n_heads // n_kv_heads).
+    with key head h // (n_heads // n_kv_heads), unless ``kv_map`` says otherwise.
+    kv_map: an explicit pairing, one entry per query head: query head h pairs with
+    key/value head ``kv_map[h]`` (e.g. ``h % n_kv_heads``); None: the default above.
     cross: queries and keys come from different sequences (encoder-decoder
     cross-attention); the layer's tag label gets the suffix ``.cross``.
     verify: at the first captured forward, check the per-head norms of the q (and
@@ -70,6 +81,7 @@ class QKVLayout:
     adapter: str = "spec"
     o: str | None = None
     o_transposed: bool | None = None
+    kv_map: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.packing not in PACKINGS:
@@ -87,16 +99,71 @@ class QKVLayout:
                 f"QKVLayout: n_heads={self.n_heads} is not a multiple of n_kv_heads={self.kv_heads}"
             )
         if self.packing == "fused_per_head" and self.kv_heads != self.n_heads:
-            raise SpecError("QKVLayout(packing='fused_per_head') needs n_kv_heads == n_heads")
+            raise SpecError("QKVLayout(packing='fused_per_head') needs n_kv_heads == n_heads; for grouped "
+                            "heads packed [Q_1..Q_r | K | V] per group use packing='fused_per_group'")
+        if self.packing == "heads_3d" and (self.k is None or self.v is None):
+            raise SpecError("QKVLayout(packing='heads_3d') needs the names q=, k= and v= of three 3-D weights")
+        if self.kv_map is not None:
+            self._check_kv_map()
+
+    def _check_kv_map(self) -> None:
+        kv_map = self.kv_map
+        if not isinstance(kv_map, tuple) or len(kv_map) != self.n_heads or not all(
+            isinstance(g, int) and not isinstance(g, bool) and 0 <= g < self.kv_heads for g in kv_map
+        ):
+            raise SpecError(
+                f"QKVLayout.kv_map={kv_map!r}: expected a tuple of {self.n_heads} integers in "
+                f"[0, {self.kv_heads}) (query head h pairs with key/value head kv_map[h]), e.g. "
+                f"{tuple(h % self.kv_heads for h in range(self.n_heads))} for h % n_kv_heads"
+            )
 
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
 
     @property
+    def kv_index(self) -> tuple[int, ...]:
+        """The key/value head of each query head: ``kv_map``, or the default h // (H / G)."""
+        if self.kv_map is not None:
+            return self.kv_map
+        r = self.n_heads // self.kv_heads
+        return tuple(h // r for h in range(self.n_heads))
+
+    @property
+    def default_pairing(self) -> bool:
+        """True when query head h pairs with key head h // (H / G) (what the spectra assume unpaired)."""
+        return self.kv_map is None or self.kv_map == QKVLayout(self.n_heads, self.head_dim, "q", "k", "v",
+                                                                 n_kv_heads=self.n_kv_heads).kv_index
+
+    @property
     def param_names(self) -> tuple[str, ...]:
-        names = {"separate": (self.q, self.k, self.v), "q_kv": (self.q, self.k)}.get(self.packing, (self.q,))
+        three = (self.q, self.k, self.v)
+        names = {"separate": three, "heads_3d": three, "q_kv": (self.q, self.k)}.get(self.packing, (self.q,))
         return tuple(n for n in names if n is not None)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field as JSON-ready data (``kv_map`` as a list); :meth:`from_dict` reads it back."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        if self.kv_map is not None:
+            out["kv_map"] = list(self.kv_map)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> QKVLayout:
+        """The layout :meth:`to_dict` wrote (missing optional fields take their defaults)."""
+        if not isinstance(data, Mapping):
+            raise SpecError(f"QKVLayout.from_dict needs a mapping (a JSON object), got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise SpecError(f"QKVLayout.from_dict: unknown field(s) {unknown}; known fields: {sorted(known)}")
+        missing = [n for n in ("n_heads", "head_dim", "q") if n not in data]
+        if missing:
+            raise SpecError(f"QKVLayout.from_dict: missing field(s) {missing} (n_heads, head_dim and q are needed)")
+        values = dict(data)
+        if values.get("kv_map") is not None:
+            values["kv_map"] = tuple(values["kv_map"])
+        return cls(**values)
 
     @property
     def weight_names(self) -> tuple[str, ...]:
@@ -115,6 +182,8 @@ class QKVLayout:
             args.append(f"packing={self.packing!r}")
         if self.n_kv_heads not in (None, self.n_heads):
             args.append(f"n_kv_heads={self.n_kv_heads}")
+        if self.kv_map is not None:
+            args.append(f"kv_map={self.kv_map!r}")
         args += [f"{n}=True" for n in ("transposed", "cross") if getattr(self, n)]
         if self.o is not None:
             args.append(f"o={self.o!r}")
@@ -129,31 +198,49 @@ def _rows(w: Tensor, transposed: bool) -> Tensor:
     return w.T if transposed else w
 
 
-def split_qkv(tensors: Mapping[str, Tensor], layout: QKVLayout) -> tuple[Tensor, Tensor, Tensor]:
+def _heads_3d(w: Tensor, transposed: bool) -> Tensor:
+    return w.transpose(1, 2) if transposed else w  # (heads, D, E)
+
+
+def _fused_rows(fused: Tensor, layout: QKVLayout) -> tuple[Tensor, Tensor, Tensor]:
+    """Q (H, D, E), K (G, D, E), V (G, Dv, E) of one fused weight given as rows (R, E)."""
+    h, g, d = layout.n_heads, layout.kv_heads, layout.head_dim
+    e = fused.shape[-1]
+    if layout.packing == "fused":
+        q, k, v = fused.split([h * d, g * d, fused.shape[0] - (h + g) * d], dim=0)
+        return q.reshape(h, d, e), k.reshape(g, d, e), v.reshape(g, -1, e)
+    r = h // g  # fused_per_head (r == 1) and fused_per_group: per group [Q_1..Q_r | K | V]
+    grouped = fused.reshape(g, r + 2, d, e)
+    return grouped[:, :r].reshape(h, d, e), grouped[:, r], grouped[:, r + 1]
+
+
+def split_qkv(
+    tensors: Mapping[str, Tensor], layout: QKVLayout, paired: bool = False
+) -> tuple[Tensor, Tensor, Tensor]:
     """Per-head views (H, D, E), (G, D, E), (G, D, E) of Q, K and V.
 
     ``tensors`` maps the layout's parameter names to weights, or to tensors of the
     same shapes (gradients, updates). Views share storage: nothing is copied.
+    ``paired=True``: where the layout has a ``kv_map`` other than the default
+    h // (H / G), K and V come as (H, D, E), row h holding the key/value head of query
+    head h (a gathered copy), so that code pairing heads by position (the spectra)
+    pairs them as the model does; norms of K and V must be taken unpaired.
     """
     h, g, d = layout.n_heads, layout.kv_heads, layout.head_dim
-    if layout.packing == "separate":
-        parts = [_rows(tensors[name], layout.transposed) for name in (layout.q, layout.k, layout.v)]
+    if layout.packing in ("separate", "heads_3d"):
+        cut = _heads_3d if layout.packing == "heads_3d" else _rows
+        parts = [cut(tensors[name], layout.transposed) for name in (layout.q, layout.k, layout.v)]
+        q, k, v = (p.reshape(n, -1, p.shape[-1]) for p, n in zip(parts, (h, g, g)))
     elif layout.packing == "q_kv":
         kv = _rows(tensors[layout.k], layout.transposed)
-        parts = [_rows(tensors[layout.q], layout.transposed), *kv.split([g * d, kv.shape[0] - g * d], dim=0)]
+        q, k, v = _rows(tensors[layout.q], layout.transposed), *kv.split([g * d, kv.shape[0] - g * d], dim=0)
+        q, k, v = q.reshape(h, d, q.shape[-1]), k.reshape(g, d, k.shape[-1]), v.reshape(g, -1, v.shape[-1])
     else:
-        fused = _rows(tensors[layout.q], layout.transposed)
-        if layout.packing == "fused":
-            parts = list(fused.split([h * d, g * d, g * d], dim=0))
-        else:
-            per_head = fused.reshape(h, 3, d, fused.shape[-1])
-            return per_head[:, 0], per_head[:, 1], per_head[:, 2]
-    q, k, v = parts
-    return (
-        q.reshape(h, d, q.shape[-1]),
-        k.reshape(g, d, k.shape[-1]),
-        v.reshape(g, v.shape[0] // g, v.shape[-1]),
-    )
+        q, k, v = _fused_rows(_rows(tensors[layout.q], layout.transposed), layout)
+    if paired and not layout.default_pairing:
+        index = list(layout.kv_index)
+        k, v = k[index], v[index]
+    return q, k, v
 
 
 def split_o(tensors: Mapping[str, Tensor], layout: QKVLayout) -> Tensor | None:
@@ -173,16 +260,38 @@ def split_projections(tensors: Mapping[str, Tensor], layout: QKVLayout) -> dict[
     return out
 
 
+def _need_rows(layout: QKVLayout) -> dict[str, int]:
+    h, g, d = layout.n_heads, layout.kv_heads, layout.head_dim
+    return {
+        "separate": {layout.q: h * d, layout.k: g * d},
+        "heads_3d": {},
+        "fused": {layout.q: (h + 2 * g) * d},
+        "fused_per_head": {layout.q: 3 * h * d},
+        "fused_per_group": {layout.q: (h + 2 * g) * d},
+        "q_kv": {layout.q: h * d, layout.k: 2 * g * d},
+    }[layout.packing]
+
+
+def _heads_3d_problem(layout: QKVLayout, shapes: Mapping[str, tuple[int, ...]]) -> str | None:
+    for name, heads in zip((layout.q, layout.k, layout.v), (layout.n_heads, layout.kv_heads, layout.kv_heads)):
+        shape = tuple(shapes[name])
+        d = shape[2] if layout.transposed else (shape[1] if len(shape) == 3 else None)
+        if len(shape) != 3 or shape[0] != heads or (name != layout.v and d != layout.head_dim):
+            want = "(heads, E, D)" if layout.transposed else "(heads, D, E)"
+            return (f"{name!r} has shape {shape}, but {layout.describe()} needs a 3-D per-head weight {want} "
+                    f"with heads={heads}, D={layout.head_dim}")
+    return None
+
+
 def shape_problem(layout: QKVLayout, shapes: Mapping[str, tuple[int, ...]]) -> str | None:
     """Why the named weights cannot hold this layout's heads, or None when their shapes fit."""
     h, g, d = layout.n_heads, layout.kv_heads, layout.head_dim
-    need = {
-        "separate": {layout.q: h * d, layout.k: g * d},
-        "fused": {layout.q: (h + 2 * g) * d},
-        "fused_per_head": {layout.q: 3 * h * d},
-        "q_kv": {layout.q: h * d, layout.k: 2 * g * d},
-    }[layout.packing]
-    for name in layout.param_names:
+    need = _need_rows(layout)
+    if layout.packing == "heads_3d":
+        problem = _heads_3d_problem(layout, shapes)
+        if problem:
+            return problem
+    for name in layout.param_names if layout.packing != "heads_3d" else ():
         shape = tuple(shapes[name])
         if len(shape) != 2:
             return f"{name!r} has shape {shape}; a projection weight is 2-D"
@@ -216,15 +325,13 @@ def split_qkv_bias(biases: Mapping[str, Tensor], layout: QKVLayout) -> tuple[Ten
     ``biases`` maps the layout's weight names to their biases (or omits them).
     """
     h, g, d = layout.n_heads, layout.kv_heads, layout.head_dim
-    if layout.packing in ("separate", "q_kv"):
+    if layout.packing in ("separate", "q_kv", "heads_3d"):
         bq, bk = biases.get(layout.q), biases.get(layout.k)
         bq = None if bq is None else bq.reshape(h, d)
-        bk = None if bk is None else bk[: g * d].reshape(g, d)
+        bk = None if bk is None else bk.reshape(-1)[: g * d].reshape(g, d)
         return bq, bk
     fused = biases.get(layout.q)
     if fused is None:
         return None, None
-    if layout.packing == "fused":
-        return fused[: h * d].reshape(h, d), fused[h * d : h * d + g * d].reshape(g, d)
-    per_head = fused.reshape(h, 3, d)
-    return per_head[:, 0], per_head[:, 1]
+    q, k, _ = _fused_rows(fused[:, None], layout)
+    return q[..., 0], k[..., 0]

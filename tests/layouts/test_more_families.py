@@ -1,0 +1,105 @@
+"""Hugging Face families with packings the named adapters never knew, attached with NO spec: the layout is read
+from the attention kernel's q and k at the first forward, and every head's sigma_1 equals the float64 full SVD
+of Wq_h^T Wk_h sliced by hand from the family's documented packing (not through the layout vocabulary)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from diag.outputs.sinks import MemorySink
+from hooks import Monitor
+
+transformers = pytest.importorskip("transformers")
+V, E, NH, D = 50, 32, 4, 8
+REL = 1e-5
+
+
+def _falcon(kv: int):
+    cfg = transformers.FalconConfig(vocab_size=V, hidden_size=E, num_attention_heads=NH, num_hidden_layers=2,
+                                    new_decoder_architecture=kv > 1, num_kv_heads=kv, multi_query=kv == 1,
+                                    alibi=False)
+    return transformers.FalconForCausalLM(cfg)
+
+
+def _bigcode(mqa: bool):
+    cfg = transformers.GPTBigCodeConfig(vocab_size=V, n_embd=E, n_head=NH, n_layer=2, multi_query=mqa)
+    return transformers.GPTBigCodeForCausalLM(cfg)
+
+
+def _fused_split(w, g: int, how: str):
+    """Hand slicing (H, D, E) queries and (H, D, E) keys paired with each query head, per family."""
+    e = w.shape[-1]
+    if how == "per_group":  # Falcon new decoder architecture: per KV group [Q_1..Q_r | K | V]
+        r = NH // g
+        grouped = w.reshape(g, r + 2, D, e)
+        return grouped[:, :r].reshape(NH, D, e), grouped[:, r].repeat_interleave(r, 0)
+    if how == "per_head":  # BLOOM, GPT-BigCode (multi-head): per head [Q_h | K_h | V_h]
+        per = w.reshape(NH, 3, D, e)
+        return per[:, 0], per[:, 1]
+    q, k = w[: NH * D].reshape(NH, D, e), w[NH * D: (NH + g) * D].reshape(g, D, e)  # [all Q | all K | all V]
+    return q, k.repeat_interleave(NH // g, 0)
+
+
+FAMILIES = {
+    # name: (builder, implementations, attention modules, per-layer (Wq_h, Wk_h) by hand)
+    "falcon-gqa": (lambda: _falcon(2), ("eager", "sdpa"), lambda m: m.transformer.h,
+                   lambda blk: _fused_split(blk.self_attention.query_key_value.weight, 2, "per_group")),
+    "falcon-mqa": (lambda: _falcon(1), ("eager", "sdpa"), lambda m: m.transformer.h,
+                   lambda blk: _fused_split(blk.self_attention.query_key_value.weight, 1, "fused")),
+    "mpt": (lambda: transformers.MptForCausalLM(transformers.MptConfig(
+        vocab_size=V, d_model=E, n_heads=NH, n_layers=2, expansion_ratio=2, max_seq_len=64)), ("eager",),
+            lambda m: m.transformer.blocks, lambda blk: _fused_split(blk.attn.Wqkv.weight, NH, "fused")),
+    "phi3": (lambda: transformers.Phi3ForCausalLM(transformers.Phi3Config(
+        vocab_size=V, hidden_size=E, num_attention_heads=NH, num_key_value_heads=2, num_hidden_layers=2,
+        intermediate_size=64, pad_token_id=0)), ("eager", "sdpa"), lambda m: m.model.layers,
+             lambda blk: _fused_split(blk.self_attn.qkv_proj.weight, 2, "fused")),
+    "bigcode-mqa": (lambda: _bigcode(True), ("eager", "sdpa"), lambda m: m.transformer.h,
+                    lambda blk: _fused_split(blk.attn.c_attn.weight, 1, "fused")),
+    "bigcode-mha": (lambda: _bigcode(False), ("eager", "sdpa"), lambda m: m.transformer.h,
+                    lambda blk: _fused_split(blk.attn.c_attn.weight, NH, "per_head")),
+    # logits from baddbmm (BLOOM) and bmm (DeBERTa-v2, with its disentangled position terms added)
+    "bloom": (lambda: transformers.BloomForCausalLM(transformers.BloomConfig(
+        vocab_size=V, hidden_size=E, n_head=NH, n_layer=2)), ("eager",), lambda m: m.transformer.h,
+              lambda blk: _fused_split(blk.self_attention.query_key_value.weight, NH, "per_head")),
+    "deberta-v2": (lambda: transformers.DebertaV2ForMaskedLM(transformers.DebertaV2Config(
+        vocab_size=V, hidden_size=E, num_attention_heads=NH, num_hidden_layers=2, intermediate_size=64,
+        relative_attention=True, pos_att_type=["p2c", "c2p"], max_position_embeddings=64)), ("eager", "sdpa"),
+                   lambda m: m.deberta.encoder.layer,
+                   lambda blk: (blk.attention.self.query_proj.weight.reshape(NH, D, E),
+                                blk.attention.self.key_proj.weight.reshape(NH, D, E))),
+}
+CASES = [(name, impl) for name, (_, impls, _, _) in FAMILIES.items() for impl in impls]
+
+
+def _run(name: str, impl: str):
+    torch.manual_seed(0)
+    model = FAMILIES[name][0]()
+    model.config._attn_implementation = impl
+    model.train()
+    ids = torch.randint(0, V, (3, 10), generator=torch.Generator().manual_seed(1))
+    sink = MemorySink()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monitor = Monitor(model, every=1, sinks=[sink])
+        out = model(input_ids=ids, labels=ids, attention_mask=torch.ones_like(ids))
+        out.loss.backward()
+        checked = dict(monitor.capture.checked)
+        monitor.step(0, loss=out.loss)
+        monitor.close()
+    return model, monitor, sink.records[0], checked, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("name, impl", CASES, ids=[f"{n}-{i}" for n, i in CASES])
+def test_family_is_exact_with_no_spec(name, impl):
+    model, monitor, record, checked, caught = _run(name, impl)
+    blocks = list(FAMILIES[name][2](model))
+    assert len(monitor.layers) == len(blocks) == 2
+    assert checked == {0: "q,k", 1: "q,k"} and not monitor.refused, caught
+    for layer, block in zip(monitor.layers, blocks):
+        wq, wk = (w.detach().double() for w in FAMILIES[name][3](block))
+        for h in range(NH):
+            sigma = torch.linalg.svdvals(wq[h].T @ wk[h])[0].item()
+            assert record.scalars[f"qk_sigma1/{layer.label}/H{h:02d}"] == pytest.approx(sigma, rel=REL), (name, h)

@@ -1,0 +1,101 @@
+"""Research coding styles, attached with no spec: the layout is read from the computation and every head's
+sigma_1 equals the float64 full SVD of its true W_q^T W_k (read through the model's own projection code)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from styles import STYLES, E, Net, per_head_weights
+
+from diag.outputs.sinks import MemorySink
+from hooks import Monitor
+
+REL = 1e-5
+
+
+def run(model, spec=None, seed: int = 1):
+    sink = MemorySink()
+    x = torch.randn(3, 10, E, generator=torch.Generator().manual_seed(seed))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monitor = Monitor(model, every=1, sinks=[sink], spec=spec)
+        loss = model(x).square().mean()
+        loss.backward()
+        checked = dict(monitor.capture.checked)
+        monitor.step(0, loss=loss)
+        monitor.close()
+    return monitor, sink.records[0], checked, [str(w.message) for w in caught]
+
+
+def assert_exact(monitor, record) -> None:
+    for layer in monitor.layers:
+        wq, wk = per_head_weights(layer.module)
+        for h in range(wq.shape[0]):
+            s = torch.linalg.svdvals(wq[h].T @ wk[h])
+            tag = f"{layer.label}/H{h:02d}"
+            assert record.scalars[f"qk_sigma1/{tag}"] == pytest.approx(s[0].item(), rel=REL), tag
+            stable = (s.square().sum() / s[0] ** 2).item()
+            assert record.scalars[f"qk_stable_rank/{tag}"] == pytest.approx(stable, rel=1e-4), tag
+
+
+@pytest.mark.parametrize("name", sorted(STYLES))
+def test_style_is_exact_with_no_spec(name):
+    monitor, record, checked, caught = run(Net(STYLES[name]))
+    assert [layer.name for layer in monitor.layers] == ["blocks.0.attn", "blocks.1.attn"]
+    assert checked == {0: "q,k", 1: "q,k"}, (checked, caught)
+    assert not monitor.refused and not [m for m in caught if "not measured" in m]
+    assert all(layer.layout.n_heads == 4 for layer in monitor.layers)
+    assert all(layer.layout.o is not None for layer in monitor.layers)  # out, proj, wo, o, to_out.0, W_o, ...
+    assert_exact(monitor, record)
+
+
+@pytest.mark.parametrize("name", ["TileSdpa", "TileEinsum"])
+def test_the_pairing_h_mod_g_is_read_from_the_kernel(name):
+    monitor, record, checked, _ = run(Net(STYLES[name]))
+    assert [layer.layout.kv_map for layer in monitor.layers] == [(0, 1, 0, 1)] * 2
+    assert monitor.layers[0].layout.adapter == "inferred"
+
+
+def test_inferred_layouts_round_trip_as_specs():
+    """The layout read from the computation, passed back as a spec, gives the same numbers."""
+    for name in ("PerGroupRope", "TileSdpa", "Heads3D", "NoAttrSequential", "RawTransposed"):
+        monitor, record, _, _ = run(Net(STYLES[name]))
+        spec = {"blocks.*.attn": monitor.layers[0].layout}
+        again, record2, checked, caught = run(Net(STYLES[name]), spec)
+        assert checked == {0: "q,k", 1: "q,k"} and not again.refused, (name, caught)
+        assert record2.scalars == pytest.approx(record.scalars, rel=1e-6), name
+
+
+@pytest.mark.parametrize("name", ["PerGroupRope", "OddQKNorm", "NoAttrSequential"])
+def test_training_is_bit_identical_with_the_layout_read_from_the_computation(name):
+    """Reading the layout at the first forward draws no random number and changes nothing the model computes."""
+
+    def train(monitored: bool) -> tuple[list[float], list[torch.Tensor], torch.Tensor]:
+        model = Net(STYLES[name])
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        gen = torch.Generator().manual_seed(5)
+        monitor = Monitor(model, every=1) if monitored else None
+        losses = []
+        for step in range(3):
+            loss = model(torch.randn(3, 10, E, generator=gen)).square().mean()
+            loss.backward()
+            if monitor is not None:
+                monitor.step(step, loss=loss)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        if monitor is not None:
+            assert not monitor.refused and "qk_sigma1/L01/H03" in monitor.last
+            assert any(tag.startswith("attn_entropy/L01") for tag in monitor.last)
+            monitor.close()
+        return losses, [p.detach().clone() for p in model.parameters()], torch.get_rng_state()
+
+    torch.manual_seed(123)
+    plain = train(False)
+    torch.manual_seed(123)
+    watched = train(True)
+    assert plain[0] == watched[0]
+    assert all(torch.equal(a, b) for a, b in zip(plain[1], watched[1]))
+    assert torch.equal(plain[2], watched[2])
