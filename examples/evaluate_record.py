@@ -92,7 +92,7 @@ def record_collapse(args: argparse.Namespace, out: Path) -> dict:
                 block.attn = QKNormAttention(block.attn, cfg.n_embd // cfg.n_head)
         return model
 
-    def monitor(model, logdir, every):
+    def monitor(model, logdir, every, **kwargs):  # kwargs: the demo's overwrite= (no logdir here)
         m = original_monitor(model, logdir=None, every=every)
         m.detectors = Recorder(m.detectors, out / "observations.jsonl")
         return m
