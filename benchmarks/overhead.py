@@ -6,7 +6,9 @@
 
 Prints, for each GPT-2-shaped model given (Hugging Face, sdpa attention, random
 init, batch 4 x 128 tokens), one after the other in the same run, with the
-machine's load (``uptime``) beside each item:
+machine's load (``uptime``) beside each item. Times are this process's CPU time
+(``--clock cpu``, the default: another process's load adds waits to wall time, not
+to it; run with ``--threads 1`` so it counts one core's work) or wall time:
   1. exact spectra of all heads (d_head x d_head core) vs the naive full SVD of each
      d_model x d_model product: time ratio and the largest relative disagreement;
   2. training-step time with the Monitor at its default cadence (``every`` unset:
@@ -49,6 +51,15 @@ from hooks.discovery import discover
 SHAPES = {"small": (12, 12, 768), "4x256": (4, 8, 256), "medium": (24, 16, 1024), "tiny": (2, 4, 64)}
 
 
+def clock() -> float:
+    """Seconds on the clock chosen with --clock: this process's CPU time (default; immune to the waits
+    another process's load adds; the issue's measure is CPU time) or wall time."""
+    return time.process_time() if CLOCK == "cpu" else time.perf_counter()
+
+
+CLOCK = "cpu"
+
+
 def load() -> str:
     """The machine's load averages (1, 5, 15 min) and CPUs: printed beside every figure."""
     import os
@@ -72,11 +83,11 @@ def spectra(model, reps: int) -> None:
     wq, wk = torch.cat(qs), torch.cat(ks)
     fast, slow = [], []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = clock()
         sv = qk_singular_values(wq, wk)
-        t1 = time.perf_counter()
+        t1 = clock()
         ref = torch.stack([qk_singular_values_reference(wq[h], wk[h]) for h in range(wq.shape[0])])
-        t2 = time.perf_counter()
+        t2 = clock()
         fast.append(t1 - t0)
         slow.append(t2 - t1)
     err = ((sv - ref).abs() / ref[:, :1]).max().item()
@@ -93,11 +104,11 @@ def timed_capture(monitor) -> list[float]:
     record = monitor.capture._record
 
     def timed(*args, **kwargs):
-        t0 = time.perf_counter()
+        t0 = clock()
         try:
             return record(*args, **kwargs)
         finally:
-            spent[0] += time.perf_counter() - t0
+            spent[0] += clock() - t0
 
     monitor.capture._record = timed
     return spent
@@ -111,16 +122,16 @@ def train_steps(model, monitor, steps: int, start: int, parts: list | None = Non
     ids = torch.randint(0, 8192, (4, 128), generator=torch.Generator().manual_seed(0))
     times = []
     for step in range(start, start + steps):
-        t0 = time.perf_counter()
+        t0 = clock()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-        t1 = time.perf_counter()
+        t1 = clock()
         if monitor is not None:
             monitor.step(step, loss=loss)
-        t2 = time.perf_counter()
+        t2 = clock()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
         if parts is not None:
             parts.append((t1 - t0, t2 - t1, captured[0]))
             captured[0] = 0.0
@@ -157,9 +168,9 @@ def overhead(model, reps: int, steps: int, everys=("default", "1", "10", "100"))
             monitor = Monitor(model, every=every, sinks=[MemorySink()])
             watched_parts: list = []
             watched = sum(train_steps(model, monitor, n, 0, watched_parts))
-            t0 = time.perf_counter()
+            t0 = clock()
             monitor.close()  # measures the last sampled step's pending update ratios
-            close = time.perf_counter() - t0
+            close = clock() - t0
             ratios.append((watched + close) / plain)
             shares.append(accounted(watched_parts, close, plain / n))
             base_times.append(plain / n)
@@ -177,19 +188,19 @@ def non_sampled_cost(model, base: float) -> None:
     monitor = Monitor(model, every=1000, sinks=[MemorySink()])
     monitor.capture.disarm()
     n = 20000
-    t0 = time.perf_counter()
+    t0 = clock()
     for step in range(1, n + 1):
         if step % 1000:
             monitor.step(step)
-    per_call = (time.perf_counter() - t0) / n
+    per_call = (clock() - t0) / n
     monitor.close()
     print(f"3. one non-sampled monitor.step: {per_call * 1e6:.2f} us = {per_call / base * 100:.5f}% of a step")
 
 
 def _fwd_bwd(model, ids) -> float:
-    t0 = time.perf_counter()
+    t0 = clock()
     model(input_ids=ids, labels=ids).loss.backward()
-    return time.perf_counter() - t0
+    return clock() - t0
 
 
 def _sample_costs(model, ids, signals: tuple[str, ...], reps: int) -> list[float]:
@@ -205,14 +216,14 @@ def _sample_costs(model, ids, signals: tuple[str, ...], reps: int) -> list[float
             monitor.capture.arm()
         _fwd_bwd(model, ids)
         extra, captured[0] = captured[0], 0.0
-        t0 = time.perf_counter()
+        t0 = clock()
         monitor.step(2 * rep, loss=torch.tensor(1.0))  # sampled
-        extra += time.perf_counter() - t0
+        extra += clock() - t0
         opt.step()
         model.zero_grad(set_to_none=True)
-        t1 = time.perf_counter()
+        t1 = clock()
         monitor.step(2 * rep + 1)  # not sampled: measures the update of the sampled step
-        costs.append(extra + time.perf_counter() - t1)
+        costs.append(extra + clock() - t1)
     monitor.close()
     return costs
 
@@ -297,8 +308,12 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 256, 512, 1024, 2048])
     parser.add_argument("--only", nargs="+", choices=["1", "2", "3", "4", "5", "6"], default=None,
                         help="run only these items (item 3 and 4 need item 2's step time: it runs too)")
+    parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
+                        help="time every figure in this process's CPU time (default) or wall time")
     parser.add_argument("--memory-child", choices=["plain", "monitored"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    global CLOCK
+    CLOCK = args.clock
     torch.set_num_threads(args.threads)
     if args.memory_child:
         memory_child(args.models[0], args.memory_child == "monitored", 4)
