@@ -1,19 +1,24 @@
 """What watching costs: ratios measured side by side in one run (not a timed test).
 
-    .venv/bin/python benchmarks/overhead.py --model small --reps 5
-    .venv/bin/python benchmarks/overhead.py --model tiny
-    .venv/bin/python benchmarks/overhead.py --model medium --only 1 --reps 1   # 24 layers x 1024
+    .venv/bin/python benchmarks/overhead.py --models 4x256 small --only 2 3 4 5 --reps 1   # the issue-19 table
+    .venv/bin/python benchmarks/overhead.py --models small --reps 5
+    .venv/bin/python benchmarks/overhead.py --models medium --only 1 --reps 1   # 24 layers x 1024
 
-Prints, for a GPT-2-shaped model (Hugging Face, sdpa attention, random init,
-batch 4 x 128 tokens):
+Prints, for each GPT-2-shaped model given (Hugging Face, sdpa attention, random
+init, batch 4 x 128 tokens), one after the other in the same run, with the
+machine's load (``uptime``) beside each item. Times are this process's CPU time
+(``--clock cpu``, the default: another process's load adds waits to wall time, not
+to it; run with ``--threads 1`` so it counts one core's work) or wall time:
   1. exact spectra of all heads (d_head x d_head core) vs the naive full SVD of each
      d_model x d_model product: time ratio and the largest relative disagreement;
-  2. training-step time with the Monitor at every=1, 10, 100 vs no Monitor, over
-     whole sampling periods (100 steps for every=100), each window run back to back
-     with the same steps unmonitored: median (min, max) time ratios (incl. the final
-     close()), and the Monitor's accounted share of the window (time inside
-     monitor.step plus the sampled steps' extra forward+backward: its own parts,
-     so far less noisy than the ratio of two windows on a shared machine);
+  2. training-step time with the Monitor at its default cadence (``every`` unset:
+     loss and gradient norms every 10 steps, spectra, attention and update ratios every
+     100) and at every=1, 10, 100 vs no Monitor, over whole sampling periods (100 steps
+     for the default and every=100), each window run back to back with the same steps
+     unmonitored: median (min, max) time ratios (incl. the final close()), and the
+     Monitor's accounted share of the window (time inside monitor.step plus the time
+     the attention capture spends inside the forward: its own parts, so far less noisy
+     than the ratio of two windows on a shared machine);
   3. the cost of one non-sampled ``monitor.step`` call, relative to a training step;
   4. the cost of each signal family on a sampled step, as a fraction of one step
      (update ratios of W_Q, W_K, W_V, W_O: around a real AdamW step, cold at the
@@ -39,10 +44,28 @@ import torch
 from diag.layouts.vocab import split_qkv
 from diag.math.spectral import qk_singular_values, qk_singular_values_reference
 from diag.outputs.sinks import MemorySink
-from hooks import Monitor
+from hooks import SIGNALS, Monitor
 from hooks.discovery import discover
 
-SHAPES = {"small": (12, 12, 768), "medium": (24, 16, 1024), "tiny": (2, 4, 64)}  # layers, heads, d_model
+# layers, heads, d_model; "4x256" is the small GPT-2 of issue 19
+SHAPES = {"small": (12, 12, 768), "4x256": (4, 8, 256), "medium": (24, 16, 1024), "tiny": (2, 4, 64)}
+
+
+def clock() -> float:
+    """Seconds on the clock chosen with --clock: this process's CPU time (default; immune to the waits
+    another process's load adds; the issue's measure is CPU time) or wall time."""
+    return time.process_time() if CLOCK == "cpu" else time.perf_counter()
+
+
+CLOCK = "cpu"
+
+
+def load() -> str:
+    """The machine's load averages (1, 5, 15 min) and CPUs: printed beside every figure."""
+    import os
+
+    one, five, fifteen = os.getloadavg()
+    return f"[load {one:.2f} {five:.2f} {fifteen:.2f} on {os.cpu_count()} CPUs]"
 
 
 def build(size: str):
@@ -60,11 +83,11 @@ def spectra(model, reps: int) -> None:
     wq, wk = torch.cat(qs), torch.cat(ks)
     fast, slow = [], []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = clock()
         sv = qk_singular_values(wq, wk)
-        t1 = time.perf_counter()
+        t1 = clock()
         ref = torch.stack([qk_singular_values_reference(wq[h], wk[h]) for h in range(wq.shape[0])])
-        t2 = time.perf_counter()
+        t2 = clock()
         fast.append(t1 - t0)
         slow.append(t2 - t1)
     err = ((sv - ref).abs() / ref[:, :1]).max().item()
@@ -74,46 +97,70 @@ def spectra(model, reps: int) -> None:
           f"(min {min(ratio):.1f}, max {max(ratio):.1f}); max |diff|/sigma_1 {err:.1e}")
 
 
+def timed_capture(monitor) -> list[float]:
+    """Accumulates, in the returned one-element list, the seconds the Monitor's attention capture spends
+    reducing attention calls to statistics inside the forward (its ``_record``)."""
+    spent = [0.0]
+    record = monitor.capture._record
+
+    def timed(*args, **kwargs):
+        t0 = clock()
+        try:
+            return record(*args, **kwargs)
+        finally:
+            spent[0] += clock() - t0
+
+    monitor.capture._record = timed
+    return spent
+
+
 def train_steps(model, monitor, steps: int, start: int, parts: list | None = None) -> list[float]:
-    """Step times; with ``parts``, also appends (forward+backward seconds, monitor.step seconds) per step."""
+    """Step times; with ``parts``, also appends (forward+backward seconds, monitor.step seconds, capture
+    seconds inside that forward) per step."""
+    captured = timed_capture(monitor) if monitor is not None else [0.0]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(0, 8192, (4, 128), generator=torch.Generator().manual_seed(0))
     times = []
     for step in range(start, start + steps):
-        t0 = time.perf_counter()
+        t0 = clock()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-        t1 = time.perf_counter()
+        t1 = clock()
         if monitor is not None:
             monitor.step(step, loss=loss)
-        t2 = time.perf_counter()
+        t2 = clock()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
         if parts is not None:
-            parts.append((t1 - t0, t2 - t1))
+            parts.append((t1 - t0, t2 - t1, captured[0]))
+            captured[0] = 0.0
     return times
 
 
-def accounted(plain_parts: list, watched_parts: list, every: int, close: float, base: float) -> float:
+def accounted(watched_parts: list, close: float, base: float) -> float:
     """The Monitor's share of a window from its own parts, far less noisy than a ratio of two windows:
-    the time inside monitor.step (incl. close) plus, on sampled steps (where the capture is armed),
-    forward+backward beyond the plain window's median. As a fraction of the window's plain time."""
-    plain_fb = statistics.median(fb for fb, _ in plain_parts)
-    extra = close + sum(m for _, m in watched_parts)
-    extra += sum(fb - plain_fb for i, (fb, _) in enumerate(watched_parts) if i % every == 0)
+    the time inside monitor.step (incl. close) plus the time the attention capture spends inside
+    the forward (the TorchFunctionMode's own dispatch overhead is not in it), as a fraction of the
+    window's plain time."""
+    extra = close + sum(m + c for _, m, c in watched_parts)
     return extra / (base * len(watched_parts))
 
 
-def overhead(model, reps: int, steps: int, everys=(1, 10, 100)) -> float:
-    """Each every=N window covers whole sampling periods: steps 0 .. max(N, steps)-1 rounded up to a
-    multiple of N (so the share of sampled steps is exactly 1/N), against the same steps without the
-    Monitor, the two run back to back in every repetition."""
+def overhead(model, reps: int, steps: int, everys=("default", "1", "10", "100")) -> float:
+    """Each window covers whole sampling periods: steps 0 .. max(P, steps)-1 rounded up to a multiple
+    of P, the steps that sample every family (P = N for every=N, 100 for the default cadence), so each
+    family is sampled exactly its share of steps, against the same steps without the Monitor, the two
+    run back to back in every repetition."""
     train_steps(model, None, 2, 0)  # warm up
     base_times: list[float] = []
-    print("2. training-step time with the Monitor / without (same steps, back to back):")
-    for every in everys:
-        n = -(-max(every, steps) // every) * every
+    print(f"2. training-step time with the Monitor / without (same steps, back to back): {load()}")
+    for name in everys:
+        every = None if name == "default" else int(name)
+        full = Monitor(model, every=every, sinks=[MemorySink()])
+        period = full.cadence.full
+        full.close()
+        n = -(-max(period, steps) // period) * period
         ratios, shares = [], []
         for _ in range(reps):
             plain_parts: list = []
@@ -121,15 +168,17 @@ def overhead(model, reps: int, steps: int, everys=(1, 10, 100)) -> float:
             monitor = Monitor(model, every=every, sinks=[MemorySink()])
             watched_parts: list = []
             watched = sum(train_steps(model, monitor, n, 0, watched_parts))
-            t0 = time.perf_counter()
+            t0 = clock()
             monitor.close()  # measures the last sampled step's pending update ratios
-            close = time.perf_counter() - t0
+            close = clock() - t0
             ratios.append((watched + close) / plain)
-            shares.append(accounted(plain_parts, watched_parts, every, close, plain / n))
+            shares.append(accounted(watched_parts, close, plain / n))
             base_times.append(plain / n)
-        print(f"   every={every:<4} ({n:3d} steps): time ratio {statistics.median(ratios):.3f} "
+        label = "default" if every is None else f"every={every}"
+        print(f"   {label:<9} ({n:3d} steps): time ratio {statistics.median(ratios):.3f} "
               f"(min {min(ratios):.3f}, max {max(ratios):.3f}); accounted share of the Monitor "
-              f"{statistics.median(shares) * 100:.2f}% (min {min(shares) * 100:.2f}, max {max(shares) * 100:.2f})")
+              f"{statistics.median(shares) * 100:.2f}% (min {min(shares) * 100:.2f}, max {max(shares) * 100:.2f}) "
+              f"{load()}")
     base = statistics.median(base_times)
     print(f"   training step without monitor: {base * 1e3:.0f} ms (median)")
     return base
@@ -139,62 +188,59 @@ def non_sampled_cost(model, base: float) -> None:
     monitor = Monitor(model, every=1000, sinks=[MemorySink()])
     monitor.capture.disarm()
     n = 20000
-    t0 = time.perf_counter()
+    t0 = clock()
     for step in range(1, n + 1):
         if step % 1000:
             monitor.step(step)
-    per_call = (time.perf_counter() - t0) / n
+    per_call = (clock() - t0) / n
     monitor.close()
     print(f"3. one non-sampled monitor.step: {per_call * 1e6:.2f} us = {per_call / base * 100:.5f}% of a step")
 
 
 def _fwd_bwd(model, ids) -> float:
-    t0 = time.perf_counter()
+    t0 = clock()
     model(input_ids=ids, labels=ids).loss.backward()
-    return time.perf_counter() - t0
+    return clock() - t0
+
+
+def _sample_costs(model, ids, signals: tuple[str, ...], reps: int) -> list[float]:
+    """Seconds one sampled step of ``signals`` adds, for the first (cold) sample and ``reps`` warm ones:
+    the sampled monitor.step, the next call (which measures the update ratios after a real AdamW
+    step), and, with attention, the capture's time inside the armed forward."""
+    monitor = Monitor(model, every=2, signals=signals, sinks=[MemorySink()])
+    captured = timed_capture(monitor)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    costs = []
+    for rep in range(reps + 1):
+        if "attention" in signals:
+            monitor.capture.arm()
+        _fwd_bwd(model, ids)
+        extra, captured[0] = captured[0], 0.0
+        t0 = clock()
+        monitor.step(2 * rep, loss=torch.tensor(1.0))  # sampled
+        extra += clock() - t0
+        opt.step()
+        model.zero_grad(set_to_none=True)
+        t1 = clock()
+        monitor.step(2 * rep + 1)  # not sampled: measures the update of the sampled step
+        costs.append(extra + clock() - t1)
+    monitor.close()
+    return costs
 
 
 def families(model, base: float, reps: int) -> None:
-    """Weight-side families: the duration of the monitor.step calls that do their work.
-    Update ratios: a real AdamW step between the sampled call and the next one (so dW is a
-    real update); the first sample is cold, later ones warm-start from the previous.
-    Attention: forward+backward with the capture armed minus without, interleaved."""
-    print("4. sampled-step cost per signal family (fraction of one training step):")
+    """Each family alone (``signals=(family,)``; "loss": no family, the loss only), then all together:
+    the first sample of a fresh Monitor (cold: no warm start for the update ratios' sigma_1, first
+    buffers) and the median of ``reps`` warm ones 2 steps apart, as fractions of one training step."""
+    print(f"4. sampled-step cost per signal family (fraction of one training step): {load()}")
     ids = torch.randint(0, 8192, (4, 128), generator=torch.Generator().manual_seed(0))
-    for family in ("spectra", "grads", "updates"):
-        monitor = Monitor(model, every=2, signals=(family,), sinks=[MemorySink()])
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        costs = []
-        for rep in range(reps + (family == "updates")):
-            _fwd_bwd(model, ids)
-            t0 = time.perf_counter()
-            monitor.step(2 * rep)  # sampled
-            spent = time.perf_counter() - t0
-            opt.step()
-            model.zero_grad(set_to_none=True)
-            t1 = time.perf_counter()
-            monitor.step(2 * rep + 1)  # not sampled: measures the update of the sampled step
-            costs.append(spent + (time.perf_counter() - t1))
-        monitor.close()
-        if family == "updates":
-            print(f"   {family:>9}: first (cold) sample {costs[0] / base * 100:6.2f}%; then", end="")
-            costs = costs[1:]
-        else:
-            print(f"   {family:>9}:", end="")
-        print(f" {statistics.median(costs) / base * 100:6.2f}% "
-              f"(min {min(costs) / base * 100:.2f}, max {max(costs) / base * 100:.2f})")
-    monitor = Monitor(model, every=1, signals=("attention",), sinks=[MemorySink()])
-    costs = []
-    for _ in range(reps):
-        monitor.capture.arm()
-        armed = _fwd_bwd(model, ids)
-        monitor.capture.take()
-        plain = _fwd_bwd(model, ids)
-        costs.append(armed - plain)
-        model.zero_grad(set_to_none=True)
-    monitor.close()
-    print(f"   attention: {statistics.median(costs) / base * 100:6.2f}% "
-          f"(min {min(costs) / base * 100:.2f}, max {max(costs) / base * 100:.2f})")
+    for name, signals in (("loss", ()), ("grads", ("grads",)), ("spectra", ("spectra",)),
+                          ("updates", ("updates",)), ("attention", ("attention",)), ("all", SIGNALS)):
+        costs = _sample_costs(model, ids, signals, reps)
+        warm = costs[1:]
+        cold, med = costs[0] / base * 100, statistics.median(warm) / base * 100
+        low, high = min(warm) / base * 100, max(warm) / base * 100
+        print(f"   {name:>9}: first (cold) {cold:6.2f}%, warm {med:6.2f}% (min {low:.2f}, max {high:.2f}) {load()}")
 
 
 def memory_child(size: str, monitored: bool, steps: int) -> None:
@@ -211,14 +257,14 @@ def memory(size: str, reps: int, threads: int) -> None:
     peaks: dict[bool, list[int]] = {False: [], True: []}
     for _ in range(reps):
         for monitored in (False, True):
-            cmd = [sys.executable, __file__, "--model", size, "--threads", str(threads), "--memory-child",
+            cmd = [sys.executable, __file__, "--models", size, "--threads", str(threads), "--memory-child",
                    "monitored" if monitored else "plain"]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
             peaks[monitored].append(int(out.strip().splitlines()[-1]))
     plain, watched = statistics.median(peaks[False]), statistics.median(peaks[True])
     print(f"5. peak RSS over 4 training steps (every=1, all signals): without {plain / 1024:.0f} MiB, with "
           f"{watched / 1024:.0f} MiB: +{(watched - plain) / 1024:.0f} MiB = {(watched / plain - 1) * 100:+.1f}% "
-          f"(each median of {reps} child processes)")
+          f"(each median of {reps} child processes); ratio {watched / plain:.3f} {load()}")
 
 
 def attention_scaling(reps: int, lengths: tuple[int, ...]) -> None:
@@ -253,35 +299,41 @@ def attention_scaling(reps: int, lengths: tuple[int, ...]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=sorted(SHAPES), default="small")
+    parser.add_argument("--models", nargs="+", choices=sorted(SHAPES), default=["small"])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--everys", type=int, nargs="+", default=[1, 10, 100])
+    parser.add_argument("--everys", nargs="+", default=["default", "1", "10", "100"],
+                        help="'default' (the per-family cadence) and/or integers")
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 256, 512, 1024, 2048])
     parser.add_argument("--only", nargs="+", choices=["1", "2", "3", "4", "5", "6"], default=None,
                         help="run only these items (item 3 and 4 need item 2's step time: it runs too)")
+    parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
+                        help="time every figure in this process's CPU time (default) or wall time")
     parser.add_argument("--memory-child", choices=["plain", "monitored"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    global CLOCK
+    CLOCK = args.clock
     torch.set_num_threads(args.threads)
     if args.memory_child:
-        memory_child(args.model, args.memory_child == "monitored", 4)
+        memory_child(args.models[0], args.memory_child == "monitored", 4)
         return
-    model = build(args.model)
-    layers, heads, width = SHAPES[args.model]
-    print(f"model: GPT-2 shape {layers} layers x {heads} heads, d_model {width}; batch 4 x 128; "
-          f"{args.threads} threads")
     only = set(args.only or "123456")
-    if "1" in only:
-        spectra(model, args.reps)
-    if only & {"2", "3", "4"}:
-        base = overhead(model, args.reps, args.steps, args.everys)
-        if "3" in only:
-            non_sampled_cost(model, base)
-        if "4" in only:
-            families(model, base, args.reps)
-    if "5" in only:
-        memory(args.model, args.reps, args.threads)
+    for size in args.models:
+        model = build(size)
+        layers, heads, width = SHAPES[size]
+        print(f"model: GPT-2 shape {layers} layers x {heads} heads, d_model {width}; batch 4 x 128; "
+              f"{args.threads} threads {load()}")
+        if "1" in only:
+            spectra(model, args.reps)
+        if only & {"2", "3", "4"}:
+            base = overhead(model, args.reps, args.steps, args.everys)
+            if "3" in only:
+                non_sampled_cost(model, base)
+            if "4" in only:
+                families(model, base, args.reps)
+        if "5" in only:
+            memory(size, args.reps, args.threads)
     if "6" in only:
         attention_scaling(args.reps, tuple(args.lengths))
 

@@ -3,15 +3,16 @@
 * :func:`rank`, :func:`world_size`: 0 and 1 unless ``torch.distributed`` is
   initialised. Only rank 0 writes files (the Monitor's ``logdir`` sinks and
   ``alerts.jsonl``).
-* :class:`QKVReader`: the Q/K/V weights (and gradients) of every monitored layer,
-  and its W_O weight where the layout names one (for the update ratio), as whole
+* :class:`QKVReader`: the Q/K/V weights (and gradients) of the monitored layers,
+  and the W_O weight where the layout names one (for the update ratio), as whole
   tensors in float32 or better. Plain parameters (one process, DDP) are read in
-  place, with no collective. FSDP2 parameters are DTensors sharded on one dim: the
-  local shards of every such weight of every layer (and of the Q/K/V gradients) go
-  into one flat buffer and one ``all_gather_into_tensor``; the full tensors are
-  rebuilt from it. Only the parameters a layout names are gathered,
-  and only when the Monitor reads them: on sampled steps, and at the call after a
-  sampled step for the update ratios.
+  place, with no collective. FSDP2 parameters are DTensors sharded on one dim: they
+  are read one layer at a time, the local shards of that layer's weights (and of
+  its Q/K/V gradients when the step samples them) packed into one flat buffer and
+  one ``all_gather_into_tensor``, so at most one layer's gathered weights exist at
+  a time. Only the parameters a layout names are gathered, and only when the
+  Monitor reads them: on steps that sample gradients, spectra or update ratios,
+  and at the call after an update-ratio sample.
 * :class:`SharedDetectors`: with ``stop_on_critical`` in a multi-rank job, every
   rank judges rank 0's observation (one broadcast per sampled step), so every rank
   raises :class:`~diag.detectors.core.TrainingHalted` at the same step and none is left
@@ -139,50 +140,48 @@ def _gather_sharded(mesh, shards: list[Tensor]) -> list[Tensor]:
 
 
 class QKVReader:
-    """Reads the Q/K/V weights (and gradients) of all monitored layers at once.
+    """Reads the Q/K/V weights (and gradients) of the monitored layers, a group of layers at a time.
 
-    The Monitor asks per layer; the first request of a round (a new kind, or a layer
-    asked twice) reads every layer, so a sharded model costs one collective per round
-    and all ranks issue it at the same point, whichever layers a rank then uses.
+    :meth:`groups`: plain parameters (one process, DDP) make one group of every layer: they are
+    read in place, nothing is gathered or copied. Sharded ones (FSDP2 DTensors) make one group
+    per layer, so the Monitor never holds more than one layer's gathered weights at a time
+    (docs/cost.md). :meth:`read` returns a group's whole tensors in float32 or better, gathered
+    in one collective per group; every rank reads the same groups in the same order.
     output: read W_O too (under ``layout.o``; its weight only, never its gradient).
     """
 
     def __init__(self, layers: Sequence[AttentionLayer], grads: bool = True, output: bool = True) -> None:
         self.layers, self.grads, self.output = list(layers), grads, output
-        self._kind: str | None = None
-        self._cache: dict[int, tuple[dict[str, Tensor], dict[str, Tensor] | None]] = {}
-        self._served: set[int] = set()
 
-    def weights_and_grads(self, layer: AttentionLayer) -> tuple[dict[str, Tensor], dict[str, Tensor] | None]:
-        """Weights and grads (None when a grad is missing) of ``layer``, as of a sampled step."""
-        return self._get(layer, "sample")
+    def sharded(self) -> bool:
+        """Whether any weight is a DTensor (checked at each call: a model may be sharded after attaching)."""
+        dtensor = _dtensor_type()
+        return dtensor is not None and any(isinstance(p, dtensor) for layer in self.layers
+                                           for p in layer.weights().values())
 
-    def weights(self, layer: AttentionLayer) -> dict[str, Tensor]:
-        """Weights of ``layer``, as after the optimizer step that followed a sampled step."""
-        return self._get(layer, "after")[0]
+    def groups(self) -> list[list[AttentionLayer]]:
+        """The layers in reading order: one group of all (plain), or one layer per group (sharded)."""
+        return [[layer] for layer in self.layers] if self.sharded() else [list(self.layers)]
 
-    def _get(self, layer: AttentionLayer, kind: str):
-        if kind != self._kind or layer.index in self._served or layer.index not in self._cache:
-            self._read(kind)
-        self._served.add(layer.index)
-        return self._cache.pop(layer.index)
-
-    def _read(self, kind: str) -> None:
-        self._kind, self._served, self._cache = kind, set(), {}
-        params = [layer.params() for layer in self.layers]
-        weights = [layer.weights() if self.output else named for layer, named in zip(self.layers, params)]
+    def read(
+        self, group: Sequence[AttentionLayer], weights: bool = True, grads: bool = False
+    ) -> list[tuple[dict[str, Tensor] | None, dict[str, Tensor] | None]]:
+        """(weights, grads) of each layer of ``group``: weights None when not asked, grads None when
+        not asked or when a Q/K/V parameter has no ``.grad``."""
         tensors: list[Tensor] = []
-        for named, every in zip(params, weights):
-            tensors += list(every.values())
-            grads = [p.grad for p in named.values()]
-            if self.grads and kind == "sample" and all(g is not None for g in grads):
-                tensors += grads
-        full = iter(gather_full(tensors))  # one collective for every layer's weights and Q/K/V grads
-        for layer, named, every in zip(self.layers, params, weights):
-            read = {n: next(full) for n in every}
-            has_grads = self.grads and kind == "sample" and all(p.grad is not None for p in named.values())
-            grads = {n: next(full) for n in named} if has_grads else None
-            self._cache[layer.index] = (read, grads)
+        plan = []
+        for layer in group:
+            named = layer.params()
+            wanted = (layer.weights() if self.output else named) if weights else {}
+            with_grads = grads and self.grads and all(p.grad is not None for p in named.values())
+            tensors += list(wanted.values()) + ([p.grad for p in named.values()] if with_grads else [])
+            plan.append((list(wanted), list(named) if with_grads else None))
+        full = iter(gather_full(tensors))  # one collective for the group
+        out = []
+        for names, grad_names in plan:
+            read = {n: next(full) for n in names} if weights else None
+            out.append((read, None if grad_names is None else {n: next(full) for n in grad_names}))
+        return out
 
 
 class SharedDetectors:

@@ -1,6 +1,6 @@
 """The Monitor: attach to a model in one line, call ``step`` once per training step.
 
-    monitor = Monitor(model, logdir="runs/exp1", every=10)
+    monitor = Monitor(model, logdir="runs/exp1")
     ...
     loss.backward()
     monitor.step(step, loss=loss)   # after backward (and clipping), before optimizer.step()
@@ -10,7 +10,9 @@ Semantics: values logged at step t describe the model of step t's forward and
 backward; ``update_*`` at step t describe the update that optimizer step t applied
 (measured at the next ``step`` call or at ``close``). A non-sampled step costs a
 few attribute reads. A sampled step works under ``no_grad``, draws no random
-numbers and only reads parameters and gradients.
+numbers and only reads parameters and gradients. Which families a step samples
+is the cadence (:mod:`hooks.cadence`): by default the loss, the gradient norms and
+the spectra every 10 steps, update ratios and attention every 100 (docs/cost.md).
 """
 
 from __future__ import annotations
@@ -20,8 +22,7 @@ import importlib.util
 import logging
 import math
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 import torch
@@ -29,9 +30,8 @@ from torch import Tensor, nn
 
 from diag.detectors.core import Alert, AlertConfig, Detectors, Observation, TrainingHalted
 from diag.errors import ConfigError, WarnOnce
-from diag.layouts.vocab import QKVLayout, split_projections, split_qkv
-from diag.math.metrics import DEFAULT_SEC_TOP, grad_metrics, layer_spectra
-from diag.math.updates import UpdateTracker
+from diag.layouts.vocab import QKVLayout
+from diag.math.metrics import DEFAULT_SEC_TOP
 from diag.offline.layoutfile import FILE_NAME as LAYOUT_FILE
 from diag.offline.layoutfile import LayoutEntry, layout_document, write_layout_file
 from diag.outputs.alert_sink import AlertSink
@@ -39,9 +39,11 @@ from diag.outputs.records import attention_metrics, build_record, host_arrays, p
 from diag.outputs.sinks import FanOut, JsonlSink, Record, Sink, TensorBoardSink, check_logdir
 from diag.outputs.tags import layer_tag
 from diag.outputs.tb_views import TensorBoardViews
+from hooks.cadence import resolve_cadence
 from hooks.compiled import EagerCapture
 from hooks.discovery import AttentionLayer, discover, unconfirmable
-from hooks.distributed import QKVReader, SharedDetectors, rank, world_size
+from hooks.distributed import SharedDetectors, rank, world_size
+from hooks.weightside import WeightSide
 
 __all__ = ["Monitor", "SIGNALS"]
 
@@ -59,7 +61,14 @@ class Monitor:
         model: any ``nn.Module`` holding attention layers.
         logdir: TensorBoard run directory; ``metrics.jsonl`` and ``alerts.jsonl`` go
             there too. Checked writable now. None: only ``sinks``.
-        every: sample steps where ``step % every == 0``.
+        every: sample every family at steps where ``step % every == 0`` (the uniform cadence
+            of earlier versions). Default None: the per-family cadence of
+            :data:`hooks.cadence.DEFAULT_CADENCE` (loss, gradient norms and spectra every 10
+            steps, update ratios and attention every 100), which costs under 1% of training
+            time on GPT-2-small shapes (docs/cost.md).
+        cadence: ``{family: steps between samples}`` for some of ``"loss"``, ``"grads"``,
+            ``"spectra"``, ``"attention"``, ``"updates"``; overrides ``every`` or the default
+            for the families named.
         per_head: log every head's scalars; default: when the model has at most
             256 heads in total.
         spec: ``{module-name pattern: QKVLayout}``; overrides discovery.
@@ -77,7 +86,8 @@ class Monitor:
         images: write TensorBoard images (layer x head heatmaps, update ratios over time,
             attention maps of heads an alert names); default: when ``logdir`` is set.
         image_every: heatmaps and update-ratio images every this many steps (a multiple of
-            ``every``); default ``10 * every``. Attention maps go out at every alert.
+            ``every``, or of the steps that sample every family); default ten such periods
+            (``10 * every``; 1000 steps at the default cadence). Attention maps go out at every alert.
         grad_scaler: the fp16 ``GradScaler`` of the loop, if any: a sampled step whose
             gradients overflowed (the scaler skips its update) then raises an info
             ``gradient_overflow`` alert instead of a critical ``nonfinite_gradients``.
@@ -87,8 +97,9 @@ class Monitor:
         self,
         model: nn.Module,
         logdir: str | os.PathLike | None = None,
-        every: int = 10,
+        every: int | None = None,
         *,
+        cadence: Mapping[str, int] | None = None,
         per_head: bool | None = None,
         spec: Mapping[str, QKVLayout] | None = None,
         signals: Iterable[str] = SIGNALS,
@@ -107,12 +118,12 @@ class Monitor:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ConfigError(f"Monitor(model=...) needs an nn.Module, got {type(model).__name__}")
-        if not isinstance(every, int) or every < 1:
-            raise ConfigError(f"Monitor(every={every!r}): expected an integer >= 1, e.g. every=10")
         self.signals = frozenset(signals)
         unknown = self.signals - set(SIGNALS)
         if unknown:
             raise ConfigError(f"Monitor(signals=...) has unknown {sorted(unknown)}; choose from {SIGNALS}")
+        self.cadence = resolve_cadence(every, cadence, self.signals)
+        self._explicit_every = every
         for name, value in (("sec_top", sec_top), ("attn_seqs", attn_seqs), ("attn_rank_rows", attn_rank_rows)):
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"Monitor({name}={value!r}): expected an integer >= 1")
@@ -120,7 +131,7 @@ class Monitor:
             raise ConfigError(f"Monitor(grad_scaler=...): expected a torch.amp.GradScaler, got "
                               f"{type(grad_scaler).__name__}")
         self.grad_scaler = grad_scaler
-        self.model, self.every, self.sec_top = model, every, sec_top
+        self.model, self.every, self.sec_top = model, self.cadence.base, sec_top
         self.layers: list[AttentionLayer] = discover(model, spec)
         total_heads = sum(layer.layout.n_heads for layer in self.layers)
         self.per_head = per_head_default(total_heads) if per_head is None else per_head
@@ -138,13 +149,11 @@ class Monitor:
         self.detectors = Detectors(alerts or AlertConfig())
         if world_size() > 1:
             self.detectors = SharedDetectors(self.detectors, stop_on_critical)
-        # FSDP2: gathers on sampled steps; W_O only for its update ratio
-        self._reader = QKVReader(self.layers, grads="grads" in self.signals, output="updates" in self.signals)
+        # FSDP2: gathers a layer at a time on sampled steps; W_O only for its update ratio
+        self._warn_once = WarnOnce(log, stacklevel=3)  # (kind, message): each kind of fault reported once
+        self._weights = WeightSide(self.layers, self.signals, sec_top, self._warn_once)
         self.capture = EagerCapture(self.layers, attn_seqs, attn_rank_rows, model=model)
         self.last: dict[str, float] = {}
-        self.updates = UpdateTracker()
-        self._snapshot: tuple[int, list] | None = None
-        self._warn_once = WarnOnce(log, stacklevel=3)  # (kind, message): each kind of fault reported once
         # Layers whose captured attention disagreed with their layout: every metric of theirs is
         # suspect (the head split may be wrong), so none is logged from then on.
         self.refused: dict[int, str] = {}
@@ -161,19 +170,21 @@ class Monitor:
     # ------------------------------------------------------------------ public
 
     def should_sample(self, step: int) -> bool:
-        return step % self.every == 0
+        """Whether ``step`` samples any family (the loss included)."""
+        return bool(self.cadence.due(step))
 
     def step(self, step: int, loss: Tensor | float | None = None) -> None:
         """Call once per training step, after backward and before ``optimizer.step()``."""
         if self._closed:
             return
-        if self._snapshot is not None:
+        if self._weights.pending is not None:
             self._guard("updates", self._finish_updates)
-        if step % self.every == 0:
-            self._guard("sample", self._sample, step, loss)
-        elif self.capture.armed:
+        due = self.cadence.due(step)
+        if due:
+            self._guard("sample", self._sample, step, loss, due)
+        if self.capture.armed and "attention" not in due:
             self.capture.disarm()
-        if "attention" in self.signals and (step + 1) % self.every == 0:
+        if self.cadence.is_due("attention", step + 1):
             self.capture.arm()
 
     def log_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
@@ -194,9 +205,9 @@ class Monitor:
             return
         self._closed = True
         self.capture.disarm()
-        if self._snapshot is not None and measure_pending:
+        if self._weights.pending is not None and measure_pending:
             self._guard("updates", self._finish_updates)
-        self._snapshot = None
+        self._weights.pending = None
         self.sinks.close()
 
     def __enter__(self) -> Monitor:
@@ -239,28 +250,21 @@ class Monitor:
         except Exception as err:  # noqa: BLE001 - the training run must go on
             self._warn_once(what, f"diag: {what} failed at this step ({err!r}); training continues")
 
-    def _sample(self, step: int, loss: Tensor | float | None) -> None:
-        if "attention" in self.signals and not self.capture.armed:
+    def _sample(self, step: int, loss: Tensor | float | None, due: frozenset[str]) -> None:
+        if "attention" in due and not self.capture.armed:
             self._warn_once("unarmed", f"diag: step {step} is sampled but step {step - 1} was not "
                             "reported, so its attention was not captured; call monitor.step for every "
                             "training step with consecutive step numbers")
         self.refused.update(self.capture.layout_refused)
-        results, problems = self.capture.take() if "attention" in self.signals else ({}, {})
-        spectra_failed = False
+        results, problems = self.capture.take() if "attention" in due else ({}, {})
         with torch.no_grad():
-            sides = [self._weight_side(layer) for layer in self.layers]
-            per_layer, weights = [values for values, _ in sides], [w for _, w in sides]
-            if "spectra" in self.signals:
-                spectra_failed = not self._spectra(step, per_layer, weights)
+            by_index, spectra_failed = self._weights.sample(step, due)
+            per_layer = [by_index[layer.index] for layer in self.layers]
             for layer, values in zip(self.layers, per_layer):
                 self._attention(layer, values, results, problems)
                 if layer.index in self.refused:
                     values.clear()  # its weights are still snapshotted: the update is dropped when measured
-            record, arrays = self._record(step, per_layer, weights)
-        loss_value = None
-        if loss is not None:
-            loss_value = float(loss.detach()) if isinstance(loss, Tensor) else float(loss)
-            record.scalars["loss"] = loss_value
+            record, arrays, loss_value = self._record(step, per_layer, loss if "loss" in due else None)
         if spectra_failed:  # NaN from a failed solver, already reported: not a sign of NaN weights
             arrays = {label: {m: v for m, v in metrics.items() if m not in SPECTRAL_METRICS}
                       for label, metrics in arrays.items()}
@@ -276,7 +280,7 @@ class Monitor:
         if overflow:
             alerts.append(Alert(step, "gradient_overflow", "info", "", f"gradients overflowed at step {step} "
                                 "under fp16 loss scaling; the GradScaler skips this update and lowers its scale"))
-        self._guard("tensorboard", self._tensorboard, record, arrays, results, alerts)
+        self._guard("tensorboard", self._tensorboard, record, arrays, results, alerts, due)
         self.alert_sink.emit(alerts)
 
     def _grad_overflow(self, arrays: dict) -> bool:
@@ -284,36 +288,6 @@ class Monitor:
             return False
         return any(not np.isfinite(values).all() for metrics in arrays.values()
                    for metric, values in metrics.items() if metric.startswith("grad_"))
-
-    def _weight_side(self, layer: AttentionLayer) -> tuple[dict[str, Tensor], _Weights]:
-        """The layer's gradient metrics, and its weights split per head for the spectra and the update."""
-        values: dict[str, Tensor] = {}
-        weights, grads = self._reader.weights_and_grads(layer)  # whole tensors, float32 or better
-        if "grads" in self.signals:
-            if grads is not None:
-                values.update(grad_metrics(*split_qkv(grads, layer.layout)))
-            else:
-                self._warn_once("no-grad", f"diag: {layer.name} has no .grad at a sampled step; "
-                                "call monitor.step after loss.backward()")
-        projections = split_projections(weights, layer.layout) if "updates" in self.signals else None
-        # K row h: the key head of query head h (kv_map), so the spectra pair heads as the model does
-        return values, _Weights(split_qkv(weights, layer.layout, paired=True), projections)
-
-    def _spectra(self, step: int, per_layer: Sequence[dict], weights: Sequence[_Weights]) -> bool:
-        """The spectra of every layer; if the linear algebra fails (an eigensolver or SVD that does
-        not converge raises), they are NaN at this step and the other families are still logged."""
-        qk = [w.qkv[:2] for w in weights]
-        try:
-            out = layer_spectra(qk, self.sec_top)
-        except Exception as err:  # noqa: BLE001 - e.g. torch.linalg.LinAlgError
-            self._warn_once("spectra", f"diag: spectra failed at step {step} ({err!r}); logged as NaN, "
-                            "the other signals are kept, training continues")
-            for values, (wq, _) in zip(per_layer, qk):
-                values.update(_nan_spectra(wq))
-            return False
-        for values, metrics in zip(per_layer, out):
-            values.update(metrics)
-        return True
 
     def _attention(self, layer, values: dict, results: dict, problems: dict) -> None:
         if layer.index in self.refused:  # every metric of the layer is dropped: say so, once
@@ -330,21 +304,29 @@ class Monitor:
         if stats is not None:
             values.update(attention_metrics(stats))
 
-    def _record(self, step: int, per_layer: Sequence[dict], weights: Sequence[_Weights]) -> tuple[Record, dict]:
-        if "updates" in self.signals:
-            self._snapshot = (step, self.updates.snapshot([w.projections for w in weights]))
-        arrays = host_arrays([(layer.label, values) for layer, values in zip(self.layers, per_layer)])
-        return build_record(step, arrays, self.per_head), arrays
+    def _record(
+        self, step: int, per_layer: list[dict], loss: Tensor | float | None
+    ) -> tuple[Record, dict, float | None]:
+        """The record, the detectors' arrays and the loss as a float: a loss tensor travels to the host
+        in the same transfer as every metric (one host sync per sampled step on an accelerator)."""
+        rows = [(layer.label, values) for layer, values in zip(self.layers, per_layer)]
+        if isinstance(loss, Tensor):
+            rows.append(("", {"loss": loss.detach().reshape(1)}))  # a scalar, as float(loss) requires
+        arrays = host_arrays(rows)
+        loss_value = float(arrays.pop("")["loss"][0]) if isinstance(loss, Tensor) else loss
+        loss_value = None if loss_value is None else float(loss_value)
+        record = build_record(step, arrays, self.per_head)
+        if loss_value is not None:
+            record.scalars["loss"] = loss_value
+        return record, arrays, loss_value
 
     def _finish_updates(self) -> None:
-        step, snapshot = self._snapshot
-        self._snapshot = None
         scalars: dict[str, float] = {}
         arrays: dict[str, dict[str, np.ndarray]] = {}
         with torch.no_grad():
-            after = [split_projections(self._reader.weights(layer), layer.layout) for layer in self.layers]
-            measured = self.updates.measure(snapshot, after)
-        kept = [(layer, m) for layer, m in zip(self.layers, measured) if layer.index not in self.refused]
+            step, measured = self._weights.measure()
+        kept = [(layer, measured[layer.index]) for layer in self.layers
+                if layer.index in measured and layer.index not in self.refused]
         names = [(layer.label, metric) for layer, m in kept for metric in m]
         values = torch.stack([v.double() for _, m in kept for v in m.values()]).tolist() if names else []  # one sync
         for (label, metric), value in zip(names, values):
@@ -366,13 +348,16 @@ class Monitor:
 
     def _init_tensorboard(self, images: bool | None, image_every: int | None) -> None:
         """The image options (docs/tensorboard.md); the update-ratio history rides along as a sink."""
+        full = self.cadence.full  # the steps that sample every family
         if image_every is None:
-            image_every = 10 * self.every
+            image_every = 10 * full
         problem = None
         if isinstance(image_every, bool) or not isinstance(image_every, int) or image_every < 1 \
-                or image_every % self.every:
-            problem = (f"Monitor(image_every={image_every!r}): expected a positive multiple of every={self.every} "
-                       f"(images are drawn at sampled steps), e.g. image_every={10 * self.every}")
+                or image_every % full:
+            period = f"every={full}" if self._explicit_every == full else \
+                f"{full} (the steps that sample every family, cadence {dict(self.cadence.periods)})"
+            problem = (f"Monitor(image_every={image_every!r}): expected a positive multiple of {period} "
+                       f"(images are drawn at sampled steps), e.g. image_every={10 * full}")
         elif images is not None and not isinstance(images, bool):
             problem = f"Monitor(images={images!r}): expected True, False or None (None: when logdir is set)"
         elif images and importlib.util.find_spec("PIL") is None:  # SummaryWriter.add_image encodes with Pillow
@@ -388,22 +373,10 @@ class Monitor:
                                        image_every=image_every, updates="updates" in self.signals,
                                        with_o=any(layer.o is not None for layer in self.layers))
 
-    def _tensorboard(self, record: Record, arrays: dict, results: dict, alerts: list[Alert]) -> None:
-        """The layout, alert events and images of this step (diag.outputs.tb_views)."""
+    def _tensorboard(self, record: Record, arrays: dict, results: dict, alerts: list[Alert],
+                     due: frozenset[str]) -> None:
+        """The layout, alert events and images of this step (diag.outputs.tb_views); the layout is built
+        from the tags of the first step that samples every family."""
         maps = {layer.label: getattr(results.get(layer.index), "maps", None) for layer in self.layers}
-        self._views.on_sample(record, arrays, maps, alerts)
+        self._views.on_sample(record, arrays, maps, alerts, complete=due == frozenset(self.cadence.periods))
 
-
-class _Weights(NamedTuple):
-    """One layer's weights read at a sampled step, kept apart from its metrics (never logged)."""
-
-    qkv: tuple[Tensor, Tensor, Tensor]  # per head: wq (H, D, E), wk (G, D, E), wv (G, D, E)
-    projections: dict[str, Tensor] | None  # q, k, v (and o) of split_projections, for the update ratio
-
-
-def _nan_spectra(wq: Tensor) -> dict[str, Tensor]:
-    """The spectral metrics of one layer (per-head wq: (H, D, E)) as NaN, in their usual shapes."""
-    heads, dim = wq.shape[0], wq.shape[1]
-    nan = torch.full((heads,), torch.nan, dtype=torch.float64, device=wq.device)
-    return {"qk_sigma1": nan, "qk_sec": nan, "qk_erank": nan, "qk_stable_rank": nan,
-            "qk_spectrum": torch.full((heads, dim), torch.nan, dtype=torch.float64, device=wq.device)}

@@ -66,10 +66,12 @@ class TensorBoardViews:
             sinks.add(self.history)  # rides along as a sink: sees the update ratios when they arrive
 
     def on_sample(self, record: Record, arrays: Mapping[str, Mapping[str, np.ndarray]],
-                  maps: Mapping[str, object], alerts: Sequence) -> None:
-        """maps: layer label -> (heads, queries, keys) attention probabilities of that layer, or None."""
+                  maps: Mapping[str, object], alerts: Sequence, complete: bool = True) -> None:
+        """maps: layer label -> (heads, queries, keys) attention probabilities of that layer, or None.
+        complete: this step sampled every signal family (hooks.cadence); the layout waits for such a step,
+        so that its charts are built from every family's tags."""
         extra = Record(record.step, runs=alert_events(alerts))
-        if not self._layout_written:
+        if not self._layout_written and complete:
             self._layout_written = True
             self.sinks.write_layout(build_layout(record.scalars, updates=self.updates))
         if not self._constants_written:

@@ -28,8 +28,9 @@ _SET_BY_CALLBACK = {"model": "the trainer's model", "purge_step": "the trainer's
 
 def check_monitor_kwargs(owner: str, every: object, kwargs: dict[str, Any]) -> dict[str, Any]:
     """Refuse, at construction, what ``Monitor`` would refuse only when training starts."""
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ConfigError(f"{owner}(every={every!r}): expected an integer >= 1, e.g. every=10")
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        raise ConfigError(f"{owner}(every={every!r}): expected an integer >= 1 or None (the Monitor's "
+                          "per-family default cadence), e.g. every=10")
     accepted = [p for p in inspect.signature(Monitor).parameters if p not in ("model", "logdir", "every")]
     for name in kwargs:
         if name in _SET_BY_CALLBACK:

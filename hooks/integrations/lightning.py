@@ -37,7 +37,8 @@ class MonitorCallback(pl.Callback):
     Args:
         logdir: the Monitor's run directory; default ``<trainer.log_dir>/attnscope`` (inside the
             logger's version folder, so ``tensorboard --logdir lightning_logs`` shows both).
-        every: sample optimizer steps where ``global_step % every == 0``.
+        every: as ``Monitor(every=...)``: None (default) for the per-family cadence of
+            :mod:`hooks.cadence`, N for every family at ``global_step % N == 0``.
         **monitor_kwargs: passed to ``Monitor`` (``per_head``, ``spec``, ``signals``, ``alerts``,
             ``on_alert``, ``stop_on_critical``, ``sinks``, ...).
 
@@ -46,7 +47,9 @@ class MonitorCallback(pl.Callback):
     ``state_dict``/``load_state_dict`` carry the detectors' state in Lightning checkpoints.
     """
 
-    def __init__(self, logdir: str | os.PathLike | None = None, every: int = 10, **monitor_kwargs: Any) -> None:
+    def __init__(
+        self, logdir: str | os.PathLike | None = None, every: int | None = None, **monitor_kwargs: Any
+    ) -> None:
         self.monitor_kwargs, self._stop = callback_options(every, monitor_kwargs)
         self.logdir, self.every = logdir, every
         self.monitor: Monitor | None = None

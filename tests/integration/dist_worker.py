@@ -12,7 +12,8 @@ process's first two, and the Monitor analyses ``attn_seqs=2`` sequences, so the
 attention statistics are comparable too.
 
 Writes (rank 0): the Monitor's logdir ``OUT/logs`` (``metrics.jsonl``), ``OUT/collectives.json``
-(collectives issued inside each ``monitor.step`` call, counted with a dispatch mode);
+(collectives issued inside each ``monitor.step`` call, counted with a dispatch mode) and
+``OUT/collective_sizes.json`` (the elements of the largest tensor each of them moved);
 every rank writes ``OUT/last_rank{r}.json`` (its ``monitor.last``), ``OUT/losses_rank{r}.json``
 (its losses) and ``OUT/halted_rank{r}.json`` (the step TrainingHalted stopped it, or null).
 Not a test module (no ``test_`` prefix): pytest does not collect it.
@@ -62,11 +63,15 @@ class CountCollectives(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.names: list[str] = []
+        self.sizes: list[int] = []  # elements of the largest tensor each collective wrote or read
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func.overloadpacket)
         if name.split(".")[0] in ("c10d", "_c10d_functional") and any(w in name for w in COLLECTIVE_WORDS):
             self.names.append(name)
+            tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a])
+                       if isinstance(t, torch.Tensor)]
+            self.sizes.append(max((t.numel() for t in tensors), default=0))
         return func(*args, **(kwargs or {}))
 
 
@@ -89,7 +94,8 @@ def main() -> None:
     parser.add_argument("mode", choices=("single", "ddp", "fsdp"))
     parser.add_argument("out", type=Path)
     parser.add_argument("--steps", type=int, default=7)
-    parser.add_argument("--every", type=int, default=3)
+    parser.add_argument("--every", type=int, default=3, help="0: the Monitor's default per-family cadence")
+    parser.add_argument("--cadence", type=json.loads, default=None, help='e.g. {"spectra": 100}')
     parser.add_argument("--nan-loss", action="append", default=[], metavar="RANK:STEP",
                         help="this rank reports a NaN loss at this step (stop_on_critical is then on)")
     args = parser.parse_args()
@@ -100,9 +106,11 @@ def main() -> None:
     model = wrap(build(), args.mode)
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     nan_at = {tuple(int(x) for x in spec.split(":")) for spec in args.nan_loss}
-    monitor = Monitor(model, logdir=args.out / "logs", every=args.every, attn_seqs=2, images=False,
+    monitor = Monitor(model, logdir=args.out / "logs", every=args.every or None, attn_seqs=2, images=False,
+                      cadence=args.cadence,
                       stop_on_critical=bool(nan_at))
     collectives: dict[int, list[str]] = {}
+    sizes: dict[int, list[int]] = {}
     losses = []
     halted = None
     for step in range(args.steps):
@@ -116,7 +124,7 @@ def main() -> None:
                 monitor.step(step, loss=reported)
             except TrainingHalted:
                 halted = step
-        collectives[step] = counter.names
+        collectives[step], sizes[step] = counter.names, counter.sizes
         if halted is not None:
             break
         losses.append(float(loss.detach()))
@@ -125,11 +133,13 @@ def main() -> None:
     with CountCollectives() as counter:
         monitor.close()
     collectives[args.steps] = counter.names  # close() measures the last sampled step's update
+    sizes[args.steps] = counter.sizes
     (args.out / f"last_rank{rank}.json").write_text(json.dumps(monitor.last))
     (args.out / f"halted_rank{rank}.json").write_text(json.dumps(halted))
     (args.out / f"losses_rank{rank}.json").write_text(json.dumps(losses))
     if rank == 0:
         (args.out / "collectives.json").write_text(json.dumps(collectives))
+        (args.out / "collective_sizes.json").write_text(json.dumps(sizes))
     if args.mode != "single":
         dist.barrier()
         dist.destroy_process_group()

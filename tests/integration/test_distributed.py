@@ -5,9 +5,10 @@ three ways; rank 0's metrics.jsonl must equal the single process's within float
 tolerance, tag for tag, except the loss (each rank logs the loss it passes: its
 own half of the batch); the update ratios of W_O (``c_proj``, sharded unevenly like
 ``c_attn``) among them. The worker counts the collectives issued inside every
-``monitor.step``: none under DDP; under FSDP2 exactly one all-gather on a sampled
-step (Q/K/V and O weights and Q/K/V gradients packed) and one at the next call
-(weights after the optimizer step, for the update ratios), none on other steps.
+``monitor.step``: none under DDP; under FSDP2 one all-gather per layer on a sampled
+step (that layer's Q/K/V and O weights and Q/K/V gradients packed: never more than one
+layer's gathered weights at a time) and one per layer at the next call (weights after
+the optimizer step, for the update ratios), none on other steps.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import pytest
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 ROOT = WORKER.parents[2]
-EVERY, STEPS = 3, 7  # sampled: 0, 3, 6; update ratios measured at 1, 4 and at close
+EVERY, STEPS, LAYERS = 3, 7, 2  # sampled: 0, 3, 6; update ratios measured at 1, 4 and at close
 GLOBAL = ("qk_", "grad_", "update_")  # the same on every rank: weights, reduced gradients, updates
 
 
@@ -93,13 +94,39 @@ def test_two_ranks_log_the_single_process_numbers(mode, single, tmp_path):
 
 
 def _check_collectives(mode: str, out: Path) -> None:
-    """DDP: none. FSDP2: one all-gather at a sampled step and one at the call after it (7 = close)."""
+    """DDP: none. FSDP2: one all-gather per layer (2) at a sampled step and at the call after it (7 = close),
+    each the same size: one layer's weights (and grads), never every layer's at once."""
     counted = {int(k): v for k, v in json.loads((out / "collectives.json").read_text()).items()}
+    sizes = {int(k): v for k, v in json.loads((out / "collective_sizes.json").read_text()).items()}
     assert sorted(counted) == list(range(STEPS + 1))
     gathered = {0, 1, 3, 4, 6, 7} if mode == "fsdp" else set()
     for step, names in counted.items():
-        assert len(names) == (1 if step in gathered else 0), (mode, step, names)
+        assert len(names) == (LAYERS if step in gathered else 0), (mode, step, names)
         assert all("allgather" in n or "all_gather" in n for n in names), names
+        assert len(set(sizes[step])) <= 1, (step, sizes[step])  # per layer: equal layers, equal gathers
+    if mode == "fsdp":  # a sampled step gathers weights and grads, the call after it weights only
+        assert sizes[0][0] > sizes[1][0] > 0
+
+
+def test_fsdp_default_cadence_gathers_what_each_step_samples(tmp_path_factory):
+    """Default cadence (spectra every 100) over 12 steps: step 0 samples everything (two layers: one gather
+    each, weights and grads), step 1 measures its update ratios (weights), step 10 samples loss and
+    gradient norms only (grads alone: smaller gathers); the values equal one process's."""
+    single, fsdp = tmp_path_factory.mktemp("single_default"), tmp_path_factory.mktemp("fsdp_default")
+    extra = ("--every", "0", "--steps", "12", "--cadence", '{"spectra": 100}')
+    _run("single", single, *extra)
+    _run("fsdp", fsdp, *extra)
+    ref, got = _metrics(single), _metrics(fsdp)
+    assert set(got) == set(ref)
+    assert {step for step, tag in ref if tag.startswith("grad_norm_q")} == {0, 10}
+    assert {step for step, tag in ref if tag.startswith(("qk_", "update_", "attn_"))} == {0}
+    bad = [k for k in ref if k[1] != "loss" and not _close(ref[k], got[k])]
+    assert not bad, f"{len(bad)} of {len(ref)} values differ, e.g. {bad[:5]}"
+    counted = {int(k): v for k, v in json.loads((fsdp / "collectives.json").read_text()).items()}
+    sizes = {int(k): v for k, v in json.loads((fsdp / "collective_sizes.json").read_text()).items()}
+    assert {s for s, names in counted.items() if names} == {0, 1, 10}
+    assert all(len(counted[s]) == LAYERS for s in (0, 1, 10))
+    assert sizes[0][0] > sizes[1][0] > sizes[10][0] > 0  # weights+grads > weights (Q/K/V/O) > Q/K/V grads
 
 
 def test_stop_on_critical_agrees_across_ranks(tmp_path):

@@ -1,0 +1,82 @@
+"""Which signal families a step samples: one period per family (docs/cost.md).
+
+The families differ a hundredfold in cost (measured on GPT-2-small shapes, a
+sampled step as a fraction of one CPU training step: loss ~0.01%, gradient norms
+1%, spectra 3.4%, update ratios 9.8%, attention capture 11.4%) and in how fast
+what they watch moves. The default cadence samples the cheap families, the loss
+and the Q/K/V gradient norms (what the loss-spike, non-finite and plateau
+detectors read) and the spectra (the early collapse warning compares sigma_1
+between consecutive samples) every 10 steps, and the costly ones, update ratios
+and attention (the malignant-collapse detector), every 100 steps; every step
+number that is a multiple of a family's period samples that family, so step 0,
+100, 200, ... sample all of them and the tags of each family carry the steps it
+was sampled at.
+
+``Monitor(every=N)`` keeps its old meaning: every family every N steps.
+``Monitor(cadence={"attention": 50})`` changes the named periods only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from diag.errors import ConfigError
+
+__all__ = ["FAMILIES", "DEFAULT_CADENCE", "Cadence", "resolve_cadence"]
+
+FAMILIES = ("loss", "grads", "spectra", "attention", "updates")
+
+# Steps between two samples of each family when neither ``every`` nor ``cadence`` names it.
+DEFAULT_CADENCE: Mapping[str, int] = {"loss": 10, "grads": 10, "spectra": 10, "attention": 100, "updates": 100}
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """periods: family -> steps between its samples (only the families that are on)."""
+
+    periods: Mapping[str, int]
+
+    def due(self, step: int) -> frozenset[str]:
+        """The families sampled at ``step``."""
+        return frozenset(f for f, period in self.periods.items() if step % period == 0)
+
+    def is_due(self, family: str, step: int) -> bool:
+        period = self.periods.get(family)
+        return period is not None and step % period == 0
+
+    @property
+    def base(self) -> int:
+        """The shortest period: no step between two of its multiples samples anything."""
+        return min(self.periods.values(), default=1)
+
+    @property
+    def full(self) -> int:
+        """The least common multiple of the periods: the steps that sample every family."""
+        return math.lcm(*self.periods.values()) if self.periods else 1
+
+
+def resolve_cadence(every: int | None, cadence: Mapping[str, int] | None, signals: Iterable[str]) -> Cadence:
+    """The periods of the families that are on (``signals`` plus the loss).
+
+    every: None for :data:`DEFAULT_CADENCE`, else every family every ``every`` steps.
+    cadence: periods that override either, e.g. ``{"attention": 50}``.
+    """
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        raise ConfigError(f"Monitor(every={every!r}): expected an integer >= 1 or None (the default per-family "
+                          f"cadence {dict(DEFAULT_CADENCE)}), e.g. every=10")
+    if cadence is not None and not isinstance(cadence, Mapping):
+        raise ConfigError(f"Monitor(cadence={cadence!r}): expected a mapping family -> steps between samples, "
+                          "e.g. cadence={'attention': 50}")
+    overrides = dict(cadence or {})
+    unknown = sorted(set(overrides) - set(FAMILIES))
+    if unknown:
+        raise ConfigError(f"Monitor(cadence=...) has unknown families {unknown}; choose from {FAMILIES}")
+    for family, period in overrides.items():
+        if isinstance(period, bool) or not isinstance(period, int) or period < 1:
+            raise ConfigError(f"Monitor(cadence={{{family!r}: {period!r}}}): expected an integer >= 1 "
+                              f"(steps between two samples of {family})")
+    on = {"loss", *signals}
+    periods = {f: overrides.get(f, DEFAULT_CADENCE[f] if every is None else every) for f in FAMILIES if f in on}
+    return Cadence(periods)

@@ -1,0 +1,111 @@
+"""The weight-side families of a sampled step: gradient norms, spectra, update ratios.
+
+The layers are read in the groups of :meth:`hooks.distributed.QKVReader.groups`:
+all layers at once for plain parameters (read in place, nothing copied), one
+layer at a time for FSDP2 DTensors, whose gathered weights are dropped before the
+next layer is gathered. Within a group the spectra are batched across layers of
+equal shape (:func:`diag.math.metrics.layer_spectra`); the update-ratio snapshot
+and its warm-started sigma_1 tracker are kept per group.
+
+Only what the step's families need is read: weights for spectra and update
+ratios, gradients for the gradient norms; a step that samples only the loss
+reads nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from diag.layouts.vocab import split_projections, split_qkv
+from diag.math.metrics import grad_metrics, layer_spectra
+from diag.math.updates import UpdateTracker
+from hooks.discovery import AttentionLayer
+from hooks.distributed import QKVReader
+
+__all__ = ["WeightSide", "nan_spectra"]
+
+Warn = Callable[[str, str], None]  # (kind, message): reported once per kind
+
+
+class WeightSide:
+    """Per-layer metric tensors of the weight-side families; ``pending`` holds the update-ratio
+    snapshot of the last step that sampled them, measured by :meth:`measure` after the optimizer step."""
+
+    def __init__(self, layers: Sequence[AttentionLayer], signals: frozenset[str], sec_top: int, warn: Warn) -> None:
+        self.layers, self.sec_top, self.warn = list(layers), sec_top, warn
+        self.reader = QKVReader(self.layers, grads="grads" in signals, output="updates" in signals)
+        self.trackers: dict[int, UpdateTracker] = {}  # group position -> its warm-started tracker
+        self.pending: tuple[int, list[list[AttentionLayer]], list] | None = None  # step, groups, snapshots
+
+    def sample(self, step: int, due: frozenset[str]) -> tuple[dict[int, dict[str, Tensor]], bool]:
+        """{layer index: {metric: tensor}} of the families in ``due``, and whether the spectra failed."""
+        out: dict[int, dict[str, Tensor]] = {layer.index: {} for layer in self.layers}
+        weights, grads = bool(due & {"spectra", "updates"}), "grads" in due
+        if not (weights or grads):
+            return out, False
+        groups, snapshots, failed = self.reader.groups(), [], False
+        for g, group in enumerate(groups):
+            read = self.reader.read(group, weights=weights, grads=grads)  # (weights, grads) per layer
+            if grads:
+                self._grads(group, [gr for _, gr in read], out)
+            if not weights:
+                continue
+            # K row h: the key head of query head h (kv_map), so the spectra pair heads as the model does
+            qkv = [split_qkv(w, layer.layout, paired=True) for layer, (w, _) in zip(group, read)]
+            if "spectra" in due:
+                failed |= not self._spectra(step, group, [m[:2] for m in qkv], out)
+            if "updates" in due:
+                tracker = self.trackers.setdefault(g, UpdateTracker())
+                snapshots.append(tracker.snapshot([split_projections(w, layer.layout)
+                                                   for layer, (w, _) in zip(group, read)]))
+            del read, qkv  # under FSDP2: this layer's gathered weights go before the next is gathered
+        if "updates" in due:
+            self.pending = (step, groups, snapshots)
+        return out, failed
+
+    def measure(self) -> tuple[int, dict[int, dict[str, Tensor]]]:
+        """The pending update ratios: (the step they belong to, {layer index: metrics})."""
+        step, groups, snapshots = self.pending
+        self.pending = None
+        out: dict[int, dict[str, Tensor]] = {}
+        for g, (group, snapshot) in enumerate(zip(groups, snapshots)):
+            read = self.reader.read(group, weights=True)
+            after = [split_projections(w, layer.layout) for layer, (w, _) in zip(group, read)]
+            for layer, metrics in zip(group, self.trackers[g].measure(snapshot, after)):
+                out[layer.index] = metrics
+        return step, out
+
+    def _grads(self, group: list[AttentionLayer], grads: list, out: dict) -> None:
+        for layer, gr in zip(group, grads):
+            if gr is None:
+                self.warn("no-grad", f"diag: {layer.name} has no .grad at a sampled step; "
+                          "call monitor.step after loss.backward()")
+            else:
+                out[layer.index].update(grad_metrics(*split_qkv(gr, layer.layout)))
+
+    def _spectra(self, step: int, group: list[AttentionLayer], qk: list, out: dict) -> bool:
+        """Spectra of a group; if the linear algebra fails (an eigensolver or SVD that does not
+        converge raises), they are NaN at this step and the other families are still logged."""
+        try:
+            metrics = layer_spectra(qk, self.sec_top)
+        except Exception as err:  # noqa: BLE001 - e.g. torch.linalg.LinAlgError
+            self.warn("spectra", f"diag: spectra failed at step {step} ({err!r}); logged as NaN, "
+                      "the other signals are kept, training continues")
+            metrics = [nan_spectra(wq) for wq, _ in qk]
+            failed = True
+        else:
+            failed = False
+        for layer, m in zip(group, metrics):
+            out[layer.index].update(m)
+        return not failed
+
+
+def nan_spectra(wq: Tensor) -> dict[str, Tensor]:
+    """The spectral metrics of one layer (per-head wq: (H, D, E)) as NaN, in their usual shapes."""
+    heads, dim = wq.shape[0], wq.shape[1]
+    nan = torch.full((heads,), torch.nan, dtype=torch.float64, device=wq.device)
+    return {"qk_sigma1": nan, "qk_sec": nan, "qk_erank": nan, "qk_stable_rank": nan,
+            "qk_spectrum": torch.full((heads, dim), torch.nan, dtype=torch.float64, device=wq.device)}

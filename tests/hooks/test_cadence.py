@@ -1,0 +1,140 @@
+"""The per-family cadence: which step samples which family, visible in the tags' steps.
+
+* The default samples the loss, the gradient norms and the spectra every 10 steps and
+  update ratios and attention every 100; each family's tags carry exactly its steps.
+* What a family logs at a step it samples equals what the uniform ``every=10``
+  Monitor logs there: thinning the cadence loses no accuracy.
+* ``every=N`` keeps its old meaning (every family every N steps); ``cadence=``
+  overrides single families; bad values name the family and the fix.
+* The capture is armed only before steps that sample attention; the TensorBoard
+  layout waits for a step that samples every family (a resumed run).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import zoo
+
+from diag.errors import ConfigError
+from diag.outputs.sinks import MemorySink
+from hooks import Monitor
+from hooks.cadence import DEFAULT_CADENCE, FAMILIES, resolve_cadence
+
+FAMILY_OF = {"loss": "loss", "grad_": "grads", "qk_": "spectra", "attn_": "attention", "update_": "updates"}
+
+
+def family(tag: str) -> str:
+    return next(f for prefix, f in FAMILY_OF.items() if tag.startswith(prefix))
+
+
+def train(steps: int, start: int = 0, **monitor_kwargs) -> tuple[MemorySink, list[bool]]:
+    """A tiny nanoGPT (dropout off) trained ``steps`` steps from step ``start``; the sink, and whether
+    the capture was armed after each step's monitor.step call."""
+    case = zoo.nanogpt(dropout=0.0)
+    sink = MemorySink()
+    monitor = Monitor(case.model, sinks=[sink], images=False, **monitor_kwargs)
+    opt = torch.optim.AdamW(case.model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(0)
+    armed = []
+    for step in range(start, start + steps):
+        loss = case.loss(case.model, case.make_batch(gen))
+        loss.backward()
+        monitor.step(step, loss=loss)
+        armed.append(monitor.capture.armed)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    monitor.close()
+    return sink, armed
+
+
+def steps_by_family(sink: MemorySink) -> dict[str, set[int]]:
+    out: dict[str, set[int]] = {}
+    for record in sink.records:
+        for tag in record.scalars:
+            if not tag.startswith("alerts/"):
+                out.setdefault(family(tag), set()).add(record.step)
+    return out
+
+
+@pytest.fixture(scope="module")
+def default_run() -> MemorySink:
+    return train(201)[0]
+
+
+def test_default_cadence_is_visible_in_the_tags_steps(default_run):
+    seen = steps_by_family(default_run)
+    assert seen == {f: set(range(0, 201, DEFAULT_CADENCE[f])) for f in FAMILIES}
+    assert DEFAULT_CADENCE["loss"] == DEFAULT_CADENCE["grads"] == DEFAULT_CADENCE["spectra"] == 10
+    assert DEFAULT_CADENCE["attention"] == DEFAULT_CADENCE["updates"] == 100
+
+
+def test_thinned_families_equal_the_uniform_cadence_at_shared_steps(default_run):
+    """At steps both sample, the default cadence logs the very numbers of every=10 (tiny heads: exact
+    sigma_1, so no warm start makes them differ)."""
+    uniform = train(201, every=10)[0]
+    ref = {(r.step, t): v for r in uniform.records for t, v in r.scalars.items() if not t.startswith("alerts/")}
+    got = {(r.step, t): v for r in default_run.records for t, v in r.scalars.items() if not t.startswith("alerts/")}
+    assert set(got) <= set(ref)
+    assert {k for k in ref if k[0] % 100 == 0 or family(k[1]) in ("loss", "grads", "spectra")} == set(got)
+    bad = [k for k in got if not math.isclose(got[k], ref[k], rel_tol=1e-9, abs_tol=1e-12)]
+    assert not bad, bad[:5]
+
+
+def test_every_keeps_its_uniform_meaning():
+    sink, armed = train(7, every=3)
+    assert steps_by_family(sink) == {f: {0, 3, 6} for f in FAMILIES}
+    assert [s for s, a in enumerate(armed) if a] == [2, 5]  # armed after 2 and 5: before 3 and 6
+
+
+def test_cadence_overrides_single_families():
+    sink, armed = train(13, every=4, cadence={"attention": 6, "loss": 1})
+    seen = steps_by_family(sink)
+    assert seen["attention"] == {0, 6, 12} and seen["loss"] == set(range(13))
+    assert seen["spectra"] == seen["grads"] == seen["updates"] == {0, 4, 8, 12}
+    assert [s for s, a in enumerate(armed) if a] == [5, 11]
+
+
+def test_signals_off_have_no_cadence():
+    cadence = resolve_cadence(None, {"spectra": 7}, ("spectra", "grads"))
+    assert dict(cadence.periods) == {"loss": 10, "grads": 10, "spectra": 7}
+    assert cadence.due(70) == {"loss", "grads", "spectra"} and cadence.due(7) == {"spectra"}
+    assert cadence.full == 70 and cadence.base == 7
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"cadence": {"atention": 5}}, ["atention", "choose from"]),
+    ({"cadence": {"spectra": 0}}, ["'spectra': 0", "integer >= 1"]),
+    ({"cadence": [("spectra", 5)]}, ["cadence=", "mapping"]),
+    ({"every": 0}, ["every=0", "integer >= 1"]),
+])
+def test_bad_cadence_names_the_family_and_the_fix(kwargs, words):
+    with pytest.raises(ConfigError) as info:
+        Monitor(zoo.nanogpt().model, **kwargs)
+    assert all(w in str(info.value) for w in words), str(info.value)
+
+
+def test_image_every_is_a_multiple_of_the_full_period():
+    with pytest.raises(ConfigError, match=r"image_every=150.*multiple of 100 .*cadence.*image_every=1000"):
+        Monitor(zoo.nanogpt().model, image_every=150)
+
+
+def test_layout_waits_for_a_step_that_samples_every_family(tmp_path):
+    """A run resumed at step 1234: the first steps sample loss and grads only; the layout (charts of
+    every family) is written at 1300, the first step that samples them all."""
+    case = zoo.nanogpt(dropout=0.0)
+    sink = MemorySink()
+    monitor = Monitor(case.model, sinks=[sink], images=False, cadence={"loss": 1, "grads": 1})
+    gen = torch.Generator().manual_seed(0)
+    for step in list(range(1234, 1237)) + [1299, 1300]:
+        case.loss(case.model, case.make_batch(gen)).backward()
+        monitor.step(step)
+        case.model.zero_grad(set_to_none=True)
+        if step < 1300:
+            assert not sink.layouts
+    monitor.close()
+    assert len(sink.layouts) == 1
+    charts = str(sink.layouts[0])
+    assert all(metric in charts for metric in ("qk_sigma1", "attn_entropy", "grad_norm_q", "update_ratio_q"))
