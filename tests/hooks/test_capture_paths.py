@@ -308,7 +308,7 @@ def test_x_transformers_padded_batch_matches_its_own_attention(flash):
     """x-transformers (einsum logits, or SDPA with attn_flash), key padding through its ``mask`` argument (not
     called attention_mask: the padding is read from the kernel). Entropy and rank per head equal its own
     post-softmax attention (return_intermediates) over the token rows; q and k checked per head."""
-    xt = pytest.importorskip("x_transformers")
+    import x_transformers as xt  # in the test extra: never a skip
     torch.manual_seed(0)
     model = xt.TransformerWrapper(num_tokens=50, max_seq_len=16, attn_layers=xt.Encoder(
         dim=E, depth=2, heads=H, attn_dim_head=D, attn_flash=flash))

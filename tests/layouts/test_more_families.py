@@ -8,11 +8,11 @@ import warnings
 
 import pytest
 import torch
+import transformers  # in the test extra: never a skip
 
 from diag.outputs.sinks import MemorySink
 from hooks import Monitor
 
-transformers = pytest.importorskip("transformers")
 V, E, NH, D = 50, 32, 4, 8
 REL = 1e-5
 

@@ -17,7 +17,7 @@ import transformers as tf
 import zoo
 
 from diag.cli.main import main
-from diag.layouts.vocab import PACKINGS, QKVLayout
+from diag.layouts.vocab import QKVLayout
 from diag.offline.series import analyze_checkpoints
 from diag.outputs.sinks import MemorySink
 from hooks import Monitor
@@ -79,12 +79,12 @@ FAMILIES = {
 }
 
 
-if "fused_per_group" in PACKINGS:  # Falcon's new decoder architecture: [Q_1..Q_r | K | V] per key/value group
-    FAMILIES["falcon-grouped"] = (
-        lambda: tf.FalconConfig(vocab_size=64, hidden_size=E, num_hidden_layers=2, num_attention_heads=H,
-                                num_kv_heads=2, new_decoder_architecture=True),
-        lambda m: _per_group(m.query_key_value.weight, 2), "transformer.h.*.self_attention",
-        QKVLayout(H, D, q="query_key_value.weight", packing="fused_per_group", n_kv_heads=2))
+# Falcon's new decoder architecture: [Q_1..Q_r | K | V] per key/value group
+FAMILIES["falcon-grouped"] = (
+    lambda: tf.FalconConfig(vocab_size=64, hidden_size=E, num_hidden_layers=2, num_attention_heads=H,
+                            num_kv_heads=2, new_decoder_architecture=True),
+    lambda m: _per_group(m.query_key_value.weight, 2), "transformer.h.*.self_attention",
+    QKVLayout(H, D, q="query_key_value.weight", packing="fused_per_group", n_kv_heads=2))
 
 
 def _per_group(w, g):
@@ -157,19 +157,6 @@ def test_bigcode_multi_head_is_not_read_as_all_q_all_k_all_v(tmp_path):
                                  @ _fused_qkv(model.transformer.h[0].attn.c_attn.weight.double(), H)[1][0])
     right = _reference_spectra(model, "gpt-bigcode-multi-head")[0][0]
     assert not torch.allclose(naive[:D], right, rtol=1e-3)  # the two readings really differ
-
-
-@pytest.mark.skipif("fused_per_group" in PACKINGS, reason="the vocabulary says it: falcon-grouped is exact above")
-def test_falcon_grouped_interleaving_is_refused_with_the_option_that_works(tmp_path, capsys):
-    """Falcon's new decoder architecture packs [Q_1..Q_r, K, V] per key/value group, which the layout
-    vocabulary cannot say yet: refused, naming what was read and the option, never guessed."""
-    cfg = tf.FalconConfig(vocab_size=64, hidden_size=E, num_hidden_layers=2, num_attention_heads=H,
-                          num_kv_heads=2, new_decoder_architecture=True)
-    tf.FalconForCausalLM(cfg).save_pretrained(tmp_path / "falcon")
-    code = main(["analyze", str(tmp_path / "falcon"), "--out", str(tmp_path / "out"), "--quiet", "--no-report"])
-    err = capsys.readouterr().err
-    assert code == 2
-    assert "4 heads of 8" in err and "query_key_value" in err and "--layout FILE" in err
 
 
 ZOO = ["gpt2", "llama", "bert", "roberta", "mistral", "qwen3", "gpt_neox", "t5", "bart", "gpt2_cross", "vit"]

@@ -9,7 +9,6 @@ of the hand-sliced weights and with the live Monitor. Also: ``--layout FILE`` fo
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -303,9 +302,6 @@ def test_grouped_query_pairing_assumed_by_kv_heads_is_stated(tmp_path, capsys):
     assert "h // 2" in pairing and "kv_map" in pairing
 
 
-HAS_KV_MAP = "kv_map" in {f.name for f in dataclasses.fields(QKVLayout)}
-
-
 class TiledGQA(nn.Module):
     """Grouped-query attention that tiles its key heads: query head h reads key head h % G (not h // (H/G))."""
 
@@ -326,7 +322,6 @@ class TiledGQA(nn.Module):
         return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, E)
 
 
-@pytest.mark.skipif(not HAS_KV_MAP, reason="the layout vocabulary has no kv_map yet (issue 16)")
 def test_a_layout_file_with_kv_map_gives_the_tiled_pairing(tmp_path):
     model = nn.ModuleDict({"attn": TiledGQA()})
     state = plain_state(model)
