@@ -374,14 +374,18 @@ def _select(optimizer, model, select, include, exclude, layers, split) -> list[L
     return out
 
 
-def _blocks(layers: list, model: nn.Module | None) -> list[tuple[str, str, QKVLayout, dict[int, str]]]:
-    """(block prefix, label, layout, {param id: name in layout}) per attention layer."""
+def _blocks(layers: list, model: nn.Module | None) -> list[tuple[str, str, Callable[[], QKVLayout], dict[int, str]]]:
+    """(block prefix, label, the layer's current layout, {param id: name in layout}) per attention layer.
+
+    The layout is read when a step is bounded, not now: a layout discovered from names is provisional until the
+    first forward reads it from the computation and may replace it (hooks/infer.py ``adopt``)."""
     names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
     out = []
     for layer in layers:
         name = getattr(layer, "name", None) or names.get(id(layer.module), "")
         prefix = name.rsplit(".", 1)[0] + "." if "." in name else (name + "." if name else "")
-        out.append((prefix, layer.label, layer.layout, {id(p): n for n, p in layer.params().items()}))
+        out.append((prefix, layer.label, lambda layer=layer: layer.layout,
+                    {id(p): n for n, p in layer.params().items()}))
     return out
 
 
@@ -401,20 +405,22 @@ def _whole(t: Tensor) -> Tensor:
     return t
 
 
-def _qkv_views(layout: QKVLayout, pname: str) -> list[tuple[str, Callable[[Tensor], Tensor]]]:
-    """The roles a layout parameter holds, each with a view function (views share storage)."""
+def _qkv_views(current: Callable[[], QKVLayout], pname: str) -> list[tuple[str, Callable[[Tensor], Tensor]]]:
+    """The roles a layout parameter holds, each with a view function (views share storage) that slices by the
+    layer's layout at the time of the call."""
+    layout = current()
     if layout.packing == "separate":
         return [({layout.q: "q", layout.k: "k", layout.v: "v"}[pname], _whole)]
     if layout.packing == "q_kv":
         if pname == layout.q:
             return [("q", _whole)]
-        rows = layout.kv_heads * layout.head_dim
-
         def kv(t: Tensor, part: int) -> Tensor:
-            r = t.T if layout.transposed else t
+            now = current()
+            rows = now.kv_heads * now.head_dim
+            r = t.T if now.transposed else t
             return r[:rows] if part == 0 else r[rows:]
         return [("k", lambda t: kv(t, 0)), ("v", lambda t: kv(t, 1))]
-    return [(role, lambda t, i=i: split_qkv({layout.q: t}, layout)[i]) for i, role in enumerate("qkv")]
+    return [(role, lambda t, i=i: split_qkv({current().q: t}, current())[i]) for i, role in enumerate("qkv")]
 
 
 def _check_vectors(vectors: dict, matrices: list[LimitedMatrix]) -> None:

@@ -368,3 +368,31 @@ def test_a_failing_report_warns_once_and_the_limit_goes_on():
     assert all(torch.equal(a, b) for a, b in zip(case.model.parameters(), twin.parameters()))
     with pytest.raises(ConfigError, match="monitor="):
         SpectralStepLimit(_adamw(twin), 0.004, model=twin, monitor=object())
+
+
+def test_slices_follow_a_layout_read_from_the_computation_after_construction():
+    """A step limit built before the first forward sees a layout discovered from names (provisional: ``qkv`` read
+    as [Q | K | V]); the first forward reads the real packing (per head [Q_h | K_h | V_h]) and replaces it. The
+    bounded Q/K/V slices follow the layout in force, not the one seen at construction."""
+    import styles
+
+    from diag.layouts.vocab import split_qkv
+
+    torch.manual_seed(0)
+    model = styles.Net(styles.PerHeadNumHeads)
+    monitor = Monitor(model, every=1)
+    layer = monitor.layers[0]
+    before = layer.layout
+    opt = SpectralStepLimit(torch.optim.SGD(model.parameters(), lr=0.1), 1e9, model=model, monitor=monitor)
+    x = torch.randn(2, 6, styles.E)
+    model(x).square().mean().backward()
+    monitor.step(0, loss=0.0)
+    opt.step()
+    after = layer.layout
+    assert before.packing == "fused" and after.packing == "fused_per_head"  # replaced at the first forward
+    p = layer.params()[after.q]
+    for i, role in enumerate("qkv"):
+        [m] = [m for m in opt.matrices if m.param is p and m.role == role]
+        assert torch.equal(m.matrix(p), split_qkv({after.q: p}, after)[i].reshape(m.matrix(p).shape))
+        assert not torch.equal(m.matrix(p), split_qkv({before.q: p}, before)[i].reshape(m.matrix(p).shape))
+    monitor.close()
