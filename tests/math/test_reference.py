@@ -3,11 +3,12 @@
 On each architecture of the zoo (random init, 2 layers): spectra against the full
 SVD of the E x E product in float64; attention entropy and rank against the
 model's own eager attention probabilities (``output_attentions=True``, or
-``need_weights=True, average_attn_weights=False``) with per-head loops; the max
-logit against logits recomputed by hand; gradient norms against hand-sliced
-``.grad``; update ratios of W_Q, W_K, W_V and W_O against the full SVD of the applied
-update, with W_O sliced by hand too (and shown to be the output projection: an update of
-it alone moves ``update_ratio_o`` alone).
+``need_weights=True, average_attn_weights=False``) with per-head loops; gradient
+norms against hand-sliced ``.grad`` (Q/K/V sliced by tests/references.py); update
+ratios of W_Q, W_K, W_V and W_O against the full SVD of the applied update, with
+W_O sliced by hand too (and shown to be the output projection: an update of it
+alone moves ``update_ratio_o`` alone). The max logit of these models is checked in
+tests/math/test_max_logit_matrix.py, in the one family x implementation matrix.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 import zoo
-from references import assert_max_logits
+from references import attention_modules, hand_sliced
 
 from diag.math.attention import stats_from_probabilities_reference
 from diag.outputs.sinks import MemorySink
@@ -46,39 +47,6 @@ def build(name: str) -> zoo.Case:
     return case
 
 
-def attention_modules(case: zoo.Case) -> list[torch.nn.Module]:
-    m = case.model
-    if case.name == "nanogpt":
-        return [b.attn for b in m.h]
-    if case.name.startswith("gpt2"):
-        return [b.attn for b in m.transformer.h]
-    if case.name.startswith("llama"):
-        return [layer.self_attn for layer in m.model.layers]
-    return [layer.self_attn for layer in m.encoder.layers]
-
-
-def hand_sliced(case: zoo.Case, module: torch.nn.Module, attr: str) -> tuple:
-    """(Wq, Wk, Wv) as (out, in) matrices, H, G, D: written out per family, independently of diag."""
-    def get(p: torch.nn.Parameter) -> torch.Tensor:
-        return getattr(p, attr)
-
-    if case.name == "nanogpt":
-        w = get(module.c_attn.weight)
-        e = w.shape[1]
-        return w[:e], w[e : 2 * e], w[2 * e :], module.n_head, module.n_head, e // module.n_head
-    if case.name.startswith("gpt2"):
-        w = get(module.c_attn.weight).T  # Conv1D stores (in, out)
-        e = w.shape[1]
-        return w[:e], w[e : 2 * e], w[2 * e :], module.num_heads, module.num_heads, module.head_dim
-    if case.name.startswith("llama"):
-        cfg = module.config
-        return (get(module.q_proj.weight), get(module.k_proj.weight), get(module.v_proj.weight),
-                cfg.num_attention_heads, cfg.num_key_value_heads, module.head_dim)
-    w = get(module.in_proj_weight)
-    e = w.shape[1]
-    return w[:e], w[e : 2 * e], w[2 * e :], module.num_heads, module.num_heads, e // module.num_heads
-
-
 def hand_o(case: zoo.Case, module: torch.nn.Module) -> torch.Tensor:
     """W_O as (out, in) = (E, H*D), written out per family: the parameter that maps the heads back."""
     if case.name == "nanogpt":
@@ -101,7 +69,7 @@ class Ran:
     record: object  # the Record of step 0
     updates: dict  # update scalars of step 0
     batch: dict
-    grads: list  # hand-sliced (gq, gk, gv, H, G, D) per layer at step 0
+    grads: list  # hand-sliced dict(wq, wk, wv, bq, bk, H, G, D) of .grad per layer at step 0
     before: list  # hand-sliced (Wq, Wk, Wv, Wo) before optimizer step 0
     after: list
     at_step0: zoo.Case  # the same case with a copy of the model as it was at step 0
@@ -118,20 +86,26 @@ def run_two_steps(case: zoo.Case) -> Ran:
     loss.backward()
     monitor.step(0, loss=loss)
     at_step0 = dataclasses.replace(case, model=copy.deepcopy(case.model))
-    mods = attention_modules(case)
+    mods = [m for m, _ in attention_modules(case)]
     grads = [hand_sliced(case, m, "grad") for m in mods]
-    before = [tuple(t.detach().clone() for t in (*hand_sliced(case, m, "data")[:3], hand_o(case, m))) for m in mods]
+    before = [_qkvo(case, m) for m in mods]
     opt.step()
     opt.zero_grad()
     loss = case.loss(case.model, case.make_batch(torch.Generator().manual_seed(4)))
     loss.backward()
     monitor.step(1, loss=loss)
     monitor.close()
-    after = [tuple(t.detach().clone() for t in (*hand_sliced(case, m, "data")[:3], hand_o(case, m))) for m in mods]
+    after = [_qkvo(case, m) for m in mods]
     main = sink.records[0]
     updates = {k: v for r in sink.records[1:] if r.step == 0 for k, v in r.scalars.items()
                if not k.startswith("alerts/")}  # (the large_early_updates note of step 0 is written at step 0 too)
     return Ran(case, monitor, main, updates, batch, grads, before, after, at_step0)
+
+
+def _qkvo(case: zoo.Case, module: torch.nn.Module) -> tuple[torch.Tensor, ...]:
+    """Copies of the hand-sliced (Wq, Wk, Wv, Wo), each (out, in)."""
+    w = hand_sliced(case, module, "data")
+    return tuple(t.detach().clone() for t in (w["wq"], w["wk"], w["wv"], hand_o(case, module)))
 
 
 @pytest.fixture(scope="module", params=CASES)
@@ -142,7 +116,8 @@ def ran(request) -> Ran:
 def test_spectra_match_full_svd(ran):
     case, record = ran.case, ran.record
     for layer, (wq, wk, _, _) in zip(ran.monitor.layers, ran.before):  # weights of step 0
-        _, _, _, n_heads, n_kv, d = hand_sliced(case, layer.module, "data")
+        w = hand_sliced(case, layer.module, "data")
+        n_heads, n_kv, d = w["H"], w["G"], w["D"]
         for h in range(n_heads):
             g = h // (n_heads // n_kv)
             product = wq[h * d : (h + 1) * d].double().T @ wk[g * d : (g + 1) * d].double()  # (E, E)
@@ -201,55 +176,10 @@ def test_attention_entropy_and_rank_match_eager_probabilities(ran):
         np.testing.assert_allclose(per_head(record, "attn_rank", layer.label, n), rank.numpy(), rtol=REL)
 
 
-def test_max_logit_matches_logits_by_hand(ran):
-    case, monitor, record, batch = ran.at_step0, ran.monitor, ran.record, ran.batch
-    model, n = case.model, 2
-    ids = batch["input_ids"][:n]
-    seq = ids.shape[1]
-    causal = torch.ones(seq, seq, dtype=torch.bool).tril()[None]
-    calls = []
-    hooks = [m.register_forward_pre_hook(lambda mod, args, kw: calls.append((args, kw)), with_kwargs=True)
-             for m in attention_modules(case)]
-    with torch.no_grad():
-        if case.name.startswith(("gpt2", "llama")):
-            model(input_ids=ids, attention_mask=batch["attention_mask"][:n])
-            allowed = causal & batch["attention_mask"][:n, None, :].bool()
-            allowed = allowed & batch["attention_mask"][:n, :, None].bool()  # padded query rows do not count
-        elif case.name == "nanogpt":
-            model(ids)
-            allowed = causal.expand(n, -1, -1)
-        else:
-            model(ids, batch["pad"][:n])
-            allowed = (~batch["pad"][:n])[:, None, :] & (~batch["pad"][:n])[:, :, None]  # token rows only
-    for h in hooks:
-        h.remove()
-    for layer, module, (args, kw) in zip(monitor.layers, attention_modules(case), calls):
-        q, k = _q_k_by_hand(case, module, args, kw)  # (n, H, L, D) each, float64
-        logits = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-        assert_max_logits(record.scalars, layer.label, logits, allowed, rel=REL)
-
-
-def _q_k_by_hand(case: zoo.Case, module: torch.nn.Module, args: tuple, kw: dict) -> tuple:
-    x = (args[0] if args else kw["hidden_states"]).double()
-    wq, wk, _, n_heads, n_kv, d = hand_sliced(case, module, "data")
-    if case.name.startswith("llama"):
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-        q = (x @ wq.double().T).unflatten(-1, (n_heads, d)).transpose(1, 2)  # (n, H, L, D)
-        k = (x @ wk.double().T).unflatten(-1, (n_kv, d)).transpose(1, 2)  # (n, G, L, D)
-        cos, sin = (t.double() for t in kw["position_embeddings"])
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        return q, k.repeat_interleave(n_heads // n_kv, dim=1)
-    bias = module.in_proj_bias if case.name == "torch-encoder" else module.c_attn.bias
-    e = bias.shape[0] // 3
-    q = (x @ wq.double().T + bias[:e].double()).unflatten(-1, (n_heads, d)).transpose(1, 2)
-    k = (x @ wk.double().T + bias[e : 2 * e].double()).unflatten(-1, (n_heads, d)).transpose(1, 2)
-    return q, k
-
-
 def test_gradient_norms_match_hand_sliced_grad(ran):
     record = ran.record
-    for layer, (gq, gk, gv, n_heads, n_kv, d) in zip(ran.monitor.layers, ran.grads):
+    for layer, g_ in zip(ran.monitor.layers, ran.grads):
+        gq, gk, gv, n_heads, n_kv, d = (g_[k] for k in ("wq", "wk", "wv", "H", "G", "D"))
         for name, g, count in (("q", gq, n_heads), ("k", gk, n_kv), ("v", gv, n_kv)):
             ref = [g[h * d : (h + 1) * d].double().norm().item() for h in range(count)]
             np.testing.assert_allclose(per_head(record, f"grad_norm_{name}", layer.label, count), ref, rtol=REL)
@@ -280,7 +210,7 @@ def test_an_update_of_the_output_projection_alone_moves_update_ratio_o_alone(nam
     sink = MemorySink()
     monitor = Monitor(case.model, every=2, sinks=[sink], signals=("updates",))
     monitor.step(0)
-    module = attention_modules(case)[1]
+    module = attention_modules(case)[1][0]
     wo = hand_o(case, module)
     w0 = wo.detach().double().clone()
     delta = 1e-3 * torch.randn(wo.shape, generator=torch.Generator().manual_seed(7))
