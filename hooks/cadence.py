@@ -21,10 +21,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 
 from diag.errors import ConfigError
 
 __all__ = ["FAMILIES", "DEFAULT_CADENCE", "Cadence", "resolve_cadence"]
+
+_NOTHING: frozenset[str] = frozenset()
 
 FAMILIES = ("loss", "grads", "spectra", "attention", "updates")
 
@@ -39,12 +42,19 @@ class Cadence:
     periods: Mapping[str, int]
 
     def due(self, step: int) -> frozenset[str]:
-        """The families sampled at ``step``."""
+        """The families sampled at ``step``. Most steps sample nothing: one modulo says so (the hot path)."""
+        if step % self._gcd:
+            return _NOTHING
         return frozenset(f for f, period in self.periods.items() if step % period == 0)
 
     def is_due(self, family: str, step: int) -> bool:
         period = self.periods.get(family)
         return period is not None and step % period == 0
+
+    @cached_property
+    def _gcd(self) -> int:
+        """Every period is a multiple of it: a step that is not samples no family."""
+        return math.gcd(*self.periods.values()) if self.periods else 1
 
     @property
     def base(self) -> int:
