@@ -36,8 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling example 
 from evaluate_record import load_observations  # noqa: E402
 
 from diag.detectors import AlertConfig, Detectors, Observation  # noqa: E402
+from hooks import SIGNALS  # noqa: E402
+from hooks.cadence import CloserLook, resolve_cadence  # noqa: E402
 
-EVERYS = (2, 5, 10, 20)
+EVERYS = ("default", 2, 5, 10, 20)  # "default": the Monitor's per-family cadence
 ESTABLISHED_STEPS, ESTABLISHED_SHARE = 50, 0.8
 SPARSE, LOW_RANK = 0.5, 0.1  # the ground truth's fixed lines (not AlertConfig's)
 COLLAPSE_GRID = {"warn_window": (20, 40, 80), "sigma_growth": (2.0, 4.0, 6.0, 8.0, 12.0),
@@ -70,9 +72,36 @@ def load_runs(folder: Path) -> list[Run]:
     return runs
 
 
-def replay(obs: list[Observation], cfg: AlertConfig, every: int) -> list:
+FAMILY_OF = {"grad_": "grads", "qk_": "spectra", "attn_": "attention", "update_": "updates"}
+
+
+def family(metric: str) -> str:
+    return next(f for prefix, f in FAMILY_OF.items() if metric.startswith(prefix))
+
+
+def replay(obs: list[Observation], cfg: AlertConfig, every: int | str) -> list:
+    """The alerts a Monitor at ``every`` (an int: every family every ``every`` steps; ``"default"``: the
+    per-family default cadence with its closer look) would have raised on this run."""
     det = Detectors(cfg)
-    return [a for o in obs if o.step % every == 0 for a in det.observe(o)]
+    if every != "default":
+        return [a for o in obs if o.step % every == 0 for a in det.observe(o)]
+    cadence = resolve_cadence(None, None, SIGNALS)
+    closer = CloserLook(cadence, cfg.watch_hold)
+    out = []
+    for o in obs:
+        if o.loss is None and all(family(k) == "updates" for m in o.layers.values() for k in m):
+            if cadence.is_due("updates", o.step):  # the update ratio of a step that sampled updates
+                out += det.observe(o)
+            continue
+        due = cadence.due(o.step)
+        if not due:
+            continue
+        if "attention" not in due and closer.adds(o.step):
+            due = due | {"attention"}
+        layers = {label: {k: v for k, v in m.items() if family(k) in due} for label, m in o.layers.items()}
+        out += det.observe(Observation(o.step, o.loss if "loss" in due else None, layers))
+        closer.update(o.step, det.wants_attention())
+    return out
 
 
 def established_collapse(obs: list[Observation]) -> int | None:
@@ -139,7 +168,8 @@ def judge_eureka(run: Run, cfg: AlertConfig, every: int, jump: int | None) -> di
     alerts = replay(run.obs, cfg, every)
     plateau, moment = first(alerts, "eureka_plateau"), first(alerts, "eureka_moment", "since")
     moments = [a.since for a in alerts if a.kind == "eureka_moment"]
-    interval = max(every, EVAL_EVERY)  # the jump is known to EVAL_EVERY steps only
+    # the jump is known to EVAL_EVERY steps only; the default cadence samples the loss every 10 steps
+    interval = max(10 if every == "default" else every, EVAL_EVERY)
     off = None if moment is None or jump is None else (moment - jump) / interval
     false = sum(1 for m in moments if jump is None or at_plateau(run.info, m))
     return {"run": run.name, "every": every, "jump": jump, "plateau": plateau, "moment": moment, "offset": off,
@@ -205,14 +235,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", type=Path)
     parser.add_argument("--show", help="print the alerts of this run at --every with the defaults")
-    parser.add_argument("--every", type=int, default=10)
+    parser.add_argument("--every", default="10", help="an integer, or default (the per-family cadence)")
     parser.add_argument("--no-tune", action="store_true", help="report the defaults on every run")
     parser.add_argument("--markdown", action="store_true", help="end with the summary table of docs/alerts.md")
     args = parser.parse_args()
     runs = load_runs(args.runs)
     if args.show:
         run = next(r for r in runs if r.name == args.show)
-        for a in replay(run.obs, AlertConfig(), args.every):
+        every = args.every if args.every == "default" else int(args.every)
+        for a in replay(run.obs, AlertConfig(), every):
             print(f"{a.step:5d} {a.status:8s} {a.level:8s} {a.kind:20s} {a.where:8s} since {a.since}  {a.message}")
         return
     truth = {r.name: established_collapse(r.obs) if r.task == "collapse" else accuracy_jump(r.info) for r in runs}

@@ -25,7 +25,7 @@ from functools import cached_property
 
 from diag.errors import ConfigError
 
-__all__ = ["FAMILIES", "DEFAULT_CADENCE", "Cadence", "resolve_cadence"]
+__all__ = ["FAMILIES", "DEFAULT_CADENCE", "Cadence", "CloserLook", "resolve_cadence"]
 
 _NOTHING: frozenset[str] = frozenset()
 
@@ -90,3 +90,33 @@ def resolve_cadence(every: int | None, cadence: Mapping[str, int] | None, signal
     on = {"loss", *signals}
     periods = {f: overrides.get(f, DEFAULT_CADENCE[f] if every is None else every) for f in FAMILIES if f in on}
     return Cadence(periods)
+
+
+class CloserLook:
+    """Attention sampled at the spectra's period while the detectors ask for it (docs/cost.md#watching-closer).
+
+    The default cadence reads attention every 100 steps: cheap, but a collapse that builds in 50
+    steps would be seen late. When a head's sigma_1(Wq^T Wk) grows fast, or a collapse warning or
+    a malignant state is being confirmed (``Detectors.wants_attention``), the attention is also
+    sampled at every step that samples the spectra, until ``hold`` steps after the last such
+    reason. Off (``period`` None) when attention is already sampled as often as the spectra.
+    """
+
+    def __init__(self, cadence: Cadence, hold: int, enabled: bool = True) -> None:
+        attention, spectra = cadence.periods.get("attention"), cadence.periods.get("spectra", cadence.base)
+        self.period = spectra if enabled and attention is not None and attention > spectra else None
+        self.hold = hold
+        self.until = -1  # the last step that samples attention closely
+
+    def adds(self, step: int) -> bool:
+        """Whether ``step`` samples attention beyond the cadence."""
+        return self.period is not None and step <= self.until and step % self.period == 0
+
+    def update(self, step: int, reason: str | None) -> bool:
+        """After the detectors judged ``step``: extend the close look if they gave a reason. True when a
+        close look starts (none was on)."""
+        if self.period is None or not reason:
+            return False
+        started = step >= self.until
+        self.until = step + self.hold
+        return started

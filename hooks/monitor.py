@@ -39,7 +39,7 @@ from diag.outputs.records import attention_metrics, build_record, host_arrays, p
 from diag.outputs.sinks import FanOut, JsonlSink, Record, Sink, TensorBoardSink, check_logdir
 from diag.outputs.tags import layer_tag
 from diag.outputs.tb_views import TensorBoardViews
-from hooks.cadence import resolve_cadence
+from hooks.cadence import CloserLook, resolve_cadence
 from hooks.compiled import EagerCapture
 from hooks.discovery import AttentionLayer, discover, unconfirmable
 from hooks.distributed import SharedDetectors, rank, world_size
@@ -91,6 +91,11 @@ class Monitor:
         grad_scaler: the fp16 ``GradScaler`` of the loop, if any: a sampled step whose
             gradients overflowed (the scaler skips its update) then raises an info
             ``gradient_overflow`` alert instead of a critical ``nonfinite_gradients``.
+        closer_look: when attention is sampled less often than the spectra (the default
+            cadence), also sample it with the spectra while a head's sigma_1 grows fast or a
+            collapse is being confirmed (``AlertConfig.watch_growth``, ``watch_hold``;
+            docs/cost.md#watching-closer). One process only: under DDP/FSDP the ranks would
+            have to agree every sampled step, so it is off there.
     """
 
     def __init__(
@@ -115,6 +120,7 @@ class Monitor:
         images: bool | None = None,
         image_every: int | None = None,
         grad_scaler: torch.amp.GradScaler | None = None,
+        closer_look: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ConfigError(f"Monitor(model=...) needs an nn.Module, got {type(model).__name__}")
@@ -147,6 +153,8 @@ class Monitor:
         alert_path = None if self.logdir is None else self.logdir / "alerts.jsonl"
         self.alert_sink = AlertSink(self.sinks, alert_path, on_alert if main else None, stop_on_critical)
         self.detectors = Detectors(alerts or AlertConfig())
+        self.closer = CloserLook(self.cadence, self.detectors.cfg.watch_hold,
+                                 enabled=bool(closer_look) and world_size() == 1 and "attention" in self.signals)
         if world_size() > 1:
             self.detectors = SharedDetectors(self.detectors, stop_on_critical)
         # FSDP2: gathers a layer at a time on sampled steps; W_O only for its update ratio
@@ -181,10 +189,12 @@ class Monitor:
             self._guard("updates", self._finish_updates)
         due = self.cadence.due(step)
         if due:
+            if "attention" not in due and self.closer.adds(step):
+                due = due | {"attention"}
             self._guard("sample", self._sample, step, loss, due)
         if self.capture.armed and "attention" not in due:
             self.capture.disarm()
-        if self.cadence.is_due("attention", step + 1):
+        if self.cadence.is_due("attention", step + 1) or self.closer.adds(step + 1):
             self.capture.arm()
 
     def log_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
@@ -277,6 +287,11 @@ class Monitor:
             arrays = {label: {m: v for m, v in metrics.items() if not m.startswith("grad_")}
                       for label, metrics in arrays.items()}
         alerts = self.detectors.observe(Observation(step, loss_value, arrays))
+        if self.closer.period is not None:
+            reason = self.detectors.wants_attention()
+            if self.closer.update(step, reason):
+                log.info("diag: %s: attention sampled every %d steps until at least step %d (closer_look)",
+                         reason, self.closer.period, self.closer.until)
         if overflow:
             alerts.append(Alert(step, "gradient_overflow", "info", "", f"gradients overflowed at step {step} "
                                 "under fp16 loss scaling; the GradScaler skips this update and lowers its scale"))

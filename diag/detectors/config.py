@@ -9,7 +9,7 @@ from diag.errors import ConfigError
 __all__ = ["AlertConfig"]
 
 _COUNTS = ("collapse_persist", "spike_warmup")  # samples
-_STEPS = ("collapse_dwell", "exit_dwell", "warn_window", "note_horizon", "plateau_window")
+_STEPS = ("collapse_dwell", "exit_dwell", "warn_window", "note_horizon", "plateau_window", "watch_hold")
 
 
 @dataclass
@@ -31,6 +31,11 @@ class AlertConfig:
     rank_drop: float = 0.25  # ... and its attention rank by this fraction ...
     sec_warn: float = 0.5  # ... with SEC_s at or above this ...
     tau_warn: float = 0.01  # ... or an update ratio sigma1(dW)/sigma1(W) above this
+    # watching closer (the Monitor's default cadence samples attention every 100 steps): when a head's
+    # sigma_1(Wq^T Wk) grows by watch_growth within warn_window steps, or a collapse episode or candidate
+    # is open, attention is sampled with the spectra (every 10 steps) for watch_hold steps more
+    watch_growth: float = 4.0
+    watch_hold: int = 100
     note_ratio: float = 0.25  # info note: an update a quarter of the weights' size (60x tau = 0.004) ...
     note_horizon: int = 50  # ... within the first 50 steps: "no warmup", not a collapse
     # plateau and Eureka-moment (plateau.py)

@@ -55,6 +55,15 @@ class Detectors:
             alerts += detector.observe(obs)
         return alerts
 
+    def wants_attention(self) -> str | None:
+        """Why the attention should be sampled closely now (a detector's ``wants_attention``), or None."""
+        for detector in self.detectors:
+            ask = getattr(detector, "wants_attention", None)
+            reason = ask() if ask is not None else None
+            if reason:
+                return reason
+        return None
+
     def state_dict(self) -> dict:
         state: dict = {"version": STATE_VERSION}
         for detector in self.detectors:

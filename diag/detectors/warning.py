@@ -41,6 +41,8 @@ class CollapseWarning:
         self.trend: dict[str, list[list[float]]] = {}  # head -> [[step, sigma_1, entropy, rank], ...]
         self.update_ratio: dict[str, float] = {}  # layer -> last max(update_ratio_q, update_ratio_k)
         self.sigma_prev: dict[str, list] = {}  # layer -> [step, sigma_1 per head] of the previous sample
+        self.sigma_trend: dict[str, list[list[float]]] = {}  # layer -> [[step, sigma_1 per head...], ...]
+        self.watch: str | None = None  # why attention should be sampled closely now (wants_attention)
 
     def observe(self, obs: Observation) -> list[Alert]:
         alerts: list[Alert] = []
@@ -52,7 +54,37 @@ class CollapseWarning:
                 alerts += group_by_layer(label, self._layer(obs.step, label, m))
             if "qk_sigma1" in m:
                 self.sigma_prev[label] = [obs.step, [float(v) for v in m["qk_sigma1"]]]
+                trend = [p for p in self.sigma_trend.get(label, []) if p[0] >= obs.step - self.cfg.warn_window]
+                self.sigma_trend[label] = trend + [[float(obs.step), *self.sigma_prev[label][1]]]
+        if any("qk_sigma1" in m or "attn_entropy" in m for m in obs.layers.values()):
+            self.watch = self._watch_reason()
         return alerts
+
+    def wants_attention(self) -> str | None:
+        """Why attention should be sampled at the spectra's cadence now, or None: a head's sigma_1 grew by
+        ``watch_growth`` within ``warn_window`` steps, or a collapse warning or a malignant state is open or
+        being confirmed on some head. The Monitor's default cadence reads attention every 100 steps
+        otherwise; this makes the warning and the collapse alert arrive within tens of steps."""
+        return self.watch
+
+    def _watch_reason(self) -> str | None:
+        best = None
+        for label, trend in self.sigma_trend.items():
+            first, last = trend[0], trend[-1]
+            for h, (a, b) in enumerate(zip(first[1:], last[1:])):
+                if a > 0 and math.isfinite(a) and math.isfinite(b) and b / a >= self.cfg.watch_growth:
+                    if best is None or b / a > best[0]:
+                        best = (b / a, f"{label}/{head_label(h, len(first) - 1)}", int(last[0] - first[0]))
+        if best is not None:
+            return f"sigma_1(Wq^T Wk) of {best[1]} grew x{best[0]:.1f} in {best[2]} steps"
+        warned = [k for k in self.episodes.keys if self.episodes.since(k) is not None]
+        if warned:
+            return f"a collapse warning is open or being confirmed on {warned[0]}"
+        candidates = [] if self.malignant is None else [
+            k for k in self.malignant.keys if self.malignant.since(k) is not None and not self.malignant.active(k)]
+        if candidates:  # an established malignant episode is not watched closely for ever
+            return f"a malignant state is being confirmed on {candidates[0]}"
+        return None
 
     def _layer(self, step: int, label: str, m: dict[str, np.ndarray]) -> list[Alert]:
         out = []
@@ -100,13 +132,16 @@ class CollapseWarning:
 
     def state_dict(self) -> dict:
         return {"warning_episodes": self.episodes.state_dict(), "trend": self.trend,
-                "update_ratio": dict(self.update_ratio), "sigma_prev": dict(self.sigma_prev)}
+                "update_ratio": dict(self.update_ratio), "sigma_prev": dict(self.sigma_prev),
+                "sigma_trend": self.sigma_trend}
 
     def load_state_dict(self, state: dict) -> None:
         self.episodes.load_state_dict(state.get("warning_episodes", {}))
         self.trend = {k: [list(p) for p in v] for k, v in state.get("trend", {}).items()}
         self.update_ratio = dict(state.get("update_ratio", {}))
         self.sigma_prev = {k: list(v) for k, v in state.get("sigma_prev", {}).items()}
+        self.sigma_trend = {k: [list(p) for p in v] for k, v in state.get("sigma_trend", {}).items()}
+        self.watch = self._watch_reason()
 
 
 class EarlyUpdates:

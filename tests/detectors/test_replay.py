@@ -1,5 +1,7 @@
 """The evaluation's premise: detectors replayed over a run recorded at every=1, keeping the steps that are
-multiples of k, raise what a live Monitor at every=k raises (examples/evaluate_record.py, evaluate_detectors.py)."""
+multiples of k, raise what a live Monitor at every=k raises (examples/evaluate_record.py, evaluate_detectors.py);
+and replayed at the default per-family cadence, with its closer look, what a live Monitor left at its defaults
+raises."""
 
 from __future__ import annotations
 
@@ -18,10 +20,10 @@ from diag.detectors import AlertConfig  # noqa: E402
 STEPS = 25
 
 
-def live(tmp_path, every: int, record: bool):
+def live(tmp_path, every: int | None, record: bool, steps: int = STEPS):
     import argparse
 
-    args = argparse.Namespace(lr=5e-3, warmup=0, qk_norm=False, seed=0, every=every, steps=STEPS, context=32)
+    args = argparse.Namespace(lr=5e-3, warmup=0, qk_norm=False, seed=0, every=every, steps=steps, context=32)
     out = tmp_path / f"every{every}"
     out.mkdir()
     if record:
@@ -29,18 +31,19 @@ def live(tmp_path, every: int, record: bool):
         return out
     import hooks.demo as demo
 
-    ns = argparse.Namespace(lr=5e-3, warmup=0, quiet=True, logdir=str(out), seed=0, every=every, steps=STEPS,
+    ns = argparse.Namespace(lr=5e-3, warmup=0, quiet=True, logdir=str(out), seed=0, every=every, steps=steps,
                             step_limit=None)
     monitor, _ = demo.train(ns, demo.GPTConfig(block_size=32))
     return monitor.alert_sink.history
 
 
-@pytest.mark.parametrize("every", [5])
+@pytest.mark.parametrize("every", [5, "default"])
 def test_replay_of_a_recorded_run_matches_the_live_monitor(tmp_path, every):
-    recorded = live(tmp_path, 1, record=True)
+    steps = 60 if every == "default" else STEPS  # the default cadence samples every 10 steps
+    recorded = live(tmp_path, 1, record=True, steps=steps)
     observations = evaluate_record.load_observations(recorded / "observations.jsonl")
-    assert sorted({o.step for o in observations}) == list(range(STEPS))
+    assert sorted({o.step for o in observations}) == list(range(steps))
     replayed = evaluate_detectors.replay(observations, AlertConfig(), every)
-    expected = live(tmp_path, every, record=False)
+    expected = live(tmp_path, None if every == "default" else every, record=False, steps=steps)
     key = [(a.step, a.kind, a.where, a.status, a.since) for a in expected]
     assert key and [(a.step, a.kind, a.where, a.status, a.since) for a in replayed] == key

@@ -8,6 +8,9 @@
   overrides single families; bad values name the family and the fix.
 * The capture is armed only before steps that sample attention; the TensorBoard
   layout waits for a step that samples every family (a resumed run).
+* The closer look: while the detectors ask for it (a head's sigma_1 grows fast, a
+  collapse is being confirmed), attention is sampled with the spectra, with the very
+  numbers of the uniform cadence; ``closer_look=False`` and a quiet run never do.
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ import pytest
 import torch
 import zoo
 
+from diag.detectors import AlertConfig
 from diag.errors import ConfigError
 from diag.outputs.sinks import MemorySink
 from hooks import Monitor
-from hooks.cadence import DEFAULT_CADENCE, FAMILIES, resolve_cadence
+from hooks.cadence import DEFAULT_CADENCE, FAMILIES, CloserLook, resolve_cadence
 
 FAMILY_OF = {"loss": "loss", "grad_": "grads", "qk_": "spectra", "attn_": "attention", "update_": "updates"}
 
@@ -138,3 +142,35 @@ def test_layout_waits_for_a_step_that_samples_every_family(tmp_path):
     assert len(sink.layouts) == 1
     charts = str(sink.layouts[0])
     assert all(metric in charts for metric in ("qk_sigma1", "attn_entropy", "grad_norm_q", "update_ratio_q"))
+
+
+def test_closer_look_samples_attention_with_the_spectra_while_asked(default_run):
+    """watch_growth=1.01: any growth of sigma_1 asks for a closer look, from the first spectra sample on
+    (step 10: growth over 0..10), held watch_hold=30 steps after each ask; the values are every=10's."""
+    cfg = AlertConfig(watch_growth=1.01, watch_hold=30)
+    sink, armed = train(201, alerts=cfg)
+    seen = steps_by_family(sink)
+    assert seen["attention"] == set(range(0, 201, 10)) - {10}  # decided at 10, sampled from 20 on
+    assert {f: s for f, s in seen.items() if f != "attention"} == \
+        {f: set(range(0, 201, DEFAULT_CADENCE[f])) for f in FAMILIES if f != "attention"}
+    assert [s for s, a in enumerate(armed) if a][:3] == [19, 29, 39]
+    uniform = train(201, every=10)[0]
+    ref = {(r.step, t): v for r in uniform.records for t, v in r.scalars.items() if t.startswith("attn_")}
+    got = {(r.step, t): v for r in sink.records for t, v in r.scalars.items() if t.startswith("attn_")}
+    assert got and set(got) <= set(ref)
+    bad = [k for k in got if not math.isclose(got[k], ref[k], rel_tol=1e-9, abs_tol=1e-12)]
+    assert not bad, bad[:5]
+    off = steps_by_family(train(201, alerts=cfg, closer_look=False)[0])
+    assert off["attention"] == {0, 100, 200}
+    assert steps_by_family(default_run)["attention"] == {0, 100, 200}  # this quiet run never asked
+
+
+def test_closer_look_holds_and_stays_off_when_attention_is_as_frequent():
+    look = CloserLook(resolve_cadence(None, None, ("spectra", "attention")), hold=25)
+    assert look.period == 10 and not look.adds(20)
+    assert look.update(10, "sigma_1 grew") and look.until == 35
+    assert [s for s in range(11, 60) if look.adds(s)] == [20, 30]
+    assert not look.update(30, "again") and look.until == 55  # extended, not restarted
+    assert not look.update(40, None) and look.until == 55
+    assert CloserLook(resolve_cadence(10, None, ("spectra", "attention")), hold=25).period is None
+    assert CloserLook(resolve_cadence(None, None, ("spectra", "attention")), hold=25, enabled=False).period is None
