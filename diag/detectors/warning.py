@@ -72,9 +72,9 @@ class CollapseWarning:
         for label, trend in self.sigma_trend.items():
             first, last = trend[0], trend[-1]
             for h, (a, b) in enumerate(zip(first[1:], last[1:])):
-                if a > 0 and math.isfinite(a) and math.isfinite(b) and b / a >= self.cfg.watch_growth:
-                    if best is None or b / a > best[0]:
-                        best = (b / a, f"{label}/{head_label(h, len(first) - 1)}", int(last[0] - first[0]))
+                growth = b / a if a > 0 and math.isfinite(a) and math.isfinite(b) else 0.0
+                if growth >= self.cfg.watch_growth and (best is None or growth > best[0]):
+                    best = (growth, f"{label}/{head_label(h, len(first) - 1)}", int(last[0] - first[0]))
         if best is not None:
             return f"sigma_1(Wq^T Wk) of {best[1]} grew x{best[0]:.1f} in {best[2]} steps"
         warned = [k for k in self.episodes.keys if self.episodes.since(k) is not None]
