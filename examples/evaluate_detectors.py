@@ -96,8 +96,7 @@ def replay(obs: list[Observation], cfg: AlertConfig, every: int | str) -> list:
         due = cadence.due(o.step)
         if not due:
             continue
-        if "attention" not in due and closer.adds(o.step):
-            due = due | {"attention"}
+        due = due | closer.adds(o.step)
         layers = {label: {k: v for k, v in m.items() if family(k) in due} for label, m in o.layers.items()}
         out += det.observe(Observation(o.step, o.loss if "loss" in due else None, layers))
         closer.update(o.step, det.wants_attention())

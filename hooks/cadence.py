@@ -93,24 +93,29 @@ def resolve_cadence(every: int | None, cadence: Mapping[str, int] | None, signal
 
 
 class CloserLook:
-    """Attention sampled at the spectra's period while the detectors ask for it (docs/cost.md#watching-closer).
+    """Attention (and the spectra) sampled at the cadence's shortest period while the detectors ask for it
+    (docs/cost.md#watching-closer).
 
     The default cadence reads attention every 100 steps: cheap, but a collapse that builds in 50
     steps would be seen late. When a head's sigma_1(Wq^T Wk) grows fast, or a collapse warning or
-    a malignant state is being confirmed (``Detectors.wants_attention``), the attention is also
-    sampled at every step that samples the spectra, until ``hold`` steps after the last such
-    reason. Off (``period`` None) when attention is already sampled as often as the spectra.
+    a malignant state is being confirmed (``Detectors.wants_attention``), attention, and the spectra
+    when they are sampled less often, are also sampled at every step that samples the loss, until
+    ``hold`` steps after the last such reason. Off (``period`` None) when attention is already
+    sampled at the shortest period.
     """
 
     def __init__(self, cadence: Cadence, hold: int, enabled: bool = True) -> None:
-        attention, spectra = cadence.periods.get("attention"), cadence.periods.get("spectra", cadence.base)
-        self.period = spectra if enabled and attention is not None and attention > spectra else None
+        base = cadence.base
+        self.families = frozenset(f for f in ("attention", "spectra") if cadence.periods.get(f, base) > base)
+        self.period = base if enabled and "attention" in self.families else None
         self.hold = hold
         self.until = -1  # the last step that samples attention closely
 
-    def adds(self, step: int) -> bool:
-        """Whether ``step`` samples attention beyond the cadence."""
-        return self.period is not None and step <= self.until and step % self.period == 0
+    def adds(self, step: int) -> frozenset[str]:
+        """The families ``step`` samples beyond the cadence (none, or attention and maybe the spectra)."""
+        if self.period is not None and step <= self.until and step % self.period == 0:
+            return self.families
+        return _NOTHING
 
     def update(self, step: int, reason: str | None) -> bool:
         """After the detectors judged ``step``: extend the close look if they gave a reason. True when a

@@ -91,9 +91,9 @@ class Monitor:
         grad_scaler: the fp16 ``GradScaler`` of the loop, if any: a sampled step whose
             gradients overflowed (the scaler skips its update) then raises an info
             ``gradient_overflow`` alert instead of a critical ``nonfinite_gradients``.
-        closer_look: when attention is sampled less often than the spectra (the default
-            cadence), also sample it with the spectra while a head's sigma_1 grows fast or a
-            collapse is being confirmed (``AlertConfig.watch_growth``, ``watch_hold``;
+        closer_look: when attention is sampled less often than the loss (the default
+            cadence), also sample it (and the spectra) with the loss while a head's sigma_1
+            grows fast or a collapse is being confirmed (``AlertConfig.watch_growth``, ``watch_hold``;
             docs/cost.md#watching-closer). One process only: under DDP/FSDP the ranks would
             have to agree every sampled step, so it is off there.
     """
@@ -189,12 +189,11 @@ class Monitor:
             self._guard("updates", self._finish_updates)
         due = self.cadence.due(step)
         if due:
-            if "attention" not in due and self.closer.adds(step):
-                due = due | {"attention"}
+            due = due | self.closer.adds(step)
             self._guard("sample", self._sample, step, loss, due)
         if self.capture.armed and "attention" not in due:
             self.capture.disarm()
-        if self.cadence.is_due("attention", step + 1) or self.closer.adds(step + 1):
+        if self.cadence.is_due("attention", step + 1) or "attention" in self.closer.adds(step + 1):
             self.capture.arm()
 
     def log_scalars(self, step: int, scalars: Mapping[str, float]) -> None:

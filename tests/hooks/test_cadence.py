@@ -169,8 +169,11 @@ def test_closer_look_holds_and_stays_off_when_attention_is_as_frequent():
     look = CloserLook(resolve_cadence(None, None, ("spectra", "attention")), hold=25)
     assert look.period == 10 and not look.adds(20)
     assert look.update(10, "sigma_1 grew") and look.until == 35
-    assert [s for s in range(11, 60) if look.adds(s)] == [20, 30]
+    assert [s for s in range(11, 60) if look.adds(s)] == [20, 30] and look.adds(20) == {"attention"}
     assert not look.update(30, "again") and look.until == 55  # extended, not restarted
     assert not look.update(40, None) and look.until == 55
     assert CloserLook(resolve_cadence(10, None, ("spectra", "attention")), hold=25).period is None
+    slow_spectra = CloserLook(resolve_cadence(None, {"spectra": 20}, ("spectra", "attention")), hold=25)
+    slow_spectra.update(0, "why")
+    assert slow_spectra.adds(10) == {"attention", "spectra"}
     assert CloserLook(resolve_cadence(None, None, ("spectra", "attention")), hold=25, enabled=False).period is None
