@@ -41,10 +41,13 @@ from hooks.cadence import CloserLook, resolve_cadence  # noqa: E402
 
 EVERYS = ("default", 2, 5, 10, 20)  # "default": the Monitor's per-family cadence
 ESTABLISHED_STEPS, ESTABLISHED_SHARE = 50, 0.8
+AMBIGUOUS = 0.5  # no established collapse, yet one head malignant in half the samples of 50 steps: hovering
 SPARSE, LOW_RANK = 0.5, 0.1  # the ground truth's fixed lines (not AlertConfig's)
-COLLAPSE_GRID = {"warn_window": (20, 40, 80), "sigma_growth": (2.0, 4.0, 6.0, 8.0, 12.0),
-                 "entropy_drop": (0.15, 0.25, 0.4)}
-EUREKA_GRID = {"eureka_drop": (0.1, 0.15, 0.2, 0.25, 0.3), "eureka_noise": (2.0, 4.0), "plateau_qk_ratio": (0.4, 0.45)}
+COLLAPSE_GRID = {"warn_window": (20, 40), "sigma_growth": (2.0, 4.0, 8.0),
+                 "entropy_drop": (0.15, 0.25, 0.4), "logit_factor": (1.0, 2.0, 3.0, 4.0), "warn_persist": (1, 2)}
+# plateau_window and plateau_rel change the plateau detector only
+EUREKA_GRID = {"eureka_drop": (0.25, 0.35), "plateau_qk_ratio": (0.4, 0.5, 0.6),
+               "plateau_window": (150, 200), "plateau_rel": (0.05, 0.1)}
 PLATEAU_MARGIN = 0.05  # accuracy within 0.05 of the no-indicator ceiling: still on the plateau
 EVAL_EVERY = 20  # steps between held-out evaluations: the accuracy jump is known to this resolution
 
@@ -56,6 +59,7 @@ class Run:
     seed: int
     obs: list[Observation]
     info: dict
+    peak: float = 0.0  # collapse runs: peak_share of the run
 
     @property
     def held_out(self) -> bool:
@@ -67,8 +71,10 @@ def load_runs(folder: Path) -> list[Run]:
     for path in sorted(folder.iterdir()):
         if (path / "run.json").exists() and (path / "observations.jsonl").exists():
             info = json.loads((path / "run.json").read_text())
-            runs.append(Run(path.name, info["config"]["task"], info["config"]["seed"],
-                            load_observations(path / "observations.jsonl"), info))
+            obs = load_observations(path / "observations.jsonl")
+            task = info["config"]["task"]
+            runs.append(Run(path.name, task, info["config"]["seed"], obs, info,
+                            peak_share(obs) if task == "collapse" else 0.0))
     return runs
 
 
@@ -126,6 +132,28 @@ def established_collapse(obs: list[Observation]) -> int | None:
     return best
 
 
+def peak_share(obs: list[Observation]) -> float:
+    """The largest share of every-step samples in which one head is malignant, over any ``[t, t + 50)`` that
+    ends inside the run: a run with no established collapse whose peak share is AMBIGUOUS or more hovers at
+    the malignant line and counts neither as warned nor as a false alert."""
+    series: dict[str, list[tuple[int, bool]]] = {}
+    for o in obs:
+        for label, m in o.layers.items():
+            if "attn_entropy" in m:
+                rows = float(m["attn_rows"][0])
+                for h, (e, r) in enumerate(zip(m["attn_entropy"], m["attn_rank"])):
+                    series.setdefault(f"{label}/{h}", []).append((o.step, bool(e <= SPARSE and r <= LOW_RANK * rows)))
+    best = 0.0
+    for points in series.values():
+        last = points[-1][0]
+        for i, (t, _) in enumerate(points):
+            if t + ESTABLISHED_STEPS - 1 > last:
+                break
+            span = [bad for s, bad in points[i:] if s < t + ESTABLISHED_STEPS]
+            best = max(best, sum(span) / len(span))
+    return best
+
+
 def accuracy_jump(info: dict) -> int | None:
     evals, blind = info["evals"], info["blind"]
     final = sum(acc for _, _, acc in evals[-3:]) / 3
@@ -149,10 +177,12 @@ def judge_collapse(run: Run, cfg: AlertConfig, every: int, truth: int | None) ->
     alerts = replay(run.obs, cfg, every)
     warn, crit = first(alerts, "collapse_warning"), first(alerts, "malignant_collapse")
     alarm = min((s for s in (warn, crit) if s is not None), default=None)
+    hovering = truth is None and run.peak >= AMBIGUOUS
     return {"run": run.name, "every": every, "truth": truth, "warning": warn, "critical": crit,
             "in_time": truth is not None and alarm is not None and alarm < truth,
-            "lead": None if truth is None or alarm is None else truth - alarm,
-            "false": truth is None and alarm is not None, "note": first(alerts, "large_early_updates"),
+            "lead": None if truth is None or alarm is None else truth - alarm, "hovering": hovering,
+            "false": truth is None and not hovering and alarm is not None,
+            "note": first(alerts, "large_early_updates"),
             "plateau_alerts": sum(a.kind == "eureka_plateau" and a.status == "firing" for a in alerts),
             "records": records_per_key(alerts), "n_alerts": sum(a.status == "firing" for a in alerts)}
 
@@ -172,6 +202,7 @@ def judge_eureka(run: Run, cfg: AlertConfig, every: int, jump: int | None) -> di
     off = None if moment is None or jump is None else (moment - jump) / interval
     false = sum(1 for m in moments if jump is None or at_plateau(run.info, m))
     return {"run": run.name, "every": every, "jump": jump, "plateau": plateau, "moment": moment, "offset": off,
+            "plateau_in_time": plateau is not None and jump is not None and plateau < jump,
             "on_time": off is not None and abs(off) <= 2, "false": false, "records": records_per_key(alerts),
             "collapse_alerts": sum(a.kind in ("collapse_warning", "malignant_collapse") for a in alerts)}
 
@@ -183,8 +214,17 @@ def score_collapse(rows: list[dict]) -> tuple:
 
 
 def score_eureka(rows: list[dict]) -> tuple:
-    late = sum(r["jump"] is not None and not r["on_time"] for r in rows)
-    return (late + sum(r["false"] for r in rows), sum(abs(r["offset"] or 0) for r in rows))
+    """Late or missing moments, false moments, plateaus not flagged before the jump, and plateau alerts on
+    the language-model runs (which never sit on a plateau in their 200-400 steps); then the moments' offsets."""
+    eureka = [r for r in rows if "jump" in r]
+    late = sum(r["jump"] is not None and not r["on_time"] for r in eureka)
+    missed = sum(r["jump"] is not None and not r["plateau_in_time"] for r in eureka)
+    lm = sum(r["plateau_alerts"] > 0 for r in rows if "truth" in r)
+    return (late + sum(r["false"] for r in eureka) + missed + lm, sum(abs(r["offset"] or 0) for r in eureka))
+
+
+def judge_any(run: Run, cfg: AlertConfig, every, truth) -> dict:
+    return (judge_collapse if run.task == "collapse" else judge_eureka)(run, cfg, every, truth)
 
 
 def tune(runs: list[Run], grid: dict, judge, score, truth) -> AlertConfig:
@@ -203,6 +243,8 @@ def runs_table(runs: list[Run], truth: dict) -> list[str]:
     for r in runs:
         what = "established collapse" if r.task == "collapse" else "accuracy jump"
         shown = f"{what} at {truth[r.name]}" if truth[r.name] is not None else f"no {what}"
+        if r.task == "collapse" and truth[r.name] is None and r.peak >= AMBIGUOUS:
+            shown = f"hovering: one head malignant in {r.peak:.0%} of 50 steps at most"
         out.append(f"| {r.name} | {'held-out' if r.held_out else 'tuning'} | {r.info['config']['steps']} | {shown} |")
     return out
 
@@ -210,23 +252,27 @@ def runs_table(runs: list[Run], truth: dict) -> list[str]:
 def summary(rows: list[dict]) -> list[str]:
     """One markdown row per (split, every): the figures docs/alerts.md reports."""
     out = ["| split | every | collapses warned in time | lead (steps) | false collapse alerts | plateaus flagged "
-           "| moments within 2 intervals | false moments | most records of one kind on one head |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "| moments within 2 intervals | false moments | most records of one kind on one head "
+           "| hovering runs with a collapse alert | language-model runs with a plateau alert |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for split in ("tuning", "held-out"):
         for every in EVERYS:
             rs = [r for r in rows if r["split"] == split and r["every"] == every]
             col = [r for r in rs if "truth" in r]
             est = [r for r in col if r["truth"] is not None]
+            hover = [r for r in col if r["hovering"]]
             leads = sorted(r["lead"] for r in est if r["in_time"])
             eur = [r for r in rs if "jump" in r and "normsoftmax" not in r["run"]]
             jumped = [r for r in eur if r["jump"] is not None]
             out.append(
                 f"| {split} | {every} | {sum(r['in_time'] for r in est)}/{len(est)} | "
                 f"{'-' if not leads else f'{leads[0]}-{leads[-1]}'} | "
-                f"{sum(r['false'] for r in col)}/{len(col) - len(est)} no-collapse runs | "
-                f"{sum(r['plateau'] is not None for r in jumped)}/{len(jumped)} | "
+                f"{sum(r['false'] for r in col)}/{len(col) - len(est) - len(hover)} no-collapse runs | "
+                f"{sum(r['plateau_in_time'] for r in jumped)}/{len(jumped)} | "
                 f"{sum(r['on_time'] for r in jumped)}/{len(jumped)} | {sum(r['false'] for r in eur)} | "
-                f"{max((r['records'] for r in rs), default=0)} |")
+                f"{max((r['records'] for r in rs), default=0)} | "
+                f"{sum(r['critical'] is not None or r['warning'] is not None for r in hover)}/{len(hover)} | "
+                f"{sum(r['plateau_alerts'] > 0 for r in col)}/{len(col)} |")
     return out
 
 
@@ -251,7 +297,7 @@ def main() -> None:
     cfg = AlertConfig()
     if not args.no_tune:
         cfg_c = tune([r for r in collapse if not r.held_out], COLLAPSE_GRID, judge_collapse, score_collapse, truth)
-        cfg_e = tune([r for r in eureka if not r.held_out], EUREKA_GRID, judge_eureka, score_eureka, truth)
+        cfg_e = tune([r for r in eureka + collapse if not r.held_out], EUREKA_GRID, judge_any, score_eureka, truth)
         cfg = replace(cfg_c, **{k: getattr(cfg_e, k) for k in EUREKA_GRID})
         print("tuned:", {k: getattr(cfg, k) for k in (*COLLAPSE_GRID, *EUREKA_GRID)})
     rows = []

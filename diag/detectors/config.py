@@ -8,8 +8,9 @@ from diag.errors import ConfigError
 
 __all__ = ["AlertConfig"]
 
-_COUNTS = ("collapse_persist", "spike_warmup")  # samples
-_STEPS = ("collapse_dwell", "exit_dwell", "warn_window", "note_horizon", "plateau_window", "watch_hold")
+_COUNTS = ("collapse_persist", "warn_persist", "spike_warmup")  # samples
+_STEPS = ("collapse_dwell", "exit_dwell", "warn_window", "note_horizon", "plateau_window", "watch_hold",
+          "eureka_span")
 
 
 @dataclass
@@ -25,10 +26,12 @@ class AlertConfig:
     exit_factor: float = 1.5  # hysteresis: an episode ends only beyond 1.5x its entry line ...
     exit_dwell: int = 50  # ... held for this many steps (and 2 samples)
     # early warning (warning.py)
-    warn_window: int = 40  # steps over which sigma_1, entropy and rank trends are measured
-    sigma_growth: float = 12.0  # sigma_1(Wq^T Wk) of the head grows by this factor over the window ...
-    entropy_drop: float = 0.15  # ... while its attention entropy falls by this fraction ...
+    warn_window: int = 20  # steps over which sigma_1, entropy and rank trends are measured
+    warn_persist: int = 1  # samples the trend must hold (spanning collapse_dwell steps when more than 1)
+    sigma_growth: float = 8.0  # sigma_1(Wq^T Wk) of the head grows by this factor over the window ...
+    entropy_drop: float = 0.4  # ... while its attention entropy falls by this fraction ...
     rank_drop: float = 0.25  # ... and its attention rank by this fraction ...
+    logit_factor: float = 3.0  # ... and its max attention logit at or above this many times ln(keys) ...
     sec_warn: float = 0.5  # ... with SEC_s at or above this ...
     tau_warn: float = 0.01  # ... or an update ratio sigma1(dW)/sigma1(W) above this
     # watching closer (the Monitor's default cadence samples attention every 100 steps): when a head's
@@ -40,11 +43,12 @@ class AlertConfig:
     note_horizon: int = 50  # ... within the first 50 steps: "no warmup", not a collapse
     # plateau and Eureka-moment (plateau.py)
     plateau_window: int = 200  # steps of loss in the plateau test
-    plateau_rel: float = 0.05  # the mean losses of the window's halves (in steps) differ by at most 5%
-    plateau_qk_ratio: float = 0.4  # grad_ratio_qk_v below this: the softmax-induced plateau (a warning)
+    plateau_rel: float = 0.1  # the mean losses of the window's halves (in steps) differ by at most 10%
+    plateau_qk_ratio: float = 0.5  # grad_ratio_qk_v below this: the softmax-induced plateau (a warning)
     plateau_min_frac: float = 0.25  # a plateau sits at this fraction of the first sampled loss or above
-    eureka_drop: float = 0.25  # the loss this far (relative) below the plateau's own trend ...
+    eureka_drop: float = 0.35  # the loss this far (relative) below the plateau's own trend ...
     eureka_noise: float = 2.0  # ... and this many noise deviations of the plateau below it, for 2 samples
+    eureka_span: int = 20  # ... the median loss of the samples of the last this many steps (one batch is noise)
     # loss spikes (spike.py)
     spike_sigma: float = 6.0  # loss above EMA + spike_sigma * EMA std is a spike
     spike_warmup: int = 10  # samples before spikes are judged

@@ -4,8 +4,9 @@ Windows are in steps. A plateau: the mean losses of the two halves of the last `
 at most ``plateau_rel``, the level (the window's least-squares trend at this step) is at least
 ``plateau_min_frac`` of the first loss (a converged run is not stuck), and the Q/K-to-V
 gradient ratio, averaged over layers and the window, is at most ``plateau_qk_ratio``. The
-plateau is an episode; while it lasts its trend is refitted. The Eureka-moment: the loss
-is, for two samples in a row, below the plateau's own extrapolated trend by ``eureka_drop``
+plateau is an episode; while it lasts its trend is refitted. The Eureka-moment: the loss,
+the median of the samples of the last ``eureka_span`` steps, is for two samples in a row below
+the plateau's own extrapolated trend by ``eureka_drop``
 of the level and by ``eureka_noise`` times the plateau's noise, while the Q/K gradient
 share rises above its plateau mean or the attention entropy falls below it (when those
 signals are there). The moment closes the plateau (one ``resolved`` record).
@@ -54,7 +55,8 @@ class Plateau:
         self.losses: list[list[float]] = []
         self.first_loss: float | None = None
         self.plateau: dict | None = None  # {"since", "a", "b", "noise", "ratio", "entropy"} while one lasts
-        self.below: list[list[float]] = []  # consecutive samples under the trend line
+        self.below: list[list[float]] = []  # consecutive samples whose smoothed loss is under the trend line
+        self.recent: list[list[float]] = []  # the samples of the last eureka_span steps (the smoothed loss)
         self.start: int | None = None  # the first step of the current watch (the run's, or after a moment)
 
     def observe(self, obs: Observation) -> list[Alert]:
@@ -99,9 +101,11 @@ class Plateau:
         p = self.plateau
         expected = p["a"] + p["b"] * step
         drop = max(self.cfg.eureka_drop * abs(expected), self.cfg.eureka_noise * p["noise"])
-        if point[1] > expected - drop:
+        self.recent = [q for q in self.recent if q[0] > step - self.cfg.eureka_span] + [point]
+        smoothed = float(np.median([q[1] for q in self.recent]))  # the same steps at any interval
+        if smoothed > expected - drop:
             self.below = []
-            if point[1] >= expected - max(2.0 * p["noise"], drop / 2):  # on the plateau, not on its way down
+            if smoothed >= expected - 0.5 * p["noise"]:  # on the plateau, not on its way down: the trend follows
                 self._refit(point)
             return []
         self.below.append(point)
@@ -113,24 +117,29 @@ class Plateau:
         since = int(self.below[0][0])
         duration = since - p["since"]
         self.plateau, self.below, self.losses, self.start = None, [], [], None
-        values = {"loss": point[1], "plateau": expected, "grad_ratio_qk_v": point[2], "attn_entropy": point[3]}
+        self.recent = []
+        values = {"loss": smoothed, "plateau": expected, "grad_ratio_qk_v": point[2], "attn_entropy": point[3]}
         return [Alert(step, "eureka_plateau", "info", "", f"resolved: the plateau ended at step {since} after "
                       f"{duration} steps", {"duration_steps": float(duration)}, "resolved", p["since"]),
                 Alert(step, "eureka_moment", "info", "", (
-                    f"Eureka-moment at step {since}: the loss left its plateau ({point[1]:.4g} against "
+                    f"Eureka-moment at step {since}: the loss left its plateau ({smoothed:.4g} over the last "
+                    f"{self.cfg.eureka_span} steps against "
                     f"{expected:.4g} on the plateau's trend) while the Q/K gradient share rose or attention "
                     "entropy fell. What to do: nothing; validation accuracy should follow"), values, "firing", since)]
 
     def _refit(self, point: list[float]) -> None:
         """Still on the plateau: the window rolls on and the trend follows it (a plateau may sink slowly);
-        samples more than 2 noise deviations under the trend are left out, so a slow drop cannot drag it along."""
+        while the smoothed loss is more than half a noise deviation under the trend no sample is added, and
+        the noise never grows, so a slow drop cannot drag the trend along."""
         self.losses = [q for q in self.losses if q[0] > point[0] - self.cfg.plateau_window] + [point]
         a, b, noise = fit_trend(self.losses)
+        noise = min(noise, self.plateau["noise"])  # a start of the drop in the window must not widen the band
         self.plateau.update(a=a, b=b, noise=noise, ratio=_mean(self.losses, 2), entropy=_mean(self.losses, 3))
 
     def state_dict(self) -> dict:
         return {"losses": [p[1] for p in self.losses], "loss_points": [[p[0], p[2], p[3]] for p in self.losses],
-                "first_loss": self.first_loss, "plateau": self.plateau, "below": self.below, "loss_start": self.start}
+                "first_loss": self.first_loss, "plateau": self.plateau, "below": self.below, "loss_start": self.start,
+                "recent": self.recent}
 
     def load_state_dict(self, state: dict) -> None:
         points = state.get("loss_points", [])  # format 1 has losses but no points: the window starts afresh
@@ -138,4 +147,5 @@ class Plateau:
         self.first_loss = state.get("first_loss")
         self.plateau = state.get("plateau") if isinstance(state.get("plateau"), dict) else None
         self.below = [list(p) for p in state.get("below", [])]
+        self.recent = [list(p) for p in state.get("recent", [])]
         self.start = state.get("loss_start", self.losses[0][0] if self.losses else None)

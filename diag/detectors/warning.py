@@ -3,10 +3,13 @@
 ``collapse_warning`` (per head, an episode): over the last ``warn_window`` steps the head's
 ``sigma_1(Wq^T Wk)`` grew by ``sigma_growth`` or more *while* its attention entropy and
 attention rank both fell (by ``entropy_drop`` and ``rank_drop`` of their value at the
-window's start), with a concentrated spectrum (``SEC >= sec_warn``) or large steps (update
-ratio ``>= tau_warn``), and the head is not yet malignant: Qi et al.'s loop (a large,
-concentrated ``Wq^T Wk`` making attention sparse and low-rank) seen under way, held for two
-samples. Growth of ``sigma_1`` alone is what every no-warmup run shows in its first steps.
+window's start), its largest attention logit reached ``logit_factor`` times the entropy of
+uniform attention over the same keys (the mean ``ln(keys)``: logits that large can put a
+row's mass on one key; attention-logit growth, Dehghani et al. 2023, which QK-norm bounds),
+with a concentrated spectrum (``SEC >= sec_warn``) or large steps (update ratio
+``>= tau_warn``), and the head is not yet malignant: Qi et al.'s loop (a large, concentrated
+``Wq^T Wk`` making attention sparse and low-rank) seen under way, held for two samples.
+Growth of ``sigma_1`` alone is what every no-warmup run shows in its first steps.
 
 ``large_early_updates`` (info, once per run): in the first ``note_horizon`` steps an update
 ratio ``sigma_1(dW)/sigma_1(W) >= note_ratio`` (10x the paper's tau): the run has no, or a
@@ -37,7 +40,7 @@ class CollapseWarning:
     def __init__(self, cfg: AlertConfig, malignant: Episodes | None = None) -> None:
         self.cfg = cfg
         self.malignant = malignant  # the attention states' malignant episodes: a malignant head is past warning
-        self.episodes = Episodes(Dwell(2, cfg.collapse_dwell), Dwell(2, cfg.exit_dwell))
+        self.episodes = Episodes(Dwell(cfg.warn_persist, cfg.collapse_dwell), Dwell(2, cfg.exit_dwell))
         self.trend: dict[str, list[list[float]]] = {}  # head -> [[step, sigma_1, entropy, rank], ...]
         self.update_ratio: dict[str, float] = {}  # layer -> last max(update_ratio_q, update_ratio_k)
         self.sigma_prev: dict[str, list] = {}  # layer -> [step, sigma_1 per head] of the previous sample
@@ -97,6 +100,11 @@ class CollapseWarning:
             history = [p for p in self.trend.get(where, []) if p[0] >= step - self.cfg.warn_window] + [point]
             self.trend[where] = history
             inside, outside, values = self._tests(history, float(sec[h]) >= self.cfg.sec_warn or fast)
+            if inside and "attn_max_logit" in m and "attn_entropy_uniform" in m:
+                logit = float(m["attn_max_logit"][h])
+                line = self.cfg.logit_factor * float(m["attn_entropy_uniform"][0])
+                values["attn_max_logit"] = logit
+                inside = math.isfinite(logit) and logit >= line
             if self.malignant is not None and self.malignant.active(where):
                 inside, outside = False, True
             event = self.episodes.update(where, step, inside, outside)
@@ -112,7 +120,9 @@ class CollapseWarning:
                 out.append(Alert(step, "collapse_warning", "warning", where, (
                     f"towards malignant collapse since step {event.since}: over the last {span} steps "
                     f"sigma_1(Wq^T Wk) grew x{values['sigma1_growth']:.1f} while attention entropy fell "
-                    f"{values['entropy_drop']:.0%} and attention rank {values['rank_drop']:.0%}. "
+                    f"{values['entropy_drop']:.0%} and attention rank {values['rank_drop']:.0%}"
+                    + (f", its largest logit at {values['attn_max_logit']:.1f}" if "attn_max_logit" in values else "")
+                    + ". "
                     f"What to do: {TODO}"), values, "firing", event.since))
         return out
 

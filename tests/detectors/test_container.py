@@ -28,7 +28,8 @@ def script():
 
 
 def test_resume_at_any_point_continues_identically():
-    cfg = AlertConfig(plateau_window=100)
+    # the warning's thresholds of the first draft: this script's head warns under them (the resume is the test)
+    cfg = AlertConfig(plateau_window=100, warn_window=40, sigma_growth=12.0, entropy_drop=0.15, warn_persist=2)
     observations = list(script())
     whole = Detectors(cfg)
     expected = [(a.step, a.kind, a.status, a.where, a.since) for o in observations for a in whole.observe(o)]

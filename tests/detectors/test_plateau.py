@@ -24,8 +24,8 @@ def test_one_noisy_batch_is_no_moment_and_a_real_drop_is_one_at_any_interval():
         out = run(losses, every, ratio_after=(440, 0.5))
         moments = [a for a in out if a.kind == "eureka_moment"]
         assert len(moments) == 1, every
-        # the drop is 10% below the trend 3 steps after it starts: at every=1 that is 3 intervals
-        assert 450 <= moments[0].since <= 450 + max(2 * every, 5), (every, moments[0].since)
+        # the median of the last eureka_span=20 steps is 10% below the trend ~20 steps after the drop starts
+        assert 450 <= moments[0].since <= 450 + max(2 * every, 25), (every, moments[0].since)
         plateau = [a for a in out if a.kind == "eureka_plateau"]
         assert [a.status for a in plateau] == ["firing", "resolved"]
         assert plateau[0].step <= 100 + every  # windows in steps: flagged as soon as 100 steps are seen
