@@ -5,12 +5,13 @@ sampled step as a fraction of one CPU training step: loss ~0.01%, gradient norms
 1%, spectra 3.4%, update ratios 9.8%, attention capture 11.4%) and in how fast
 what they watch moves. The default cadence samples the cheap families, the loss
 and the Q/K/V gradient norms (what the loss-spike, non-finite and plateau
-detectors read) and the spectra (the early collapse warning compares sigma_1
-between consecutive samples) every 10 steps, and the costly ones, update ratios
-and attention (the malignant-collapse detector), every 100 steps; every step
-number that is a multiple of a family's period samples that family, so step 0,
-100, 200, ... sample all of them and the tags of each family carry the steps it
-was sampled at.
+detectors read) every 10 steps, the spectra (sigma_1 growth) every 20, and the
+costly ones, update ratios and attention (the collapse detectors), every 100
+steps; every step number that is a multiple of a family's period samples that
+family, so step 0, 100, 200, ... sample all of them and the tags of each family
+carry the steps it was sampled at. :class:`CloserLook` adds attention and the
+spectra at the 10-step steps while the detectors ask for them (a head's sigma_1
+grows fast, a collapse is being confirmed, the first updates are large).
 
 ``Monitor(every=N)`` keeps its old meaning: every family every N steps.
 ``Monitor(cadence={"attention": 50})`` changes the named periods only.
@@ -32,7 +33,7 @@ _NOTHING: frozenset[str] = frozenset()
 FAMILIES = ("loss", "grads", "spectra", "attention", "updates")
 
 # Steps between two samples of each family when neither ``every`` nor ``cadence`` names it.
-DEFAULT_CADENCE: Mapping[str, int] = {"loss": 10, "grads": 10, "spectra": 10, "attention": 100, "updates": 100}
+DEFAULT_CADENCE: Mapping[str, int] = {"loss": 10, "grads": 10, "spectra": 20, "attention": 100, "updates": 100}
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ backward; ``update_*`` at step t describe the update that optimizer step t appli
 few attribute reads. A sampled step works under ``no_grad``, draws no random
 numbers and only reads parameters and gradients. Which families a step samples
 is the cadence (:mod:`hooks.cadence`): by default the loss, the gradient norms and
-the spectra every 10 steps, update ratios and attention every 100 (docs/cost.md).
+the spectra every 20, update ratios and attention every 100, with a closer look at attention
+while a head moves fast (docs/cost.md).
 """
 
 from __future__ import annotations
@@ -63,9 +64,9 @@ class Monitor:
             there too. Checked writable now. None: only ``sinks``.
         every: sample every family at steps where ``step % every == 0`` (the uniform cadence
             of earlier versions). Default None: the per-family cadence of
-            :data:`hooks.cadence.DEFAULT_CADENCE` (loss, gradient norms and spectra every 10
-            steps, update ratios and attention every 100), which costs under 1% of training
-            time on GPT-2-small shapes (docs/cost.md).
+            :data:`hooks.cadence.DEFAULT_CADENCE` (loss and gradient norms every 10 steps,
+            spectra every 20, update ratios and attention every 100, plus ``closer_look``),
+            which costs under 1% of training time on GPT-2 shapes (docs/cost.md).
         cadence: ``{family: steps between samples}`` for some of ``"loss"``, ``"grads"``,
             ``"spectra"``, ``"attention"``, ``"updates"``; overrides ``every`` or the default
             for the families named.

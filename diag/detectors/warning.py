@@ -160,8 +160,17 @@ class EarlyUpdates:
     def __init__(self, cfg: AlertConfig) -> None:
         self.cfg = cfg
         self.noted = False
+        self.step = -1  # the last step observed
+
+    def wants_attention(self) -> str | None:
+        """Within the first ``note_horizon`` steps of a run noted for large first updates: such runs are the
+        ones whose heads collapse in tens of steps, so the Monitor samples their attention closely."""
+        if self.noted and self.step <= self.cfg.note_horizon:
+            return "the first updates are large (no or a short warmup)"
+        return None
 
     def observe(self, obs: Observation) -> list[Alert]:
+        self.step = max(self.step, obs.step)
         if self.noted or obs.step > self.cfg.note_horizon:
             return []
         ratios = [(float(m[k][0]), label) for label, m in obs.layers.items()
@@ -178,7 +187,8 @@ class EarlyUpdates:
             {"update_ratio": ratio}, "firing", obs.step)]
 
     def state_dict(self) -> dict:
-        return {"noted_early_updates": self.noted}
+        return {"noted_early_updates": self.noted, "early_updates_step": self.step}
 
     def load_state_dict(self, state: dict) -> None:
         self.noted = bool(state.get("noted_early_updates", False))
+        self.step = int(state.get("early_updates_step", -1))

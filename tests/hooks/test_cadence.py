@@ -1,6 +1,6 @@
 """The per-family cadence: which step samples which family, visible in the tags' steps.
 
-* The default samples the loss, the gradient norms and the spectra every 10 steps and
+* The default samples the loss and the gradient norms every 10 steps, the spectra every 20 and
   update ratios and attention every 100; each family's tags carry exactly its steps.
 * What a family logs at a step it samples equals what the uniform ``every=10``
   Monitor logs there: thinning the cadence loses no accuracy.
@@ -71,7 +71,7 @@ def default_run() -> MemorySink:
 def test_default_cadence_is_visible_in_the_tags_steps(default_run):
     seen = steps_by_family(default_run)
     assert seen == {f: set(range(0, 201, DEFAULT_CADENCE[f])) for f in FAMILIES}
-    assert DEFAULT_CADENCE["loss"] == DEFAULT_CADENCE["grads"] == DEFAULT_CADENCE["spectra"] == 10
+    assert DEFAULT_CADENCE["loss"] == DEFAULT_CADENCE["grads"] == 10 and DEFAULT_CADENCE["spectra"] == 20
     assert DEFAULT_CADENCE["attention"] == DEFAULT_CADENCE["updates"] == 100
 
 
@@ -82,7 +82,7 @@ def test_thinned_families_equal_the_uniform_cadence_at_shared_steps(default_run)
     ref = {(r.step, t): v for r in uniform.records for t, v in r.scalars.items() if not t.startswith("alerts/")}
     got = {(r.step, t): v for r in default_run.records for t, v in r.scalars.items() if not t.startswith("alerts/")}
     assert set(got) <= set(ref)
-    assert {k for k in ref if k[0] % 100 == 0 or family(k[1]) in ("loss", "grads", "spectra")} == set(got)
+    assert {k for k in ref if k[0] % DEFAULT_CADENCE[family(k[1])] == 0} == set(got)
     bad = [k for k in got if not math.isclose(got[k], ref[k], rel_tol=1e-9, abs_tol=1e-12)]
     assert not bad, bad[:5]
 
@@ -145,18 +145,21 @@ def test_layout_waits_for_a_step_that_samples_every_family(tmp_path):
 
 
 def test_closer_look_samples_attention_with_the_spectra_while_asked(default_run):
-    """watch_growth=1.01: any growth of sigma_1 asks for a closer look, from the first spectra sample on
-    (step 10: growth over 0..10), held watch_hold=30 steps after each ask; the values are every=10's."""
+    """watch_growth=1.01: any growth of sigma_1 asks for a closer look, from the second spectra sample on
+    (step 20: growth over 0..20), held watch_hold=30 steps after each ask: attention and the spectra every 10
+    steps from 30 on, with the very values of every=10."""
     cfg = AlertConfig(watch_growth=1.01, watch_hold=30)
     sink, armed = train(201, alerts=cfg)
     seen = steps_by_family(sink)
-    assert seen["attention"] == set(range(0, 201, 10)) - {10}  # decided at 10, sampled from 20 on
-    assert {f: s for f, s in seen.items() if f != "attention"} == \
-        {f: set(range(0, 201, DEFAULT_CADENCE[f])) for f in FAMILIES if f != "attention"}
-    assert [s for s, a in enumerate(armed) if a][:3] == [19, 29, 39]
+    closer = set(range(30, 201, 10))
+    assert seen["attention"] == {0} | closer and seen["spectra"] == {0, 20} | closer
+    assert {f: s for f, s in seen.items() if f not in ("attention", "spectra")} == \
+        {f: set(range(0, 201, DEFAULT_CADENCE[f])) for f in FAMILIES if f not in ("attention", "spectra")}
+    assert [s for s, a in enumerate(armed) if a][:3] == [29, 39, 49]
     uniform = train(201, every=10)[0]
-    ref = {(r.step, t): v for r in uniform.records for t, v in r.scalars.items() if t.startswith("attn_")}
-    got = {(r.step, t): v for r in sink.records for t, v in r.scalars.items() if t.startswith("attn_")}
+    watched = ("attn_", "qk_")
+    ref = {(r.step, t): v for r in uniform.records for t, v in r.scalars.items() if t.startswith(watched)}
+    got = {(r.step, t): v for r in sink.records for t, v in r.scalars.items() if t.startswith(watched)}
     assert got and set(got) <= set(ref)
     bad = [k for k in got if not math.isclose(got[k], ref[k], rel_tol=1e-9, abs_tol=1e-12)]
     assert not bad, bad[:5]
@@ -169,11 +172,11 @@ def test_closer_look_holds_and_stays_off_when_attention_is_as_frequent():
     look = CloserLook(resolve_cadence(None, None, ("spectra", "attention")), hold=25)
     assert look.period == 10 and not look.adds(20)
     assert look.update(10, "sigma_1 grew") and look.until == 35
-    assert [s for s in range(11, 60) if look.adds(s)] == [20, 30] and look.adds(20) == {"attention"}
+    assert [s for s in range(11, 60) if look.adds(s)] == [20, 30] and look.adds(20) == {"attention", "spectra"}
     assert not look.update(30, "again") and look.until == 55  # extended, not restarted
     assert not look.update(40, None) and look.until == 55
     assert CloserLook(resolve_cadence(10, None, ("spectra", "attention")), hold=25).period is None
-    slow_spectra = CloserLook(resolve_cadence(None, {"spectra": 20}, ("spectra", "attention")), hold=25)
-    slow_spectra.update(0, "why")
-    assert slow_spectra.adds(10) == {"attention", "spectra"}
+    fast_spectra = CloserLook(resolve_cadence(None, {"spectra": 10}, ("spectra", "attention")), hold=25)
+    fast_spectra.update(0, "why")
+    assert fast_spectra.adds(10) == {"attention"}  # the spectra are sampled every 10 steps anyway
     assert CloserLook(resolve_cadence(None, None, ("spectra", "attention")), hold=25, enabled=False).period is None
