@@ -5,20 +5,27 @@
 ``RUNS_DIR`` holds one folder per run written by ``examples/evaluate_record.py`` (named
 ``collapse-...-s<seed>`` or ``eureka-...-s<seed>``; the Monitor sampled every step). Each run is
 replayed at ``every`` 2, 5, 10 and 20 by keeping the observations whose step is a multiple of
-``every``: what a Monitor at that interval would have passed the detectors. Even seeds tune,
-odd seeds are held out. Ground truth never looks at the detectors:
+``every``: what a Monitor at that interval would have passed the detectors; and at the Monitor's
+default per-family cadence (``"default"``: each family's metrics at the steps its period names,
+plus the closer look the detectors ask for, as ``hooks.cadence.CloserLook`` adds it). Even seeds
+tune, odd seeds are held out. Ground truth never looks at the detectors:
 
 * established collapse: the first step ``t`` at which one head is malignant and from which, over
   ``[t, t + 50)`` steps, it is malignant (attention entropy <= 0.5 nats and effective rank <= 10%
   of its rows, Qi et al.'s sparse and low-rank state, fixed lines) in at least 80% of the every-step
   samples;
+* hovering: no established collapse, yet one head malignant in at least half of the samples of some
+  50 steps (``AMBIGUOUS``): such runs count neither as warned nor as false alerts, and are listed;
 * accuracy jump: the first held-out evaluation above halfway from the no-indicator accuracy to
   the run's final accuracy (``examples/eureka.py``), none if the final accuracy is not 0.2 above it;
 * a warning is in time if its first firing precedes the established collapse; a collapse alert on
   a run with no established collapse is false; a Eureka-moment is on time if its ``since`` step is
   within 2 intervals of the jump, an interval being ``max(every, 20)`` (the held-out accuracy is
   evaluated every 20 steps, so the jump is known to 20 steps only); it is false if the last held-out
-  accuracy before it is still within 0.05 of the no-indicator ceiling, or on a run with no jump.
+  accuracy before it is still within 0.05 of the no-indicator ceiling, or on a run with no jump;
+* a plateau is flagged if its alert comes before the jump; a plateau alert on a language-model run
+  (the collapse runs: their loss never sits still for 200 steps in the sense of the Eureka task)
+  counts against the Eureka thresholds when they are tuned.
 """
 
 from __future__ import annotations
