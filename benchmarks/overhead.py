@@ -1,6 +1,7 @@
 """What watching costs: ratios measured side by side in one run (not a timed test).
 
     .venv/bin/python benchmarks/overhead.py --models 4x256 small --only 2 3 4 5 --reps 1   # the issue-19 table
+    .venv/bin/python benchmarks/overhead.py --models 4x256 --only 2 --paired --reps 5 --everys default  # paired steps
     .venv/bin/python benchmarks/overhead.py --models small --reps 5
     .venv/bin/python benchmarks/overhead.py --models medium --only 1 --reps 1   # 24 layers x 1024
 
@@ -136,6 +137,73 @@ def train_steps(model, monitor, steps: int, start: int, parts: list | None = Non
             parts.append((t1 - t0, t2 - t1, captured[0]))
             captured[0] = 0.0
     return times
+
+
+def train_paired(plain_model, model, monitor, steps: int) -> tuple[float, float, list]:
+    """The same ``steps`` on two copies of the model, one step of each in turn: ``plain_model`` unwatched,
+    ``model`` with ``monitor``. Returns (plain seconds, watched seconds, watched parts as in train_steps).
+    Pairing each watched step with a plain step taken right before it cancels the machine's drifts (another
+    process's load, frequency changes) that make two back-to-back windows differ by a percent or more."""
+    captured = timed_capture(monitor)
+    ids = torch.randint(0, 8192, (4, 128), generator=torch.Generator().manual_seed(0))
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-4) for m in (plain_model, model)]
+    plain = watched = 0.0
+    parts = []
+    for step in range(steps):
+        for which, (m, opt) in enumerate(zip((plain_model, model), opts)):
+            t0 = clock()
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            t1 = clock()
+            if which:
+                monitor.step(step, loss=loss)
+            t2 = clock()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if which:
+                watched += clock() - t0
+                parts.append((t1 - t0, t2 - t1, captured[0]))
+                captured[0] = 0.0
+            else:
+                plain += clock() - t0
+    return plain, watched, parts
+
+
+def paired_overhead(model, reps: int, steps: int, everys=("default",)) -> float:
+    """Item 2 with paired steps (``--paired``): each repetition trains a fresh copy of the model with the
+    Monitor and another without it, one step of each in turn, over whole sampling periods (as item 2)."""
+    import copy
+
+    print(f"2. paired steps, the Monitor's copy / the plain copy (one step of each in turn): {load()}")
+    steps_plain: list[float] = []
+    for name in everys:
+        every = None if name == "default" else int(name)
+        probe = Monitor(model, every=every, sinks=[MemorySink()])
+        period = probe.cadence.full
+        probe.close()
+        n = -(-max(period, steps) // period) * period
+        ratios, shares = [], []
+        for _ in range(reps):
+            plain_model, watched_model = copy.deepcopy(model), copy.deepcopy(model)
+            for m in (plain_model, watched_model):  # a first step of each copy, untimed (allocator, caches)
+                train_steps(m, None, 1, 0)
+            monitor = Monitor(watched_model, every=every, sinks=[MemorySink()])
+            plain, watched, parts = train_paired(plain_model, watched_model, monitor, n)
+            t0 = clock()
+            monitor.close()
+            close = clock() - t0
+            ratios.append((watched + close) / plain)
+            shares.append(accounted(parts, close, plain / n))
+            steps_plain.append(plain / n)
+            del plain_model, watched_model, monitor
+        label = "default" if every is None else f"every={every}"
+        print(f"   {label:<9} ({n:3d} steps): time ratio {statistics.median(ratios):.4f} "
+              f"(min {min(ratios):.4f}, max {max(ratios):.4f}; each: {', '.join(f'{r:.4f}' for r in ratios)}); "
+              f"accounted share {statistics.median(shares) * 100:.2f}% (min {min(shares) * 100:.2f}, "
+              f"max {max(shares) * 100:.2f}) {load()}")
+    base = statistics.median(steps_plain)
+    print(f"   training step without monitor: {base * 1e3:.0f} ms (median)")
+    return base
 
 
 def accounted(watched_parts: list, close: float, base: float) -> float:
@@ -310,6 +378,9 @@ def main() -> None:
                         help="run only these items (item 3 and 4 need item 2's step time: it runs too)")
     parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
                         help="time every figure in this process's CPU time (default) or wall time")
+    parser.add_argument("--paired", action="store_true",
+                        help="item 2 with paired steps (a watched and a plain copy of the model, one step of "
+                             "each in turn) instead of back-to-back windows")
     parser.add_argument("--memory-child", choices=["plain", "monitored"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     global CLOCK
@@ -327,7 +398,8 @@ def main() -> None:
         if "1" in only:
             spectra(model, args.reps)
         if only & {"2", "3", "4"}:
-            base = overhead(model, args.reps, args.steps, args.everys)
+            run = paired_overhead if args.paired else overhead
+            base = run(model, args.reps, args.steps, args.everys)
             if "3" in only:
                 non_sampled_cost(model, base)
             if "4" in only:
