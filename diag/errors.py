@@ -32,9 +32,10 @@ class SinkError(DiagError):
 
 
 class WarnOnce:
-    """``warn(kind, message)`` reports ``message`` the first time ``kind`` is seen, on ``logger`` at ``level``
-    and as a ``RuntimeWarning`` (``stacklevel`` counted from the caller of ``warn``, as for
-    ``warnings.warn``); later calls with the same kind are silent. Returns whether it reported.
+    """``warn(kind, message)`` reports ``message`` the first time ``kind`` is seen, as a ``RuntimeWarning``
+    (``stacklevel`` counted from the caller of ``warn``, as for ``warnings.warn``) and, when logging is
+    configured (``logger.hasHandlers()``), on ``logger`` at ``level``: one console line either way. Later
+    calls with the same kind are silent. Returns whether it reported.
     ``seen`` holds the kinds reported so far."""
 
     def __init__(self, logger: logging.Logger, level: int = logging.WARNING, stacklevel: int = 2) -> None:
@@ -45,6 +46,9 @@ class WarnOnce:
         if kind in self.seen:
             return False
         self.seen.add(kind)
-        self.logger.log(self.level, message)
+        if self.logger.hasHandlers():  # logging is configured: the record goes to its handlers ...
+            self.logger.log(self.level, message)
+        # ... and the warning is printed once by Python's warnings machinery; with logging left unconfigured
+        # the record would be printed a second time by logging's last-resort handler, so it is not logged then
         warnings.warn(message, RuntimeWarning, stacklevel=self.stacklevel + 1)
         return True
