@@ -255,7 +255,9 @@ def test_sigma1_warm_start_accurate_and_cheaper():
         ref = torch.linalg.matrix_norm(w.double(), ord=2)
         assert ((ref - got) / ref).abs().max() < 2e-3  # the target is 2%
         assert (got <= ref * (1 + 1e-6)).all()  # a Ritz value
-    assert dims[1] < dims[0] and dims[3] < dims[2]  # warm from the previous call: fewer blocks
+    # warm from the previous call: no more blocks than the cold start, which begins with COLD_POWER block power
+    # steps (before those, the cold start took 2-3x the blocks)
+    assert dims[1] <= dims[0] and dims[3] <= dims[2]
 
 
 def test_sigma1_nonfinite_matrix_is_nan_others_measured():
