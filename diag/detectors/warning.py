@@ -8,7 +8,8 @@ uniform attention over the same keys (the mean ``ln(keys)``: logits that large c
 row's mass on one key; attention-logit growth, Dehghani et al. 2023, which QK-norm bounds),
 with a concentrated spectrum (``SEC >= sec_warn``) or large steps (update ratio
 ``>= tau_warn``), and the head is not yet malignant: Qi et al.'s loop (a large, concentrated
-``Wq^T Wk`` making attention sparse and low-rank) seen under way, held for two samples.
+``Wq^T Wk`` making attention sparse and low-rank) seen under way, held for ``warn_persist``
+samples (1 by default: tuned, docs/alerts.md#evaluation).
 Growth of ``sigma_1`` alone is what every no-warmup run shows in its first steps.
 
 ``large_early_updates`` (info, once per run): in the first ``note_horizon`` steps an update
