@@ -177,11 +177,7 @@ def paired_overhead(model, reps: int, steps: int, everys=("default",)) -> float:
     print(f"2. paired steps, the Monitor's copy / the plain copy (one step of each in turn): {load()}")
     steps_plain: list[float] = []
     for name in everys:
-        every = None if name == "default" else int(name)
-        probe = Monitor(model, every=every, sinks=[MemorySink()])
-        period = probe.cadence.full
-        probe.close()
-        n = -(-max(period, steps) // period) * period
+        every, n = window(model, name, steps)
         ratios, shares = [], []
         for _ in range(reps):
             plain_model, watched_model = copy.deepcopy(model), copy.deepcopy(model)
@@ -196,14 +192,28 @@ def paired_overhead(model, reps: int, steps: int, everys=("default",)) -> float:
             shares.append(accounted(parts, close, plain / n))
             steps_plain.append(plain / n)
             del plain_model, watched_model, monitor
-        label = "default" if every is None else f"every={every}"
-        print(f"   {label:<9} ({n:3d} steps): time ratio {statistics.median(ratios):.4f} "
-              f"(min {min(ratios):.4f}, max {max(ratios):.4f}; each: {', '.join(f'{r:.4f}' for r in ratios)}); "
-              f"accounted share {statistics.median(shares) * 100:.2f}% (min {min(shares) * 100:.2f}, "
-              f"max {max(shares) * 100:.2f}) {load()}")
+        report(every, n, ratios, shares)
     base = statistics.median(steps_plain)
     print(f"   training step without monitor: {base * 1e3:.0f} ms (median)")
     return base
+
+
+def window(model, name: str, steps: int) -> tuple[int | None, int]:
+    """(every, window length): ``name`` is "default" or an integer; the window covers whole sampling periods,
+    steps 0 .. max(P, steps)-1 rounded up to a multiple of P, the steps that sample every family."""
+    every = None if name == "default" else int(name)
+    probe = Monitor(model, every=every, sinks=[MemorySink()])
+    period = probe.cadence.full
+    probe.close()
+    return every, -(-max(period, steps) // period) * period
+
+
+def report(every: int | None, n: int, ratios: list[float], shares: list[float]) -> None:
+    label = "default" if every is None else f"every={every}"
+    print(f"   {label:<9} ({n:3d} steps): time ratio {statistics.median(ratios):.4f} "
+          f"(min {min(ratios):.4f}, max {max(ratios):.4f}; each: {', '.join(f'{r:.4f}' for r in ratios)}); "
+          f"accounted share of the Monitor {statistics.median(shares) * 100:.2f}% (min {min(shares) * 100:.2f}, "
+          f"max {max(shares) * 100:.2f}) {load()}")
 
 
 def accounted(watched_parts: list, close: float, base: float) -> float:
@@ -224,11 +234,7 @@ def overhead(model, reps: int, steps: int, everys=("default", "1", "10", "100"))
     base_times: list[float] = []
     print(f"2. training-step time with the Monitor / without (same steps, back to back): {load()}")
     for name in everys:
-        every = None if name == "default" else int(name)
-        full = Monitor(model, every=every, sinks=[MemorySink()])
-        period = full.cadence.full
-        full.close()
-        n = -(-max(period, steps) // period) * period
+        every, n = window(model, name, steps)
         ratios, shares = [], []
         for _ in range(reps):
             plain_parts: list = []
@@ -242,11 +248,7 @@ def overhead(model, reps: int, steps: int, everys=("default", "1", "10", "100"))
             ratios.append((watched + close) / plain)
             shares.append(accounted(watched_parts, close, plain / n))
             base_times.append(plain / n)
-        label = "default" if every is None else f"every={every}"
-        print(f"   {label:<9} ({n:3d} steps): time ratio {statistics.median(ratios):.3f} "
-              f"(min {min(ratios):.3f}, max {max(ratios):.3f}); accounted share of the Monitor "
-              f"{statistics.median(shares) * 100:.2f}% (min {min(shares) * 100:.2f}, max {max(shares) * 100:.2f}) "
-              f"{load()}")
+        report(every, n, ratios, shares)
     base = statistics.median(base_times)
     print(f"   training step without monitor: {base * 1e3:.0f} ms (median)")
     return base

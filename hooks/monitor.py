@@ -194,7 +194,9 @@ class Monitor:
             self._guard("sample", self._sample, step, loss, due)
         if self.capture.armed and "attention" not in due:
             self.capture.disarm()
-        if self.cadence.is_due("attention", step + 1) or "attention" in self.closer.adds(step + 1):
+        # the closer look's check only while one is on (until >= the next step): nothing more on a quiet step
+        if self.cadence.is_due("attention", step + 1) or (
+                self.closer.until > step and "attention" in self.closer.adds(step + 1)):
             self.capture.arm()
 
     def log_scalars(self, step: int, scalars: Mapping[str, float]) -> None:

@@ -63,7 +63,6 @@ class Sigma1:
             raise ValueError(f"Sigma1(block={block}, rtol={rtol}): expected block >= 1 and rtol > 0")
         self.block, self.rtol, self.exact_below, self.max_dim = block, rtol, exact_below, max_dim
         self._starts: dict[object, Tensor] = {}
-        self.cold_power = COLD_POWER
         self.last_dim = 0  # the subspace size the last Krylov call ended with (for benchmarks/tests)
 
     def __call__(self, w: Tensor, key: object = None) -> Tensor:
@@ -109,7 +108,7 @@ class Sigma1:
         gen = torch.Generator(device=work.device).manual_seed(0)
         start = torch.randn(n, block, generator=gen, dtype=torch.float32, device=work.device)
         start = start.expand(*work.shape[:-2], n, block)
-        for _ in range(self.cold_power):  # block power steps: two skinny products each, no eigensolver
+        for _ in range(COLD_POWER):  # block power steps: two skinny products each, no eigensolver
             start = torch.linalg.qr(work.transpose(-1, -2) @ (work @ start)).Q
         return start
 
