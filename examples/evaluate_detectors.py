@@ -1,4 +1,4 @@
-"""Replay the detectors over recorded runs: thresholds tuned on one half of the seeds, reported on the other.
+"""Replay the detectors over recorded runs: thresholds tuned on one set of seeds, reported on another.
 
     OMP_NUM_THREADS=1 .venv/bin/python examples/evaluate_detectors.py RUNS_DIR [--show RUN] [--markdown]
 
@@ -7,8 +7,10 @@
 replayed at ``every`` 2, 5, 10 and 20 by keeping the observations whose step is a multiple of
 ``every``: what a Monitor at that interval would have passed the detectors; and at the Monitor's
 default per-family cadence (``"default"``: each family's metrics at the steps its period names,
-plus the closer look the detectors ask for, as ``hooks.cadence.CloserLook`` adds it). Even seeds
-tune, odd seeds are held out. Ground truth never looks at the detectors:
+plus the closer look the detectors ask for, as ``hooks.cadence.CloserLook`` adds it). Seeds below
+20 tune, seeds 20 and up are held out (until the late-phase collapse warning, odd seeds below 20
+were held out; they were consulted to design it, docs/alerts.md#evaluation). Ground truth never
+looks at the detectors:
 
 * established collapse: the first step ``t`` at which one head is malignant and from which, over
   ``[t, t + 50)`` steps, it is malignant (attention entropy <= 0.5 nats and effective rank <= 10%
@@ -50,12 +52,15 @@ EVERYS = ("default", 2, 5, 10, 20)  # "default": the Monitor's per-family cadenc
 ESTABLISHED_STEPS, ESTABLISHED_SHARE = 50, 0.8
 AMBIGUOUS = 0.5  # no established collapse, yet one head malignant in half the samples of 50 steps: hovering
 SPARSE, LOW_RANK = 0.5, 0.1  # the ground truth's fixed lines (not AlertConfig's)
-COLLAPSE_GRID = {"warn_window": (20, 40), "sigma_growth": (2.0, 4.0, 8.0),
-                 "entropy_drop": (0.15, 0.25, 0.4), "logit_factor": (1.0, 2.0, 3.0, 4.0), "warn_persist": (1, 2)}
+# warn_window 20 and warn_persist 1 were chosen on the even seeds with the grid (20, 40) x (1, 2) before the
+# late-phase test and the 2-step early look existed (10 was worse on them since); fixed here to keep the grid small
+COLLAPSE_GRID = {"sigma_growth": (4.0, 8.0, 16.0), "entropy_drop": (0.25, 0.4), "logit_factor": (2.0, 3.0, 4.0),
+                 "near_entropy": (0.75, 1.0, 1.25), "near_growth": (1.5, 2.0)}
 # plateau_window and plateau_rel change the plateau detector only
 EUREKA_GRID = {"eureka_drop": (0.25, 0.35), "plateau_qk_ratio": (0.4, 0.5, 0.6),
-               "plateau_window": (150, 200), "plateau_rel": (0.05, 0.1)}
+               "plateau_window": (150, 200), "plateau_rel": (0.05, 0.1), "eureka_span": (20, 40)}
 PLATEAU_MARGIN = 0.05  # accuracy within 0.05 of the no-indicator ceiling: still on the plateau
+FRESH_SEED = 20  # runs of this seed and up are held out, the others tune
 EVAL_EVERY = 20  # steps between held-out evaluations: the accuracy jump is known to this resolution
 
 
@@ -69,8 +74,10 @@ class Run:
     peak: float = 0.0  # collapse runs: peak_share of the run
 
     @property
-    def held_out(self) -> bool:
-        return self.seed % 2 == 1
+    def split(self) -> str:
+        """Seeds below 20 tune (the odd ones were held out until they were consulted to design the late-phase
+        warning, docs/alerts.md#evaluation); seeds 20 and up, recorded after that, are held out."""
+        return "held-out" if self.seed >= FRESH_SEED else "tuning"
 
 
 def load_runs(folder: Path) -> list[Run]:
@@ -99,17 +106,17 @@ def replay(obs: list[Observation], cfg: AlertConfig, every: int | str) -> list:
     if every != "default":
         return [a for o in obs if o.step % every == 0 for a in det.observe(o)]
     cadence = resolve_cadence(None, None, SIGNALS)
-    closer = CloserLook(cadence, cfg.watch_hold)
+    closer = CloserLook(cadence, cfg.watch_hold, early=cfg.watch_early, early_every=cfg.watch_early_every)
     out = []
     for o in obs:
         if o.loss is None and all(family(k) == "updates" for m in o.layers.values() for k in m):
             if cadence.is_due("updates", o.step):  # the update ratio of a step that sampled updates
                 out += det.observe(o)
+                closer.update(o.step, det.wants_attention())  # as Monitor._finish_updates
             continue
-        due = cadence.due(o.step)
+        due = cadence.due(o.step) | closer.adds(o.step)
         if not due:
             continue
-        due = due | closer.adds(o.step)
         layers = {label: {k: v for k, v in m.items() if family(k) in due} for label, m in o.layers.items()}
         out += det.observe(Observation(o.step, o.loss if "loss" in due else None, layers))
         closer.update(o.step, det.wants_attention())
@@ -252,7 +259,7 @@ def runs_table(runs: list[Run], truth: dict) -> list[str]:
         shown = f"{what} at {truth[r.name]}" if truth[r.name] is not None else f"no {what}"
         if r.task == "collapse" and truth[r.name] is None and r.peak >= AMBIGUOUS:
             shown = f"hovering: one head malignant in {r.peak:.0%} of 50 steps at most"
-        out.append(f"| {r.name} | {'held-out' if r.held_out else 'tuning'} | {r.info['config']['steps']} | {shown} |")
+        out.append(f"| {r.name} | {r.split} | {r.info['config']['steps']} | {shown} |")
     return out
 
 
@@ -303,15 +310,17 @@ def main() -> None:
     eureka = [r for r in runs if r.task == "eureka" and "normsoftmax" not in r.name]
     cfg = AlertConfig()
     if not args.no_tune:
-        cfg_c = tune([r for r in collapse if not r.held_out], COLLAPSE_GRID, judge_collapse, score_collapse, truth)
-        cfg_e = tune([r for r in eureka + collapse if not r.held_out], EUREKA_GRID, judge_any, score_eureka, truth)
+        cfg_c = tune([r for r in collapse if r.split == "tuning"], COLLAPSE_GRID, judge_collapse, score_collapse,
+                     truth)
+        cfg_e = tune([r for r in eureka + collapse if r.split == "tuning"], EUREKA_GRID, judge_any, score_eureka,
+                     truth)
         cfg = replace(cfg_c, **{k: getattr(cfg_e, k) for k in EUREKA_GRID})
         print("tuned:", {k: getattr(cfg, k) for k in (*COLLAPSE_GRID, *EUREKA_GRID)})
     rows = []
     for r in runs:
         for every in EVERYS:
             row = (judge_collapse if r.task == "collapse" else judge_eureka)(r, cfg, every, truth[r.name])
-            rows.append({"split": "held-out" if r.held_out else "tuning", **row})
+            rows.append({"split": r.split, **row})
             print(json.dumps(rows[-1]))
     if args.markdown:
         print("\n".join(runs_table(runs, truth) + [""] + summary(rows)))

@@ -99,22 +99,31 @@ class CloserLook:
 
     The default cadence reads attention every 100 steps: cheap, but a collapse that builds in 50
     steps would be seen late. When a head's sigma_1(Wq^T Wk) grows fast, or a collapse warning or
-    a malignant state is being confirmed (``Detectors.wants_attention``), attention, and the spectra
-    when they are sampled less often, are also sampled at every step that samples the loss, until
-    ``hold`` steps after the last such reason. Off (``period`` None) when attention is already
-    sampled at the shortest period.
+    a malignant state is being confirmed, or the run's first updates are large
+    (``Detectors.wants_attention``), attention, and the spectra when they are sampled less often,
+    are also sampled at every step that samples the loss, until ``hold`` steps after the last such
+    reason. Within the run's first ``early`` steps a close look samples every ``early_every`` steps
+    instead: a head of a run with large first updates can collapse within ten steps (measured:
+    established at steps 7 and 10, docs/alerts.md#evaluation), before the 10-step cadence's second
+    sample. Off (``period`` None) when attention is already sampled at the shortest period.
     """
 
-    def __init__(self, cadence: Cadence, hold: int, enabled: bool = True) -> None:
+    def __init__(self, cadence: Cadence, hold: int, enabled: bool = True, early: int = 0,
+                 early_every: int = 2) -> None:
         base = cadence.base
         self.families = frozenset(f for f in ("attention", "spectra") if cadence.periods.get(f, base) > base)
         self.period = base if enabled and "attention" in self.families else None
         self.hold = hold
+        self.early = early if early_every < base else 0  # steps [0, early) sample every early_every steps
+        self.early_every = early_every
         self.until = -1  # the last step that samples attention closely
 
     def adds(self, step: int) -> frozenset[str]:
-        """The families ``step`` samples beyond the cadence (none, or attention and maybe the spectra)."""
-        if self.period is not None and step <= self.until and step % self.period == 0:
+        """The families ``step`` samples beyond the cadence (none, or attention and maybe the spectra); a step
+        the cadence does not sample can sample them within the first ``early`` steps."""
+        if self.period is None or step > self.until:
+            return _NOTHING
+        if step % (self.early_every if step < self.early else self.period) == 0:
             return self.families
         return _NOTHING
 

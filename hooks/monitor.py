@@ -94,8 +94,9 @@ class Monitor:
             ``gradient_overflow`` alert instead of a critical ``nonfinite_gradients``.
         closer_look: when attention is sampled less often than the loss (the default
             cadence), also sample it (and the spectra) with the loss while a head's sigma_1
-            grows fast or a collapse is being confirmed (``AlertConfig.watch_growth``, ``watch_hold``;
-            docs/cost.md#watching-closer). One process only: under DDP/FSDP the ranks would
+            grows fast, a collapse is being confirmed or the first updates are large
+            (``AlertConfig.watch_growth``, ``watch_hold``; every ``watch_early_every`` steps within the
+            first ``watch_early``; docs/cost.md#watching-closer). One process only: under DDP/FSDP the ranks would
             have to agree every sampled step, so it is off there.
     """
 
@@ -154,7 +155,8 @@ class Monitor:
         alert_path = None if self.logdir is None else self.logdir / "alerts.jsonl"
         self.alert_sink = AlertSink(self.sinks, alert_path, on_alert if main else None, stop_on_critical)
         self.detectors = Detectors(alerts or AlertConfig())
-        self.closer = CloserLook(self.cadence, self.detectors.cfg.watch_hold,
+        cfg = self.detectors.cfg
+        self.closer = CloserLook(self.cadence, cfg.watch_hold, early=cfg.watch_early, early_every=cfg.watch_early_every,
                                  enabled=bool(closer_look) and world_size() == 1 and "attention" in self.signals)
         if world_size() > 1:
             self.detectors = SharedDetectors(self.detectors, stop_on_critical)
@@ -189,8 +191,9 @@ class Monitor:
         if self._weights.pending is not None:
             self._guard("updates", self._finish_updates)
         due = self.cadence.due(step)
-        if due:
+        if self.closer.until >= step:  # a closer look is on: it may add families, or a step of its own
             due = due | self.closer.adds(step)
+        if due:
             self._guard("sample", self._sample, step, loss, due)
         if self.capture.armed and "attention" not in due:
             self.capture.disarm()
@@ -289,16 +292,24 @@ class Monitor:
             arrays = {label: {m: v for m, v in metrics.items() if not m.startswith("grad_")}
                       for label, metrics in arrays.items()}
         alerts = self.detectors.observe(Observation(step, loss_value, arrays))
-        if self.closer.period is not None:
-            reason = self.detectors.wants_attention()
-            if self.closer.update(step, reason):
-                log.info("diag: %s: attention sampled every %d steps until at least step %d (closer_look)",
-                         reason, self.closer.period, self.closer.until)
+        self._look_closer(step)
         if overflow:
             alerts.append(Alert(step, "gradient_overflow", "info", "", f"gradients overflowed at step {step} "
                                 "under fp16 loss scaling; the GradScaler skips this update and lowers its scale"))
         self._guard("tensorboard", self._tensorboard, record, arrays, results, alerts, due)
         self.alert_sink.emit(alerts)
+
+    def _look_closer(self, step: int) -> None:
+        """After the detectors judged ``step``: start or extend the closer look if they ask for it."""
+        if self.closer.period is None:
+            return
+        reason = self.detectors.wants_attention()
+        if self.closer.update(step, reason):
+            early = step < self.closer.early
+            log.info("diag: %s: attention sampled every %d steps%s until at least step %d (closer_look)", reason,
+                     self.closer.early_every if early else self.closer.period,
+                     f" up to step {self.closer.early}, then every {self.closer.period}" if early else "",
+                     self.closer.until)
 
     def _grad_overflow(self, arrays: dict) -> bool:
         if self.grad_scaler is None or not self.grad_scaler.is_enabled():
@@ -352,7 +363,9 @@ class Monitor:
         self.last.update(scalars)
         self.sinks.write(Record(step, scalars))
         observe = getattr(self.detectors, "observe_updates", self.detectors.observe)  # distributed: no collective
-        self.alert_sink.emit(observe(Observation(step, None, arrays)))
+        alerts = observe(Observation(step, None, arrays))
+        self._look_closer(step)  # large first updates ask for it
+        self.alert_sink.emit(alerts)
 
     def _check_finite(self, record: Record, skip: Iterable[str] = ()) -> None:
         skip = tuple(f"{metric}/" for metric in skip)

@@ -8,9 +8,9 @@ from diag.errors import ConfigError
 
 __all__ = ["AlertConfig"]
 
-_COUNTS = ("collapse_persist", "warn_persist", "spike_warmup")  # samples
+_COUNTS = ("collapse_persist", "warn_persist", "spike_warmup", "watch_early_every")  # samples (or steps), >= 1
 _STEPS = ("collapse_dwell", "exit_dwell", "warn_window", "note_horizon", "plateau_window", "watch_hold",
-          "eureka_span")
+          "eureka_span", "watch_early")
 
 
 @dataclass
@@ -29,9 +29,11 @@ class AlertConfig:
     warn_window: int = 20  # steps over which sigma_1, entropy and rank trends are measured
     warn_persist: int = 1  # samples the trend must hold (spanning collapse_dwell steps when more than 1)
     sigma_growth: float = 8.0  # sigma_1(Wq^T Wk) of the head grows by this factor over the window ...
-    entropy_drop: float = 0.4  # ... while its attention entropy falls by this fraction ...
+    entropy_drop: float = 0.25  # ... while its attention entropy falls by this fraction ...
     rank_drop: float = 0.25  # ... and its attention rank by this fraction ...
-    logit_factor: float = 3.0  # ... and its max attention logit at or above this many times ln(keys) ...
+    near_entropy: float = 0.75  # or: attention entropy at or below this many nats ...
+    near_growth: float = 2.0  # ... while sigma_1 still grows by this factor over the window
+    logit_factor: float = 4.0  # ... and its max attention logit at or above this many times ln(keys) ...
     sec_warn: float = 0.5  # ... with SEC_s at or above this ...
     tau_warn: float = 0.01  # ... or an update ratio sigma1(dW)/sigma1(W) above this
     # watching closer (the Monitor's default cadence samples attention every 100 steps): when a head's
@@ -39,11 +41,13 @@ class AlertConfig:
     # is open, attention is sampled with the spectra (every 10 steps) for watch_hold steps more
     watch_growth: float = 4.0
     watch_hold: int = 100
+    watch_early: int = 30  # ... and within the run's first 30 steps every watch_early_every steps
+    watch_early_every: int = 2
     note_ratio: float = 0.25  # info note: an update a quarter of the weights' size (60x tau = 0.004) ...
     note_horizon: int = 50  # ... within the first 50 steps: "no warmup", not a collapse
     # plateau and Eureka-moment (plateau.py)
     plateau_window: int = 200  # steps of loss in the plateau test
-    plateau_rel: float = 0.1  # the mean losses of the window's halves (in steps) differ by at most 10%
+    plateau_rel: float = 0.05  # the mean losses of the window's halves (in steps) differ by at most 5%
     plateau_qk_ratio: float = 0.5  # grad_ratio_qk_v below this: the softmax-induced plateau (a warning)
     plateau_min_frac: float = 0.25  # a plateau sits at this fraction of the first sampled loss or above
     eureka_drop: float = 0.35  # the loss this far (relative) below the plateau's own trend ...

@@ -118,10 +118,16 @@ class CollapseWarning:
                 previous = self.sigma_prev.get(label)
                 if previous is not None and previous[1][h] > 0:  # the last interval alone, as measured
                     values["sigma1_growth_last"] = point[1] / previous[1][h]
+                if values.pop("near", 0.0):  # the late phase: say how close the head already is
+                    what = (f"its attention entropy is down to {values['attn_entropy']:.2f} nats (rank "
+                            f"{values['attn_rank']:.1f}) while sigma_1(Wq^T Wk) still grew "
+                            f"x{values['sigma1_growth']:.1f} over the last {span} steps")
+                else:
+                    what = (f"over the last {span} steps sigma_1(Wq^T Wk) grew x{values['sigma1_growth']:.1f} while "
+                            f"attention entropy fell {values['entropy_drop']:.0%} and attention rank "
+                            f"{values['rank_drop']:.0%}")
                 out.append(Alert(step, "collapse_warning", "warning", where, (
-                    f"towards malignant collapse since step {event.since}: over the last {span} steps "
-                    f"sigma_1(Wq^T Wk) grew x{values['sigma1_growth']:.1f} while attention entropy fell "
-                    f"{values['entropy_drop']:.0%} and attention rank {values['rank_drop']:.0%}"
+                    f"towards malignant collapse since step {event.since}: {what}"
                     + (f", its largest logit at {values['attn_max_logit']:.1f}" if "attn_max_logit" in values else "")
                     + ". "
                     f"What to do: {TODO}"), values, "firing", event.since))
@@ -135,10 +141,17 @@ class CollapseWarning:
                   "qk_sigma1": sigma1, "attn_entropy": e1, "attn_rank": r1}
         covered = s1 - s0 >= 0.5 * self.cfg.warn_window
         falling = values["entropy_drop"] >= self.cfg.entropy_drop and values["rank_drop"] >= self.cfg.rank_drop
-        inside = covered and concentrated and falling and values["sigma1_growth"] >= self.cfg.sigma_growth
-        f = self.cfg.exit_factor
+        # a trend of three samples counts before the window is half covered: a run's first steps can collapse
+        # a head within ten steps (the closer look samples them every 2 steps, hooks.cadence.CloserLook)
+        fast = (covered or len(history) >= 3) and falling and values["sigma1_growth"] >= self.cfg.sigma_growth
+        # the loop's late phase: a head already near the sparse line whose sigma_1 still grows
+        near = covered and e1 <= self.cfg.near_entropy and values["sigma1_growth"] >= self.cfg.near_growth
+        inside = concentrated and (fast or near)
+        if inside and not fast:
+            values["near"] = 1.0
+        f = self.cfg.exit_factor  # hysteresis: the trend is over when neither test holds beyond its line
         outside = covered and (values["entropy_drop"] < self.cfg.entropy_drop / f
-                               or values["rank_drop"] < self.cfg.rank_drop / f)
+                               or values["rank_drop"] < self.cfg.rank_drop / f) and e1 > self.cfg.near_entropy * f
         return inside, outside, values
 
     def state_dict(self) -> dict:

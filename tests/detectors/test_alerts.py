@@ -100,6 +100,46 @@ def test_early_warning_needs_a_large_attention_logit():
     assert warned[0].values["attn_max_logit"] == pytest.approx(1.1 * line) and "largest logit" in warned[0].message
 
 
+def test_early_warning_from_three_samples_in_a_run_s_first_steps():
+    """A head of a no-warmup run can collapse within ten steps; the closer look samples it every 2 steps then.
+    Three samples spanning 4 steps are a trend (x33, entropy -50%, rank -69%, logit 31 over 3 x 3.5);
+    two samples are not."""
+    seq = [(0, 0.1, 3.88, 32.0, 0.2), (2, 1.0, 3.07, 23.0, 8.9), (4, 3.3, 1.95, 10.0, 31.0)]
+
+    def run(points):
+        det, out = Detectors(), []
+        for step, sigma, entropy, rank, logit in points:
+            m = {"qk_sigma1": np.array([sigma]), "qk_sec": np.array([0.9]), **attn([entropy], [rank], rows=128),
+                 "attn_max_logit": np.array([logit])}
+            out += det.observe(Observation(step, None, {"L00": m}))
+        return [a for a in out if a.kind == "collapse_warning"]
+
+    assert kinds(run(seq)) == [(4, "collapse_warning", "L00/H00")]
+    assert run([seq[0], seq[2]]) == []
+
+
+def test_late_warning_when_a_head_near_the_sparse_line_keeps_growing():
+    """The loop's late phase (a slow collapse): entropy already under near_entropy while sigma_1 still grows by
+    near_growth within warn_window; the same head with sigma_1 flat (a run that hovers and recovers) is quiet."""
+    cfg = AlertConfig()
+    low = 0.9 * cfg.near_entropy
+    growth = 1.2 * cfg.near_growth
+
+    def run(sigmas):
+        det, out = Detectors(cfg), []
+        for i, (sigma, entropy) in enumerate(zip(sigmas, [2.2, 1.8, 1.2, low, low])):
+            m = {"qk_sigma1": np.array([sigma]), "qk_sec": np.array([0.99]), **attn([entropy], [12.0], rows=128),
+                 "attn_max_logit": np.array([1.1 * cfg.logit_factor * 3.5])}
+            out += det.observe(Observation(10 * i, None, {"L00": m}))
+        return [a for a in out if a.kind == "collapse_warning"]
+
+    warned = run([2.0, 2.6, 3.0, 2.6 * growth, 2.6 * growth])
+    assert kinds(warned) == [(30, "collapse_warning", "L00/H00")]  # over steps 10-30, under the entropy line
+    assert warned[0].values["sigma1_growth"] == pytest.approx(growth)
+    assert f"entropy is down to {low:.2f} nats" in warned[0].message and f"still grew x{growth:.1f}" in warned[0].message
+    assert run([4.0, 4.1, 4.2, 4.2, 4.1]) == []
+
+
 def test_steady_growth_does_not_warn():
     det = Detectors()
     out = []

@@ -147,8 +147,9 @@ def test_layout_waits_for_a_step_that_samples_every_family(tmp_path):
 def test_closer_look_samples_attention_with_the_spectra_while_asked(default_run):
     """watch_growth=1.01: any growth of sigma_1 asks for a closer look, from the second spectra sample on
     (step 20: growth over 0..20), held watch_hold=30 steps after each ask: attention and the spectra every 10
-    steps from 30 on, with the very values of every=10."""
-    cfg = AlertConfig(watch_growth=1.01, watch_hold=30)
+    steps from 30 on, with the very values of every=10 (watch_early=0: no 2-step look in the first steps,
+    the next test's subject)."""
+    cfg = AlertConfig(watch_growth=1.01, watch_hold=30, watch_early=0)
     sink, armed = train(201, alerts=cfg)
     seen = steps_by_family(sink)
     closer = set(range(30, 201, 10))
@@ -168,6 +169,27 @@ def test_closer_look_samples_attention_with_the_spectra_while_asked(default_run)
     assert steps_by_family(default_run)["attention"] == {0, 100, 200}  # this quiet run never asked
 
 
+def test_early_look_samples_every_2_steps_after_large_first_updates():
+    """note_ratio=1e-6: every run's first update is 'large', noted when step 0's update ratio is measured
+    (during monitor.step(1)). From step 2 on attention and the spectra are sampled every 2 steps up to step
+    30 (steps no family samples otherwise, the loss and gradients not among them), then every 10 while the
+    note holds (its 50 steps) and watch_hold=30 steps after, with the very values of every=2."""
+    cfg = AlertConfig(note_ratio=1e-6, watch_hold=30)
+    sink, armed = train(101, alerts=cfg)
+    seen = steps_by_family(sink)
+    early = set(range(0, 30, 2)) | set(range(30, 81, 10)) | {100}
+    assert seen["attention"] == early and seen["spectra"] == early | {20}
+    assert seen["loss"] == seen["grads"] == set(range(0, 101, 10))
+    assert [s for s, a in enumerate(armed) if a][:3] == [1, 3, 5]  # armed after step 1 for step 2
+    uniform = train(101, every=2)[0]
+    watched = ("attn_", "qk_")
+    ref = {(r.step, t): v for r in uniform.records for t, v in r.scalars.items() if t.startswith(watched)}
+    got = {(r.step, t): v for r in sink.records for t, v in r.scalars.items() if t.startswith(watched)}
+    assert got and set(got) <= set(ref)
+    bad = [k for k in got if not math.isclose(got[k], ref[k], rel_tol=1e-9, abs_tol=1e-12)]
+    assert not bad, bad[:5]
+
+
 def test_closer_look_holds_and_stays_off_when_attention_is_as_frequent():
     look = CloserLook(resolve_cadence(None, None, ("spectra", "attention")), hold=25)
     assert look.period == 10 and not look.adds(20)
@@ -180,3 +202,10 @@ def test_closer_look_holds_and_stays_off_when_attention_is_as_frequent():
     fast_spectra.update(0, "why")
     assert fast_spectra.adds(10) == {"attention"}  # the spectra are sampled every 10 steps anyway
     assert CloserLook(resolve_cadence(None, None, ("spectra", "attention")), hold=25, enabled=False).period is None
+    early = CloserLook(resolve_cadence(None, None, ("spectra", "attention")), hold=25, early=30, early_every=2)
+    assert not early.adds(2)  # nothing asked yet
+    early.update(1, "first updates are large")
+    assert [s for s in range(2, 27) if early.adds(s)] == [2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26]
+    early.update(20, "still")
+    assert [s for s in range(27, 60) if early.adds(s)] == [28, 30, 40]  # every 2 up to step 30, then every 10
+    assert CloserLook(resolve_cadence(2, None, ("spectra", "attention")), hold=25, early=30).period is None
