@@ -156,6 +156,7 @@ class Monitor:
         self.alert_sink = AlertSink(self.sinks, alert_path, on_alert if main else None, stop_on_critical)
         self.detectors = Detectors(alerts or AlertConfig())
         cfg = self.detectors.cfg
+        self._updates_at_once = cfg.note_horizon  # updates of steps before this are measured on the next step
         self.closer = CloserLook(self.cadence, cfg.watch_hold, early=cfg.watch_early, early_every=cfg.watch_early_every,
                                  enabled=bool(closer_look) and world_size() == 1 and "attention" in self.signals)
         if world_size() > 1:
@@ -184,15 +185,24 @@ class Monitor:
         """Whether ``step`` samples any family (the loss included)."""
         return bool(self.cadence.due(step))
 
+    def _due(self, step: int) -> frozenset[str]:
+        """The families ``step`` samples: the cadence's, and those a closer look adds."""
+        due = self.cadence.due(step)
+        if self.closer.until >= step:  # a closer look is on: it may add families, or a step of its own
+            due = due | self.closer.adds(step)
+        return due
+
     def step(self, step: int, loss: Tensor | float | None = None) -> None:
         """Call once per training step, after backward and before ``optimizer.step()``."""
         if self._closed:
             return
-        if self._weights.pending is not None:
-            self._guard("updates", self._finish_updates)
-        due = self.cadence.due(step)
-        if self.closer.until >= step:  # a closer look is on: it may add families, or a step of its own
-            due = due | self.closer.adds(step)
+        weights = self._weights
+        if weights.pending is not None:  # the step after an update sample: dW, elementwise, no host read
+            self._guard("updates", weights.advance)
+        due = self._due(step)
+        if weights.deltas is not None and (due or weights.deltas[0] < self._updates_at_once):
+            self._guard("updates", self._finish_updates)  # on a sampled step, or in the run's first steps
+            due = self._due(step)  # the ratios may have started a closer look
         if due:
             self._guard("sample", self._sample, step, loss, due)
         if self.capture.armed and "attention" not in due:
@@ -220,9 +230,12 @@ class Monitor:
             return
         self._closed = True
         self.capture.disarm()
-        if self._weights.pending is not None and measure_pending:
-            self._guard("updates", self._finish_updates)
-        self._weights.pending = None
+        if measure_pending:
+            if self._weights.pending is not None:
+                self._guard("updates", self._weights.advance)
+            if self._weights.deltas is not None:
+                self._guard("updates", self._finish_updates)
+        self._weights.pending = self._weights.deltas = None
         self.sinks.close()
 
     def __enter__(self) -> Monitor:

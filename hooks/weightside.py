@@ -31,14 +31,20 @@ Warn = Callable[[str, str], None]  # (kind, message): reported once per kind
 
 
 class WeightSide:
-    """Per-layer metric tensors of the weight-side families; ``pending`` holds the update-ratio
-    snapshot of the last step that sampled them, measured by :meth:`measure` after the optimizer step."""
+    """Per-layer metric tensors of the weight-side families.
+
+    The update ratios of a sampled step ``s`` take three stages: the snapshot and the norms of W
+    on step ``s`` (``pending``); dW at step ``s + 1``, after the optimizer step, by :meth:`advance`
+    (elementwise work, no host read: ``deltas``); the ratios by :meth:`measure` whenever the
+    Monitor wants them (on its next sampled step, or at once in a run's first steps)."""
 
     def __init__(self, layers: Sequence[AttentionLayer], signals: frozenset[str], sec_top: int, warn: Warn) -> None:
         self.layers, self.sec_top, self.warn = list(layers), sec_top, warn
         self.reader = QKVReader(self.layers, grads="grads" in signals, output="updates" in signals)
         self.trackers: dict[int, UpdateTracker] = {}  # group position -> its warm-started tracker
-        self.pending: tuple[int, list[list[AttentionLayer]], list] | None = None  # step, groups, snapshots
+        # step, groups, per group: snapshot (stacks), norms of W; then the same with -dW per stack
+        self.pending: tuple[int, list[list[AttentionLayer]], list, list] | None = None
+        self.deltas: tuple[int, list[list[AttentionLayer]], list, list, list] | None = None
 
     def sample(self, step: int, due: frozenset[str]) -> tuple[dict[int, dict[str, Tensor]], bool]:
         """{layer index: {metric: tensor}} of the families in ``due``, and whether the spectra failed."""
@@ -46,7 +52,7 @@ class WeightSide:
         weights, grads = bool(due & {"spectra", "updates"}), "grads" in due
         if not (weights or grads):
             return out, False
-        groups, snapshots, failed = self.reader.groups(), [], False
+        groups, snapshots, norms, failed = self.reader.groups(), [], [], False
         for g, group in enumerate(groups):
             read = self.reader.read(group, weights=weights, grads=grads)  # (weights, grads) per layer
             if grads:
@@ -61,20 +67,32 @@ class WeightSide:
                 tracker = self.trackers.setdefault(g, UpdateTracker())
                 snapshots.append(tracker.snapshot([split_projections(w, layer.layout)
                                                    for layer, (w, _) in zip(group, read)]))
+                norms.append(tracker.norms_before(snapshots[-1]))
             del read, qkv  # under FSDP2: this layer's gathered weights go before the next is gathered
         if "updates" in due:
-            self.pending = (step, groups, snapshots)
+            self.pending = (step, groups, snapshots, norms)
         return out, failed
 
-    def measure(self) -> tuple[int, dict[int, dict[str, Tensor]]]:
-        """The pending update ratios: (the step they belong to, {layer index: metrics})."""
-        step, groups, snapshots = self.pending
+    def advance(self) -> None:
+        """The step after a snapshot: dW of the pending snapshot, read from the weights now (under FSDP2
+        a gather per group, so every rank calls it on the same step)."""
+        step, groups, snapshots, norms = self.pending
         self.pending = None
-        out: dict[int, dict[str, Tensor]] = {}
+        deltas = []
         for g, (group, snapshot) in enumerate(zip(groups, snapshots)):
             read = self.reader.read(group, weights=True)
             after = [split_projections(w, layer.layout) for layer, (w, _) in zip(group, read)]
-            for layer, metrics in zip(group, self.trackers[g].measure(snapshot, after)):
+            deltas.append(self.trackers[g].advance(snapshot, after))
+            del read, after
+        self.deltas = (step, groups, snapshots, deltas, norms)
+
+    def measure(self) -> tuple[int, dict[int, dict[str, Tensor]]]:
+        """The update ratios of the advanced snapshot: (the step they belong to, {layer index: metrics})."""
+        step, groups, snapshots, deltas, norms = self.deltas
+        self.deltas = None
+        out: dict[int, dict[str, Tensor]] = {}
+        for g, group in enumerate(groups):
+            for layer, metrics in zip(group, self.trackers[g].finish(snapshots[g], deltas[g], norms[g], len(group))):
                 out[layer.index] = metrics
         return step, out
 

@@ -114,7 +114,9 @@ class UpdateTracker:
     layer, with W the matrix before the step (all heads at once). sigma_1 comes from
     :class:`diag.math.norms.Sigma1`, warm-started across calls per group (so keep one tracker per
     run and feed it the layers in the same order). A snapshot is measured once: ``measure`` turns
-    it into the update.
+    it into the update. ``measure`` is three stages that may run at different steps (the Monitor
+    does): :meth:`norms_before` when the snapshot is taken, :meth:`advance` right after the optimizer
+    step, :meth:`finish` whenever the ratios are wanted.
     layers: per layer, the per-head (wq, wk, wv) of :func:`diag.layouts.split_qkv`, or a
     mapping name -> matrix such as :func:`diag.layouts.split_projections` gives (``q``,
     ``k``, ``v`` and, where the layer has one, ``o``); the same names before and after.
@@ -129,13 +131,30 @@ class UpdateTracker:
         return stack_by_shape(items, self.chunk_bytes)
 
     def measure(self, snapshot: list[Stack[tuple[int, str]]], layers: Sequence[Projections]) -> list[dict[str, Tensor]]:
-        out: list[dict[str, Tensor]] = [{} for _ in layers]
+        """The ratios of the update from ``snapshot`` to ``layers``: :meth:`norms_before`,
+        :meth:`advance` and :meth:`finish` in one call."""
+        norms = self.norms_before(snapshot)
+        return self.finish(snapshot, self.advance(snapshot, layers), norms, len(layers))
+
+    def norms_before(self, snapshot: list[Stack[tuple[int, str]]]) -> list[tuple[Tensor, Tensor]]:
+        """(sigma_1(W), ||W||_F) of each stacked matrix, per stack: what the ratios divide by, computed
+        while the snapshot still holds W (the Monitor does it on the sampled step that took it)."""
+        return [(self.sigma_w(chunk.before, (c, tuple(chunk.before.shape))), frobenius(chunk.before))
+                for c, chunk in enumerate(snapshot)]
+
+    def advance(self, snapshot: list[Stack[tuple[int, str]]], layers: Sequence[Projections]) -> list[Tensor]:
+        """-dW per stack, written over the snapshot (which is spent): elementwise work only, no host
+        read, so the step right after a sampled one can take it on an accelerator without a sync."""
         mats = {(i, name): w for i, ws in enumerate(layers) for name, w in _named(ws)}
-        for c, chunk in enumerate(snapshot):
-            key = (c, tuple(chunk.before.shape))
-            sigma_w, fro_w = self.sigma_w(chunk.before, key), frobenius(chunk.before)
-            delta = update_of(chunk, [mats[m] for m in chunk.members], in_place=True)  # -dW
-            ratio = self.sigma_d(delta, key) / sigma_w
+        return [update_of(chunk, [mats[m] for m in chunk.members], in_place=True) for chunk in snapshot]
+
+    def finish(self, snapshot: list[Stack[tuple[int, str]]], deltas: Sequence[Tensor],
+               norms: Sequence[tuple[Tensor, Tensor]], n_layers: int) -> list[dict[str, Tensor]]:
+        """Per layer, ``update_ratio_<x>`` and ``update_fro_<x>`` from the updates of :meth:`advance` and
+        the norms of :meth:`norms_before` (any later step: the ratios are those of the step measured)."""
+        out: list[dict[str, Tensor]] = [{} for _ in range(n_layers)]
+        for c, (chunk, delta, (sigma_w, fro_w)) in enumerate(zip(snapshot, deltas, norms)):
+            ratio = self.sigma_d(delta, (c, tuple(delta.shape))) / sigma_w
             fro = frobenius(delta) / fro_w
             for j, (i, name) in enumerate(chunk.members):
                 out[i][f"update_ratio_{name}"] = ratio[j]

@@ -47,11 +47,13 @@ class Calls(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def run(device: str, steps: int, **kwargs) -> tuple[MemorySink, dict[int, Calls]]:
+def run(device: str, steps: int, at_once: int | None = None, **kwargs) -> tuple[MemorySink, dict[int, Calls]]:
     case = zoo.nanogpt(dropout=0.0)
     model = case.model.to(device)
     sink = MemorySink()
     monitor = Monitor(model, sinks=[sink], images=False, **kwargs)
+    if at_once is not None:
+        monitor._updates_at_once = at_once  # update ratios of steps before this measured on the next step
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(0)
     counted = {}
@@ -85,6 +87,24 @@ def test_a_loss_and_gradient_sample_reads_the_host_once():
     assert [s for s, _ in sink.scalars("loss")] == [0, 10, 20]
 
 
+def test_the_step_after_an_update_sample_reads_nothing_from_the_host():
+    """Update ratios (every 100 steps by default): step 101 computes dW in place and reads nothing from the
+    host; step 110, the next sampled step, measures the ratios of step 100, equal to those measured at once
+    (as the steps of a run's first ``note_horizon`` are: step 1 measures step 0's)."""
+    sink, counted = run("cpu", 111)
+    assert counted[101].calls and counted[101].host_reads == [], counted[101].host_reads
+    assert "sub_" in counted[101].calls
+    assert "tolist" in counted[110].host_reads and "tolist" in counted[1].host_reads
+    for step in range(102, 110):
+        assert counted[step].calls == [], step
+    eager, _ = run("cpu", 111, at_once=10**9)
+    tags = [t for r in sink.records if r.step == 100 for t in r.scalars if t.startswith("update_ratio")]
+    assert tags
+    for tag in tags:
+        assert sink.scalars(tag) == eager.scalars(tag), tag  # the same values, bit for bit, at steps 0 and 100
+    assert [s for s, _ in sink.scalars(tags[0])] == [0, 100]
+
+
 @pytest.mark.cuda
 @needs_cuda
 def test_non_sampled_steps_do_not_synchronise_on_cuda():
@@ -92,11 +112,11 @@ def test_non_sampled_steps_do_not_synchronise_on_cuda():
     model = case.model.cuda()
     monitor = Monitor(model, sinks=[MemorySink()], images=False)
     gen = torch.Generator().manual_seed(0)
-    for step in range(12):
+    for step in range(112):
         batch = {k: v.cuda() for k, v in case.make_batch(gen).items()}
         loss = case.loss(model, batch)
         loss.backward()
-        if step in (0, 1, 10):  # sampled, or measuring the update ratios of step 0
+        if step in (0, 1) or step % 10 == 0:  # sampled, or measuring the update ratios of step 0 (101: dW only)
             monitor.step(step, loss=loss)
         else:
             torch.cuda.synchronize()
