@@ -66,10 +66,10 @@ class Sigma1:
         self.last_dim = 0  # the subspace size the last Krylov call ended with (for benchmarks/tests)
 
     def __call__(self, w: Tensor, key: object = None) -> Tensor:
-        if min(w.shape[-2:]) <= self.exact_below:
-            if not bool(torch.isfinite(w).all()):
-                return self._per_matrix_nan_safe(w, key)
-            return torch.linalg.matrix_norm(w.to(torch.float64), ord=2)
+        if min(w.shape[-2:]) <= self.exact_below:  # exact; a non-finite matrix is NaN, without a host read
+            finite = torch.isfinite(w).flatten(-2).all(-1)
+            exact = torch.linalg.matrix_norm(torch.where(finite[..., None, None], w, 0).to(torch.float64), ord=2)
+            return torch.where(finite, exact, torch.nan)
         work = w.to(torch.float32)
         if work.shape[-2] < work.shape[-1]:
             work = work.transpose(-1, -2)  # (..., m, n) with m >= n: the Krylov space lives in R^n

@@ -269,6 +269,17 @@ def test_sigma1_nonfinite_matrix_is_nan_others_measured():
     assert torch.isnan(got[1]) and torch.isfinite(got[[0, 2, 3, 4, 5]]).all()
 
 
+def test_sigma1_exact_path_nonfinite_matrices_are_nan_others_exact():
+    from diag.math.norms import Sigma1
+
+    w = torch.randn(4, 24, 40, generator=torch.Generator().manual_seed(3))
+    w[1, 2, 3], w[3, 0, 0] = float("nan"), float("inf")
+    got = Sigma1()(w)  # 24 <= exact_below: the exact path
+    assert torch.isnan(got[1]) and torch.isnan(got[3])
+    for i in (0, 2):
+        assert float(got[i]) == float(torch.linalg.matrix_norm(w[i].double(), ord=2))
+
+
 def test_update_tracker_matches_exact_per_matrix():
     from diag.math.updates import UpdateTracker
 
