@@ -83,7 +83,8 @@ def test_early_warning_needs_growth_with_falling_entropy_and_rank():
 def test_early_warning_needs_a_large_attention_logit():
     """The same trend warns only when the head's largest logit reaches logit_factor x ln(keys): QK-norm keeps
     logits small, and logits of that size are what can put a row's mass on one key (Dehghani et al.)."""
-    seq = [(0, 1.0, 3.8, 30), (10, 5.0, 3.0, 20), (20, 12.0, 2.0, 14)]
+    growth = 1.5 * AlertConfig().sigma_growth
+    seq = [(0, 1.0, 3.8, 30), (10, 0.4 * growth, 3.0, 20), (20, growth, 2.0, 14)]
 
     def run(max_logit):
         det, out = Detectors(), []
@@ -96,7 +97,7 @@ def test_early_warning_needs_a_large_attention_logit():
     line = AlertConfig().logit_factor * 3.5  # attn(): uniform entropy 3.5 nats
     assert run(0.9 * line) == []
     warned = run(1.1 * line)
-    assert kinds(warned) == [(20, "collapse_warning", "L00/H00")]  # x12 in 20 steps, entropy -47%, rank -53%
+    assert kinds(warned) == [(20, "collapse_warning", "L00/H00")]  # 1.5x sigma_growth in 20 steps, entropy -47%
     assert warned[0].values["attn_max_logit"] == pytest.approx(1.1 * line) and "largest logit" in warned[0].message
 
 
