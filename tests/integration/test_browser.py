@@ -113,9 +113,13 @@ def test_live_report_shows_curves_heatmaps_and_alerts_with_advice(seen):
     assert len(page["figures"]) >= 12 and all(w > 300 and h > 100 for w, h, _ in page["figures"]), page["figures"]
     alerts = [json.loads(line) for line in (seen["logdir"] / "alerts.jsonl").read_text().splitlines()]
     assert alerts and all(a["kind"] in page["text"] and a["message"] in page["text"] for a in alerts)
-    # the demo's alerts: the large-first-updates note and malignant collapses (its warning comes and goes with the
-    # tuned thresholds: docs/alerts.md#evaluation); each with its advice and its docs link
-    assert "what to do" in page["text"].lower() and "docs: malignant_collapse" in page["text"]
+    # the demo's alerts: the large-first-updates note, then a collapse warning or a malignant collapse (which of
+    # them fires within 110 steps moves with the tuned thresholds: docs/alerts.md#evaluation); each warning and
+    # critical alert with its advice and its docs link
+    loud = [a for a in alerts if a["level"] in ("warning", "critical")]
+    assert loud, alerts
+    assert "what to do" in page["text"].lower()
+    assert all(f"docs: {a['kind']}" in page["text"] for a in loud), [a["kind"] for a in loud]
 
 
 def test_checkpoint_report_figures_decode(seen):
