@@ -276,11 +276,14 @@ def _fwd_bwd(model, ids) -> float:
 def _sample_costs(model, ids, signals: tuple[str, ...], reps: int) -> list[float]:
     """Seconds one sampled step of ``signals`` adds, for the first (cold) sample and ``reps`` warm ones:
     the sampled monitor.step, the next call (which measures the update ratios after a real AdamW
-    step), and, with attention, the capture's time inside the armed forward."""
+    step: at once, since these steps are within ``note_horizon``; later in a run that work moves to
+    the next sampled step), and, with attention, the capture's time inside the armed forward."""
     monitor = Monitor(model, every=2, signals=signals, sinks=[MemorySink()])
     captured = timed_capture(monitor)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     costs = []
+    if 2 * reps + 1 >= monitor._updates_at_once:
+        raise SystemExit(f"overhead.py: --reps {reps} reaches step {2 * reps + 1}; item 4 needs --reps < 25")
     for rep in range(reps + 1):
         if "attention" in signals:
             monitor.capture.arm()
@@ -292,7 +295,7 @@ def _sample_costs(model, ids, signals: tuple[str, ...], reps: int) -> list[float
         opt.step()
         model.zero_grad(set_to_none=True)
         t1 = clock()
-        monitor.step(2 * rep + 1)  # not sampled: measures the update of the sampled step
+        monitor.step(2 * rep + 1)  # not sampled: dW, and the ratios at once (steps < note_horizon, 50)
         costs.append(extra + clock() - t1)
     monitor.close()
     return costs
