@@ -185,13 +185,6 @@ class Monitor:
         """Whether ``step`` samples any family (the loss included)."""
         return bool(self.cadence.due(step))
 
-    def _due(self, step: int) -> frozenset[str]:
-        """The families ``step`` samples: the cadence's, and those a closer look adds."""
-        due = self.cadence.due(step)
-        if self.closer.until >= step:  # a closer look is on: it may add families, or a step of its own
-            due = due | self.closer.adds(step)
-        return due
-
     def step(self, step: int, loss: Tensor | float | None = None) -> None:
         """Call once per training step, after backward and before ``optimizer.step()``."""
         if self._closed:
@@ -199,10 +192,13 @@ class Monitor:
         weights = self._weights
         if weights.pending is not None:  # the step after an update sample: dW, elementwise, no host read
             self._guard("updates", weights.advance)
-        due = self._due(step)
+        due = self.cadence.due(step)
+        if self.closer.until >= step:  # a closer look is on: it may add families, or a step of its own
+            due = due | self.closer.adds(step)
         if weights.deltas is not None and (due or weights.deltas[0] < self._updates_at_once):
             self._guard("updates", self._finish_updates)  # on a sampled step, or in the run's first steps
-            due = self._due(step)  # the ratios may have started a closer look
+            if self.closer.until >= step:  # the ratios may have started a closer look
+                due = due | self.closer.adds(step)
         if due:
             self._guard("sample", self._sample, step, loss, due)
         if self.capture.armed and "attention" not in due:

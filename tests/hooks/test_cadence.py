@@ -144,6 +144,16 @@ def test_layout_waits_for_a_step_that_samples_every_family(tmp_path):
     assert all(metric in charts for metric in ("qk_sigma1", "attn_entropy", "grad_norm_q", "update_ratio_q"))
 
 
+def assert_values_of(sink, uniform) -> None:
+    """Every attention and spectral value ``sink`` logged equals the uniform-interval run's at that step."""
+    watched = ("attn_", "qk_")
+    ref = {(r.step, t): v for r in uniform.records for t, v in r.scalars.items() if t.startswith(watched)}
+    got = {(r.step, t): v for r in sink.records for t, v in r.scalars.items() if t.startswith(watched)}
+    assert got and set(got) <= set(ref)
+    bad = [k for k in got if not math.isclose(got[k], ref[k], rel_tol=1e-9, abs_tol=1e-12)]
+    assert not bad, bad[:5]
+
+
 def test_closer_look_samples_attention_with_the_spectra_while_asked(default_run):
     """watch_growth=1.01: any growth of sigma_1 asks for a closer look, from the second spectra sample on
     (step 20: growth over 0..20), held watch_hold=30 steps after each ask: attention and the spectra every 10
@@ -158,12 +168,7 @@ def test_closer_look_samples_attention_with_the_spectra_while_asked(default_run)
         {f: set(range(0, 201, DEFAULT_CADENCE[f])) for f in FAMILIES if f not in ("attention", "spectra")}
     assert [s for s, a in enumerate(armed) if a][:3] == [29, 39, 49]
     uniform = train(201, every=10)[0]
-    watched = ("attn_", "qk_")
-    ref = {(r.step, t): v for r in uniform.records for t, v in r.scalars.items() if t.startswith(watched)}
-    got = {(r.step, t): v for r in sink.records for t, v in r.scalars.items() if t.startswith(watched)}
-    assert got and set(got) <= set(ref)
-    bad = [k for k in got if not math.isclose(got[k], ref[k], rel_tol=1e-9, abs_tol=1e-12)]
-    assert not bad, bad[:5]
+    assert_values_of(sink, uniform)
     off = steps_by_family(train(201, alerts=cfg, closer_look=False)[0])
     assert off["attention"] == {0, 100, 200}
     assert steps_by_family(default_run)["attention"] == {0, 100, 200}  # this quiet run never asked
@@ -182,12 +187,7 @@ def test_early_look_samples_every_2_steps_after_large_first_updates():
     assert seen["loss"] == seen["grads"] == set(range(0, 101, 10))
     assert [s for s, a in enumerate(armed) if a][:3] == [1, 3, 5]  # armed after step 1 for step 2
     uniform = train(101, every=2)[0]
-    watched = ("attn_", "qk_")
-    ref = {(r.step, t): v for r in uniform.records for t, v in r.scalars.items() if t.startswith(watched)}
-    got = {(r.step, t): v for r in sink.records for t, v in r.scalars.items() if t.startswith(watched)}
-    assert got and set(got) <= set(ref)
-    bad = [k for k in got if not math.isclose(got[k], ref[k], rel_tol=1e-9, abs_tol=1e-12)]
-    assert not bad, bad[:5]
+    assert_values_of(sink, uniform)
 
 
 def test_closer_look_holds_and_stays_off_when_attention_is_as_frequent():
