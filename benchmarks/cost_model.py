@@ -9,7 +9,8 @@ D, T tokens per sequence, n_s captured sequences, R = min(attn_rank_rows, T)):
 * grads: row norms of the Q/K/V gradients, M_g = L E D (H + 2G) elements: memory-bound.
 * spectra: float64 Grams of every Q and K head, 2 D^2 E (H + G) L flops, plus per head a
   Cholesky, L^T G_k L and a D x D eigvalsh (~ 15 D^3 flops at the small-eigensolver rate).
-* updates: Q, K, V, O of every layer, M_u = L E D (2H + 2G) elements: a snapshot copy,
+* updates: Q, K, V, O of every layer, M_u = L E D (2H + 2G) elements: a snapshot copy (under
+  FSDP2 each rank keeps its own shards, M_u / ranks, and one layer whole at a time),
   the in-place subtraction (20 bytes per element) and block Krylov for sigma_1(W) and
   sigma_1(dW): blocks of 16 vectors, each 4 * 16 M_u flops at the skinny-product rate, plus a
   Rayleigh-Ritz eigvalsh of the growing 16j x 16j projection per matrix (4L matrices); warm
@@ -113,7 +114,8 @@ def family_costs(s: Shape, rates: Rates, seqs: int = 2, rank_rows: int = 256, co
         "spectra": (2 * D * D * E * (H + G) * L / rates.f64_gemm + 12 * m_qk / rates.bandwidth
                     + 15 * D**3 * H * L / rates.eig, (H + G) * D * D * 8 * L),
         "updates": (20 * m_u / rates.bandwidth + sum(krylov) * 4 * BLOCK * m_u / rates.f32_gemm
-                    + ritz / rates.eig, 4 * m_u),
+                    + ritz / rates.eig,
+                    4 * m_u if s.ranks == 1 else 4 * m_u / s.ranks + 4 * m_u / L),  # FSDP2: own shards + 1 layer
         "attention": (seqs * L * (2 * H * T * T * D / rates.f64_gemm + 10 * 8 * H * T * T / rates.bandwidth
                                   + 2 * H * R * R * T / rates.f64_gemm + 9 * H * R**3 / rates.eig),
                       H * R * T * 8 + 32 * 2**20),

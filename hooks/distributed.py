@@ -32,7 +32,7 @@ from torch import Tensor
 from diag.detectors.core import Alert, Detectors, Observation
 from hooks.discovery import AttentionLayer
 
-__all__ = ["rank", "world_size", "gather_full", "QKVReader", "SharedDetectors"]
+__all__ = ["rank", "world_size", "gather_full", "local_shards", "gather_like", "QKVReader", "SharedDetectors"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -96,6 +96,29 @@ def gather_full(tensors: Sequence[Tensor]) -> list[Tensor]:
         for i, f in zip(members, full):
             out[i] = f
     return out  # type: ignore[return-value]
+
+
+def local_shards(tensors: dict[str, Tensor]) -> dict[str, Tensor] | None:
+    """Copies of this rank's shards, in float32 or better, when every tensor is a DTensor that
+    :func:`gather_full` packs (a 1-D mesh, ``Shard(d)``); else None. No collective: what the update-ratio
+    snapshot keeps under FSDP2 (1/world of a layer's weights per rank, not the gathered whole)."""
+    dtensor = _dtensor_type()
+    if dtensor is None or not tensors or not all(isinstance(t, dtensor) for t in tensors.values()):
+        return None
+    if any(_shard_dim(t) in (None, -1) for t in tensors.values()):
+        return None
+    return {name: _float(t.detach().to_local()).clone() for name, t in tensors.items()}
+
+
+def gather_like(like: dict[str, Tensor], locals_: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The whole tensors whose shards on this rank are ``locals_``, each sharded as the DTensor of the same
+    name in ``like`` (from :func:`local_shards`): one all-gather, as :func:`gather_full`. Every rank calls it."""
+    from torch.distributed.tensor import DTensor
+
+    names = list(locals_)
+    shards = [DTensor.from_local(locals_[n], like[n].device_mesh, like[n].placements, run_check=False,
+                                 shape=like[n].shape, stride=like[n].stride()) for n in names]
+    return dict(zip(names, gather_full(shards)))
 
 
 def _gather_sharded(mesh, shards: list[Tensor]) -> list[Tensor]:

@@ -5,7 +5,10 @@ all layers at once for plain parameters (read in place, nothing copied), one
 layer at a time for FSDP2 DTensors, whose gathered weights are dropped before the
 next layer is gathered. Within a group the spectra are batched across layers of
 equal shape (:func:`diag.math.metrics.layer_spectra`); the update-ratio snapshot
-and its warm-started sigma_1 tracker are kept per group.
+and its warm-started sigma_1 tracker are kept per group. Under FSDP2 the snapshot
+is this rank's shards of the layer's weights (1/world of them), dW is taken shard
+by shard with no collective, and the whole dW of one layer at a time is gathered
+only when the ratios are measured.
 
 Only what the step's families need is read: weights for spectra and update
 ratios, gradients for the gradient norms; a step that samples only the loss
@@ -15,6 +18,7 @@ reads nothing.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -23,11 +27,20 @@ from diag.layouts.vocab import split_projections, split_qkv
 from diag.math.metrics import grad_metrics, layer_spectra
 from diag.math.updates import UpdateTracker
 from hooks.discovery import AttentionLayer
-from hooks.distributed import QKVReader
+from hooks.distributed import QKVReader, gather_like, local_shards
 
-__all__ = ["WeightSide", "nan_spectra"]
+__all__ = ["WeightSide", "ShardSnapshot", "nan_spectra"]
 
 Warn = Callable[[str, str], None]  # (kind, message): reported once per kind
+
+
+@dataclass
+class ShardSnapshot:
+    """The update-ratio snapshot of one FSDP2 layer: this rank's shards of its weights (``local``, float32
+    or better), then, after :meth:`WeightSide.advance`, of -dW; ``params`` are the sharded parameters."""
+
+    params: dict[str, Tensor]
+    local: dict[str, Tensor]
 
 
 class WeightSide:
@@ -65,9 +78,12 @@ class WeightSide:
                 failed |= not self._spectra(step, group, [m[:2] for m in qkv], out)
             if "updates" in due:
                 tracker = self.trackers.setdefault(g, UpdateTracker())
-                snapshots.append(tracker.snapshot([split_projections(w, layer.layout)
-                                                   for layer, (w, _) in zip(group, read)]))
-                norms.append(tracker.norms_before(snapshots[-1]))
+                whole = tracker.snapshot([split_projections(w, layer.layout) for layer, (w, _) in zip(group, read)])
+                norms.append(tracker.norms_before(whole))  # sigma_1(W) needs the whole W: taken now
+                params = group[0].weights() if len(group) == 1 else {}
+                shards = local_shards(params) if set(params) == set(read[0][0]) else None
+                snapshots.append(whole if shards is None else ShardSnapshot(params, shards))
+                del whole  # sharded: only this rank's shards are kept until the step after
             del read, qkv  # under FSDP2: this layer's gathered weights go before the next is gathered
         if "updates" in due:
             self.pending = (step, groups, snapshots, norms)
@@ -75,11 +91,17 @@ class WeightSide:
 
     def advance(self) -> None:
         """The step after a snapshot: dW of the pending snapshot, read from the weights now (under FSDP2
-        a gather per group, so every rank calls it on the same step)."""
+        a gather per group, so every rank calls it on the same step; FSDP2 shards: none, -dW shard by
+        shard in place)."""
         step, groups, snapshots, norms = self.pending
         self.pending = None
-        deltas = []
+        deltas: list = []
         for g, (group, snapshot) in enumerate(zip(groups, snapshots)):
+            if isinstance(snapshot, ShardSnapshot):
+                for name, param in snapshot.params.items():
+                    snapshot.local[name].sub_(param.detach().to_local())  # -dW, as the whole path
+                deltas.append(None)
+                continue
             read = self.reader.read(group, weights=True)
             after = [split_projections(w, layer.layout) for layer, (w, _) in zip(group, read)]
             deltas.append(self.trackers[g].advance(snapshot, after))
@@ -92,7 +114,14 @@ class WeightSide:
         self.deltas = None
         out: dict[int, dict[str, Tensor]] = {}
         for g, group in enumerate(groups):
-            for layer, metrics in zip(group, self.trackers[g].finish(snapshots[g], deltas[g], norms[g], len(group))):
+            snapshot, delta = snapshots[g], deltas[g]
+            if isinstance(snapshot, ShardSnapshot):  # the whole -dW of this layer, one gather (every rank)
+                whole = gather_like(snapshot.params, snapshot.local)
+                del snapshot.local
+                snapshot = self.trackers[g].snapshot([split_projections(whole, group[0].layout)])
+                delta = [chunk.before for chunk in snapshot]
+                del whole
+            for layer, metrics in zip(group, self.trackers[g].finish(snapshot, delta, norms[g], len(group))):
                 out[layer.index] = metrics
         return step, out
 

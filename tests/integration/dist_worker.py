@@ -15,7 +15,8 @@ Writes (rank 0): the Monitor's logdir ``OUT/logs`` (``metrics.jsonl``), ``OUT/co
 (collectives issued inside each ``monitor.step`` call, counted with a dispatch mode) and
 ``OUT/collective_sizes.json`` (the elements of the largest tensor each of them moved);
 every rank writes ``OUT/last_rank{r}.json`` (its ``monitor.last``), ``OUT/losses_rank{r}.json``
-(its losses) and ``OUT/halted_rank{r}.json`` (the step TrainingHalted stopped it, or null).
+(its losses), ``OUT/halted_rank{r}.json`` (the step TrainingHalted stopped it, or null) and
+``OUT/snapshot_bytes_rank{r}.json`` (the bytes the update-ratio snapshot of step 0 holds until step 1).
 Not a test module (no ``test_`` prefix): pytest does not collect it.
 """
 
@@ -96,6 +97,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--every", type=int, default=3, help="0: the Monitor's default per-family cadence")
     parser.add_argument("--cadence", type=json.loads, default=None, help='e.g. {"spectra": 100}')
+    parser.add_argument("--at-once", type=int, default=None,
+                        help="update ratios of steps before this are measured at the call after (default: 50)")
     parser.add_argument("--nan-loss", action="append", default=[], metavar="RANK:STEP",
                         help="this rank reports a NaN loss at this step (stop_on_critical is then on)")
     args = parser.parse_args()
@@ -109,6 +112,8 @@ def main() -> None:
     monitor = Monitor(model, logdir=args.out / "logs", every=args.every or None, attn_seqs=2, images=False,
                       cadence=args.cadence,
                       stop_on_critical=bool(nan_at))
+    if args.at_once is not None:
+        monitor._updates_at_once = args.at_once
     collectives: dict[int, list[str]] = {}
     sizes: dict[int, list[int]] = {}
     losses = []
@@ -125,6 +130,11 @@ def main() -> None:
             except TrainingHalted:
                 halted = step
         collectives[step], sizes[step] = counter.names, counter.sizes
+        if step == 0 and monitor._weights.pending is not None:
+            held = [t for snap in monitor._weights.pending[2]
+                    for t in (snap.local.values() if hasattr(snap, "local") else [c.before for c in snap])]
+            snapshot_bytes = sum(t.numel() * t.element_size() for t in held)
+            (args.out / f"snapshot_bytes_rank{rank}.json").write_text(json.dumps(snapshot_bytes))
         if halted is not None:
             break
         losses.append(float(loss.detach()))

@@ -7,8 +7,9 @@ own half of the batch); the update ratios of W_O (``c_proj``, sharded unevenly l
 ``c_attn``) among them. The worker counts the collectives issued inside every
 ``monitor.step``: none under DDP; under FSDP2 one all-gather per layer on a sampled
 step (that layer's Q/K/V and O weights and Q/K/V gradients packed: never more than one
-layer's gathered weights at a time) and one per layer at the next call (weights after
-the optimizer step, for the update ratios), none on other steps.
+layer's gathered weights at a time) and one per layer where the update ratios are measured
+(that layer's dW, taken shard by shard from a snapshot of this rank's shards only), none on
+other steps.
 """
 
 from __future__ import annotations
@@ -91,11 +92,17 @@ def test_two_ranks_log_the_single_process_numbers(mode, single, tmp_path):
     ]
     assert all(f.name.startswith("events") for d in logs.iterdir() if d.is_dir() for f in d.rglob("*") if f.is_file())
     _check_collectives(mode, tmp_path)
+    # The update-ratio snapshot: the whole Q/K/V/O weights in one process and under DDP; under FSDP2
+    # each rank's shards only (rank 0: 23 + 8 of the 45 + 15 rows of each layer's c_attn and c_proj).
+    held = [json.loads((tmp_path / f"snapshot_bytes_rank{r}.json").read_text()) for r in (0, 1)]
+    whole = json.loads((single / "snapshot_bytes_rank0.json").read_text())
+    assert whole == LAYERS * (45 + 15) * 15 * 4
+    assert held == ([whole, whole] if mode == "ddp" else [LAYERS * (23 + 8) * 15 * 4, LAYERS * (22 + 7) * 15 * 4])
 
 
 def _check_collectives(mode: str, out: Path) -> None:
     """DDP: none. FSDP2: one all-gather per layer (2) at a sampled step and at the call after it (7 = close),
-    each the same size: one layer's weights (and grads), never every layer's at once."""
+    each the same size: one layer's weights (and grads) or its dW, never every layer's at once."""
     counted = {int(k): v for k, v in json.loads((out / "collectives.json").read_text()).items()}
     sizes = {int(k): v for k, v in json.loads((out / "collective_sizes.json").read_text()).items()}
     assert sorted(counted) == list(range(STEPS + 1))
@@ -127,6 +134,26 @@ def test_fsdp_default_cadence_gathers_what_each_step_samples(tmp_path_factory):
     assert {s for s, names in counted.items() if names} == {0, 1, 10}
     assert all(len(counted[s]) == LAYERS for s in (0, 1, 10))
     assert sizes[0][0] > sizes[1][0] > sizes[10][0] > 0  # weights+grads > weights (Q/K/V/O) > Q/K/V grads
+
+
+def test_fsdp_deferred_update_ratios_gather_nothing_on_the_step_after(tmp_path_factory):
+    """Past a run's first steps the update ratios of a sampled step are finished on the next sampled step:
+    under FSDP2 the step after takes dW shard by shard (no collective) and step 10 gathers each layer's
+    dW beside its gradients; the ratios, logged at step 0, equal one process's."""
+    single, fsdp = tmp_path_factory.mktemp("single_deferred"), tmp_path_factory.mktemp("fsdp_deferred")
+    extra = ("--every", "0", "--steps", "12", "--cadence", '{"spectra": 100}', "--at-once", "0")
+    _run("single", single, *extra)
+    _run("fsdp", fsdp, *extra)
+    ref, got = _metrics(single), _metrics(fsdp)
+    assert set(got) == set(ref)
+    assert {step for step, tag in ref if tag.startswith("update_ratio_o")} == {0}
+    bad = [k for k in ref if k[1] != "loss" and not _close(ref[k], got[k])]
+    assert not bad, f"{len(bad)} of {len(ref)} values differ, e.g. {bad[:5]}"
+    counted = {int(k): v for k, v in json.loads((fsdp / "collectives.json").read_text()).items()}
+    sizes = {int(k): v for k, v in json.loads((fsdp / "collective_sizes.json").read_text()).items()}
+    assert {s for s, names in counted.items() if names} == {0, 10}
+    assert len(counted[0]) == LAYERS and len(counted[10]) == 2 * LAYERS  # step 10: gradients, then dW
+    assert len(set(sizes[10])) == 2 and max(sizes[10]) < sizes[0][0]  # two kinds, each less than step 0's
 
 
 def test_stop_on_critical_agrees_across_ranks(tmp_path):
