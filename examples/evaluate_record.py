@@ -149,10 +149,12 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=0, help="collapse: context length (default 128)")
     parser.add_argument("--attention", choices=("softmax", "normsoftmax"), default="softmax")
     parser.add_argument("--eval-every", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (another reduction order: the same seed's run to other rounding)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     if args.task == "collapse":
         args.lr = 5e-3 if args.lr is None else args.lr
         args.steps = args.steps or 300

@@ -111,13 +111,13 @@ def _check_collectives(mode: str, out: Path) -> None:
         assert len(names) == (LAYERS if step in gathered else 0), (mode, step, names)
         assert all("allgather" in n or "all_gather" in n for n in names), names
         assert len(set(sizes[step])) <= 1, (step, sizes[step])  # per layer: equal layers, equal gathers
-    if mode == "fsdp":  # a sampled step gathers weights and grads, the call after it weights only
+    if mode == "fsdp":  # a sampled step gathers weights and grads, the call after it dW only (the size of the weights)
         assert sizes[0][0] > sizes[1][0] > 0
 
 
 def test_fsdp_default_cadence_gathers_what_each_step_samples(tmp_path_factory):
     """Default cadence (spectra every 100) over 12 steps: step 0 samples everything (two layers: one gather
-    each, weights and grads), step 1 measures its update ratios (weights), step 10 samples loss and
+    each, weights and grads), step 1 measures its update ratios (one layer's dW per gather), step 10 samples loss and
     gradient norms only (grads alone: smaller gathers); the values equal one process's."""
     single, fsdp = tmp_path_factory.mktemp("single_default"), tmp_path_factory.mktemp("fsdp_default")
     extra = ("--every", "0", "--steps", "12", "--cadence", '{"spectra": 100}')
@@ -133,7 +133,7 @@ def test_fsdp_default_cadence_gathers_what_each_step_samples(tmp_path_factory):
     sizes = {int(k): v for k, v in json.loads((fsdp / "collective_sizes.json").read_text()).items()}
     assert {s for s, names in counted.items() if names} == {0, 1, 10}
     assert all(len(counted[s]) == LAYERS for s in (0, 1, 10))
-    assert sizes[0][0] > sizes[1][0] > sizes[10][0] > 0  # weights+grads > weights (Q/K/V/O) > Q/K/V grads
+    assert sizes[0][0] > sizes[1][0] > sizes[10][0] > 0  # weights+grads > dW (Q/K/V/O) > Q/K/V grads
 
 
 def test_fsdp_deferred_update_ratios_gather_nothing_on_the_step_after(tmp_path_factory):
