@@ -1,6 +1,7 @@
 """Replay the detectors over recorded runs: thresholds tuned on one set of seeds, reported on another.
 
     OMP_NUM_THREADS=1 .venv/bin/python examples/evaluate_detectors.py RUNS_DIR [--show RUN] [--markdown]
+    OMP_NUM_THREADS=1 .venv/bin/python examples/evaluate_detectors.py RUNS_DIR --compare RUNS_DIR2
 
 ``RUNS_DIR`` holds one folder per run written by ``examples/evaluate_record.py`` (named
 ``collapse-...-s<seed>`` or ``eureka-...-s<seed>``; the Monitor sampled every step). Each run is
@@ -290,6 +291,31 @@ def summary(rows: list[dict]) -> list[str]:
     return out
 
 
+def outcome(run: Run) -> str:
+    """A collapse run's ground truth in words: established (at the step), hovering, or none."""
+    truth = established_collapse(run.obs)
+    if truth is not None:
+        return f"established at {truth}"
+    return "hovering" if run.peak >= AMBIGUOUS else "none"
+
+
+def compare(runs: list[Run], others: list[Run]) -> list[str]:
+    """The same configurations recorded twice (e.g. ``--threads 1`` and ``--threads 2``: the same seed under
+    another floating-point reduction order): does the ground truth agree? A markdown table."""
+    theirs = {r.name: r for r in others if r.task == "collapse"}
+    out = ["| run | this recording | the other | same outcome |", "|---|---|---|---|"]
+    same = total = 0
+    for r in runs:
+        if r.task != "collapse" or r.name not in theirs:
+            continue
+        a, b = outcome(r), outcome(theirs[r.name])
+        agree = a.split(" at ")[0] == b.split(" at ")[0]
+        same, total = same + agree, total + 1
+        out.append(f"| {r.name} | {a} | {b} | {'yes' if agree else 'no'} |")
+    out.append(f"\n{same} of {total} runs keep their outcome (established, hovering or none).")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", type=Path)
@@ -297,8 +323,13 @@ def main() -> None:
     parser.add_argument("--every", default="10", help="an integer, or default (the per-family cadence)")
     parser.add_argument("--no-tune", action="store_true", help="report the defaults on every run")
     parser.add_argument("--markdown", action="store_true", help="end with the summary table of docs/alerts.md")
+    parser.add_argument("--compare", type=Path, metavar="RUNS_DIR2",
+                        help="only compare the ground truth of the collapse runs recorded in both folders")
     args = parser.parse_args()
     runs = load_runs(args.runs)
+    if args.compare:
+        print("\n".join(compare(runs, load_runs(args.compare))))
+        return
     if args.show:
         run = next(r for r in runs if r.name == args.show)
         every = args.every if args.every == "default" else int(args.every)
