@@ -114,3 +114,18 @@ def test_analyze_checkpoints(tmp_path):
     table = [line.split() for line in out.splitlines() if line[:4].strip().isdigit() and "L0" in line]
     assert len(table) == 6 and all(float(r[2]) == pytest.approx(float(r[3]), rel=1e-5) for r in table)
     assert written_alerts(tmp_path / "analyze" / "alerts.jsonl")  # the sigma_1 growth warning, as live
+
+
+def test_evaluate_healthy_trains_each_third_party_model_with_a_zero_configuration_monitor():
+    """The script of docs/alerts.md#healthy-runs, shortened: every model is monitored (its per-head tags are
+    logged), its loss falls, and its row is in the table."""
+    out = run_example("evaluate_healthy.py", "--seeds", "0", "--steps", "30")
+    rows = [line for line in out.splitlines() if line.startswith("| ") and line.split("|")[1].strip() in
+            ("gpt2", "llama", "neox")]
+    assert [r.split("|")[1].strip() for r in rows] == ["gpt2", "llama", "neox"]
+    runs = [line for line in out.splitlines() if " seed 0: loss " in line]
+    assert len(runs) == 3, out
+    for line in runs:
+        first, last = (float(x) for x in line.split("loss ")[1].split(" in ")[0].split(" -> "))
+        assert last < first, line
+        assert int(line.split(" s, ")[1].split(" tags")[0]) > 100, line  # 4 layers x 4 heads x ~9 metrics
