@@ -1,4 +1,11 @@
-"""Loss spikes against an exponential moving average of the sampled losses and their variance."""
+"""Loss spikes against an exponential moving average of the sampled losses and their variance.
+
+The average forgets in steps, not samples: a sample ``dt`` steps after the previous one gets the weight
+``1 - 0.9 ** (dt / 10)`` (0.1 at the default 10-step loss cadence), so the mean and the variance look back
+over the same ~100 steps at any ``every`` (issue #17: windows in steps). The variance starts at 0 and is
+divided by the weight it has gathered, ``1 - prod(1 - weight)`` (the bias correction of Adam's moments), so
+that it means the same after a few samples at ``every=1`` as after a few at ``every=10``.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +16,8 @@ from diag.detectors.config import AlertConfig
 from diag.detectors.episodes import Closed, Dwell, Episodes
 
 __all__ = ["LossSpike"]
+
+EMA_STEPS = 10  # the average keeps 90% of its weight per this many steps
 
 TODO = "inspect the batch; clip gradients; if attn_max_logit climbs too, consider QK-norm or a lower learning rate"
 
@@ -22,6 +31,8 @@ class LossSpike:
         self.ema: float | None = None
         self.emvar = 0.0
         self.n_loss = 0
+        self.last_step: int | None = None
+        self.gathered = 0.0  # 1 - prod(1 - weight): the weight the variance has gathered
         self.episodes = Episodes(Dwell(1, 0), Dwell(1, 0))
 
     def observe(self, obs: Observation) -> list[Alert]:
@@ -29,14 +40,18 @@ class LossSpike:
         if loss is None or not math.isfinite(loss):
             return []
         self.n_loss += 1
+        gap = EMA_STEPS if self.last_step is None else max(1, obs.step - self.last_step)
+        self.last_step = obs.step
         if self.ema is None:
             self.ema = loss
             return []
-        mean, std = self.ema, math.sqrt(self.emvar)
+        mean, std = self.ema, math.sqrt(self.emvar / self.gathered) if self.gathered > 0 else 0.0
         spike = self.n_loss > self.cfg.spike_warmup and loss > mean + self.cfg.spike_sigma * max(std, 1e-8)
         delta = loss - mean
-        self.ema += 0.1 * delta
-        self.emvar = 0.9 * (self.emvar + 0.1 * delta * delta)
+        weight = 1.0 - 0.9 ** (gap / EMA_STEPS)
+        self.ema += weight * delta
+        self.emvar = (1.0 - weight) * (self.emvar + weight * delta * delta)
+        self.gathered = 1.0 - (1.0 - self.gathered) * (1.0 - weight)
         event = self.episodes.update("", obs.step, spike, not spike)
         if isinstance(event, Closed):
             return [Alert(obs.step, "loss_spike", "info", "", f"resolved: the loss is back under its running "
@@ -49,9 +64,13 @@ class LossSpike:
         return []
 
     def state_dict(self) -> dict:
-        return {"ema": self.ema, "emvar": self.emvar, "n_loss": self.n_loss,
+        return {"ema": self.ema, "emvar": self.emvar, "n_loss": self.n_loss, "spike_last_step": self.last_step,
+                "spike_gathered": self.gathered,
                 "spike_episodes": self.episodes.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.ema, self.emvar, self.n_loss = state.get("ema"), state.get("emvar", 0.0), state.get("n_loss", 0)
+        self.last_step = state.get("spike_last_step")
+        # a state saved before the bias correction: its variance had gathered 1 - 0.9 ** (n - 1) of its weight
+        self.gathered = state.get("spike_gathered", 1.0 - 0.9 ** max(0, self.n_loss - 1))
         self.episodes.load_state_dict(state.get("spike_episodes", {}))

@@ -246,6 +246,21 @@ def test_loss_spike():
     assert [(a.step, a.status) for a in out] == [(30, "firing"), (31, "resolved")]
 
 
+def test_loss_spike_looks_back_in_steps_at_any_every():
+    """A loss that starts to climb 0.05 per step at step 200 (after 200 flat noisy steps) is a spike within one
+    10-step interval at every 1, 2, 5 and 10 alike. Before issue #17's windows in steps the running mean forgot
+    10% per sample: at every=1 it followed the climb and never saw a spike."""
+    rng = np.random.default_rng(0)
+    losses = list(2.0 + 0.01 * rng.standard_normal(200)) + [2.0 + 0.05 * k + 0.01 * rng.standard_normal()
+                                                            for k in range(100)]
+    for every in (1, 2, 5, 10):
+        det = Detectors(AlertConfig())
+        out = [a for i, loss in enumerate(losses) if i % every == 0
+               for a in det.observe(Observation(i, float(loss), {})) if a.kind == "loss_spike"]
+        starts = [a.step for a in firing(out)]
+        assert starts and 200 < starts[0] <= 210 and len(starts) == 1, (every, starts)
+
+
 def test_state_dict_round_trip_continues_identically():
     cfg = AlertConfig(plateau_window=6, collapse_persist=3, eureka_span=1)
     script = [(2.3, attn([0.1], [2])) for _ in range(10)] + [(1.0, attn([0.1], [2]))] * 2  # a moment needs 2
