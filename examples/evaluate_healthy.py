@@ -78,6 +78,10 @@ def train(name: str, seed: int, steps: int, data: torch.Tensor, batch: int = 8) 
             schedule.step()
             losses.append(float(loss.detach()))
     alerts = [a for a in monitor.alert_sink.history if a.status == "firing"]
+    for a in alerts:  # the loss around each alert: what followed it
+        around = [sum(losses[s : s + 20]) / len(losses[s : s + 20]) for s in range(max(0, a.since - 100), steps, 100)]
+        print(f"  {name} seed {seed}: {a.level} {a.kind} {a.where} at step {a.step} (since {a.since}); mean loss of "
+              f"20 steps every 100 from step {max(0, a.since - 100)}: {' '.join(f'{x:.3f}' for x in around)}")
     return {"model": name, "seed": seed, "steps": steps, "seconds": time.perf_counter() - start,
             "loss_first": sum(losses[:20]) / 20, "loss_last": sum(losses[-20:]) / 20,
             "alerts": Counter((a.level, a.kind) for a in alerts),

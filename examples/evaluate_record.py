@@ -93,15 +93,9 @@ def record_collapse(args: argparse.Namespace, out: Path) -> dict:
         return model
 
     def monitor(model, logdir, every, **kwargs):  # kwargs: the demo's overwrite= (no logdir here)
-        spec = None
-        if args.qk_norm:  # the kernel's q and k are normed: not the projection of the module's input, so the
-            # layout check (per-head norms of q) cannot pass; the attention is still read from the kernel
-            from diag import QKVLayout
-
-            cfg = model.h[0].attn
-            spec = {"h.*.attn": QKVLayout(n_heads=cfg.n_head, head_dim=cfg.c_proj.weight.shape[0] // cfg.n_head,
-                                          q="c_attn.weight", packing="fused", o="c_proj.weight", verify=False)}
-        m = original_monitor(model, logdir=None, every=every, spec=spec)
+        # zero configuration, QK-norm included: discovery sees the q_norm/k_norm children and checks shapes only
+        # (a norm between the projection and the kernel changes q's values; docs/alerts.md#evaluation)
+        m = original_monitor(model, logdir=None, every=every)
         m.detectors = Recorder(m.detectors, out / "observations.jsonl")
         return m
 
