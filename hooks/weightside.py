@@ -117,7 +117,7 @@ class WeightSide:
             snapshot, delta = snapshots[g], deltas[g]
             if isinstance(snapshot, ShardSnapshot):  # the whole -dW of this layer, one gather (every rank)
                 whole = gather_like(snapshot.params, snapshot.local)
-                del snapshot.local
+                snapshot.local = {}  # spent
                 snapshot = self.trackers[g].snapshot([split_projections(whole, group[0].layout)])
                 delta = [chunk.before for chunk in snapshot]
                 del whole
