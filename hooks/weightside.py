@@ -80,8 +80,8 @@ class WeightSide:
                 tracker = self.trackers.setdefault(g, UpdateTracker())
                 whole = tracker.snapshot([split_projections(w, layer.layout) for layer, (w, _) in zip(group, read)])
                 norms.append(tracker.norms_before(whole))  # sigma_1(W) needs the whole W: taken now
-                params = group[0].weights() if len(group) == 1 else {}
-                shards = local_shards(params) if set(params) == set(read[0][0]) else None
+                params = group[0].weights()  # what the reader read: updates due, so W_O too
+                shards = local_shards(params) if len(group) == 1 else None  # sharded groups hold one layer
                 snapshots.append(whole if shards is None else ShardSnapshot(params, shards))
                 del whole  # sharded: only this rank's shards are kept until the step after
             del read, qkv  # under FSDP2: this layer's gathered weights go before the next is gathered

@@ -40,6 +40,7 @@ from zoo import NanoGPT  # noqa: E402
 
 from diag.detectors.core import TrainingHalted  # noqa: E402
 from hooks import Monitor  # noqa: E402
+from hooks.weightside import ShardSnapshot  # noqa: E402
 
 GLOBAL_BATCH, SEQ, VOCAB = 4, 12, 50
 COLLECTIVE_WORDS = ("gather", "reduce", "broadcast", "scatter", "alltoall", "all_to_all", "barrier", "send", "recv")
@@ -132,7 +133,7 @@ def main() -> None:
         collectives[step], sizes[step] = counter.names, counter.sizes
         if step == 0 and monitor._weights.pending is not None:
             held = [t for snap in monitor._weights.pending[2]
-                    for t in (snap.local.values() if hasattr(snap, "local") else [c.before for c in snap])]
+                    for t in (snap.local.values() if isinstance(snap, ShardSnapshot) else [c.before for c in snap])]
             snapshot_bytes = sum(t.numel() * t.element_size() for t in held)
             (args.out / f"snapshot_bytes_rank{rank}.json").write_text(json.dumps(snapshot_bytes))
         if halted is not None:
