@@ -29,6 +29,11 @@ looks at the detectors:
 * a plateau is flagged if its alert comes before the jump; a plateau alert on a language-model run
   (the collapse runs: their loss never sits still for 200 steps in the sense of the Eureka task)
   counts against the Eureka thresholds when they are tuned.
+
+Folders named ``healthy-...`` come from ``examples/evaluate_healthy.py --out`` (Hugging Face language
+models trained with warmup and cosine decay; the Monitor at its default cadence, so they are replayed
+as recorded, at ``default`` only): none collapses or stalls, so every warning or critical alert on
+them is false, and their plateau alerts count against the Eureka thresholds when they are tuned.
 """
 
 from __future__ import annotations
@@ -188,6 +193,16 @@ def records_per_key(alerts: list) -> int:
     return max(counts.values(), default=0)
 
 
+def judge_healthy(run: Run, cfg: AlertConfig, every, truth=None) -> dict:
+    """A healthy run, replayed as recorded (the Monitor's default cadence): its warning and critical alerts."""
+    det = Detectors(cfg)
+    alerts = [a for o in run.obs for a in det.observe(o)]
+    bad = [a for a in alerts if a.status == "firing" and a.level != "info"]
+    return {"run": run.name, "every": every, "healthy": True, "warnings": sorted({f"{a.kind}@{a.step}" for a in bad}),
+            "plateau_alerts": sum(a.kind == "eureka_plateau" and a.status == "firing" for a in alerts),
+            "records": records_per_key(alerts)}
+
+
 def judge_collapse(run: Run, cfg: AlertConfig, every: int, truth: int | None) -> dict:
     alerts = replay(run.obs, cfg, every)
     warn, crit = first(alerts, "collapse_warning"), first(alerts, "malignant_collapse")
@@ -234,19 +249,27 @@ def score_eureka(rows: list[dict]) -> tuple:
     eureka = [r for r in rows if "jump" in r]
     late = sum(r["jump"] is not None and not r["on_time"] for r in eureka)
     missed = sum(r["jump"] is not None and not r["plateau_in_time"] for r in eureka)
-    lm = sum(r["plateau_alerts"] > 0 for r in rows if "truth" in r)
+    lm = sum(r["plateau_alerts"] > 0 for r in rows if "truth" in r or "healthy" in r)
     return (late + sum(r["false"] for r in eureka) + missed + lm, sum(abs(r["offset"] or 0) for r in eureka))
 
 
 def judge_any(run: Run, cfg: AlertConfig, every, truth) -> dict:
-    return (judge_collapse if run.task == "collapse" else judge_eureka)(run, cfg, every, truth)
+    return JUDGE[run.task](run, cfg, every, truth)
+
+
+JUDGE = {"collapse": judge_collapse, "eureka": judge_eureka, "healthy": judge_healthy}
+
+
+def everys(run: Run) -> tuple:
+    """The intervals a run is replayed at: healthy runs were recorded at the default cadence only."""
+    return ("default",) if run.task == "healthy" else EVERYS
 
 
 def tune(runs: list[Run], grid: dict, judge, score, truth) -> AlertConfig:
     best, best_cfg = None, AlertConfig()
     for values in itertools.product(*grid.values()):
         cfg = replace(AlertConfig(), **dict(zip(grid, values)))
-        rows = [judge(r, cfg, every, truth[r.name]) for r in runs for every in EVERYS]
+        rows = [judge(r, cfg, every, truth[r.name]) for r in runs for every in everys(r)]
         s = score(rows)
         if best is None or s < best:
             best, best_cfg = s, cfg
@@ -256,7 +279,7 @@ def tune(runs: list[Run], grid: dict, judge, score, truth) -> AlertConfig:
 def runs_table(runs: list[Run], truth: dict) -> list[str]:
     out = ["| run | split | steps | ground truth |", "|---|---|---|---|"]
     for r in runs:
-        what = "established collapse" if r.task == "collapse" else "accuracy jump"
+        what = {"collapse": "established collapse", "eureka": "accuracy jump", "healthy": "stall"}[r.task]
         shown = f"{what} at {truth[r.name]}" if truth[r.name] is not None else f"no {what}"
         if r.task == "collapse" and truth[r.name] is None and r.peak >= AMBIGUOUS:
             shown = f"hovering: one head malignant in {r.peak:.0%} of 50 steps at most"
@@ -268,8 +291,9 @@ def summary(rows: list[dict]) -> list[str]:
     """One markdown row per (split, every): the figures docs/alerts.md reports."""
     out = ["| split | every | collapses warned in time | lead (steps) | false collapse alerts | plateaus flagged "
            "| moments within 2 intervals | false moments | most records of one kind on one head "
-           "| hovering runs with a collapse alert | language-model runs with a plateau alert |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| hovering runs with a collapse alert | language-model runs with a plateau alert "
+           "| healthy runs with a warning |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for split in ("tuning", "held-out"):
         for every in EVERYS:
             rs = [r for r in rows if r["split"] == split and r["every"] == every]
@@ -279,6 +303,8 @@ def summary(rows: list[dict]) -> list[str]:
             leads = sorted(r["lead"] for r in est if r["in_time"])
             eur = [r for r in rs if "jump" in r and "normsoftmax" not in r["run"]]
             jumped = [r for r in eur if r["jump"] is not None]
+            healthy = [r for r in rs if "healthy" in r]
+            warned = f"{sum(bool(r['warnings']) for r in healthy)}/{len(healthy)}" if healthy else "-"
             out.append(
                 f"| {split} | {every} | {sum(r['in_time'] for r in est)}/{len(est)} | "
                 f"{'-' if not leads else f'{leads[0]}-{leads[-1]}'} | "
@@ -287,7 +313,8 @@ def summary(rows: list[dict]) -> list[str]:
                 f"{sum(r['on_time'] for r in jumped)}/{len(jumped)} | {sum(r['false'] for r in eur)} | "
                 f"{max((r['records'] for r in rs), default=0)} | "
                 f"{sum(r['critical'] is not None or r['warning'] is not None for r in hover)}/{len(hover)} | "
-                f"{sum(r['plateau_alerts'] > 0 for r in col)}/{len(col)} |")
+                f"{sum(r['plateau_alerts'] > 0 for r in col)}/{len(col)} | "
+                f"{warned} |")
     return out
 
 
@@ -333,24 +360,29 @@ def main() -> None:
     if args.show:
         run = next(r for r in runs if r.name == args.show)
         every = args.every if args.every == "default" else int(args.every)
-        for a in replay(run.obs, AlertConfig(), every):
+        det = Detectors(AlertConfig())
+        alerts = [a for o in run.obs for a in det.observe(o)] if run.task == "healthy" else \
+            replay(run.obs, AlertConfig(), every)
+        for a in alerts:
             print(f"{a.step:5d} {a.status:8s} {a.level:8s} {a.kind:20s} {a.where:8s} since {a.since}  {a.message}")
         return
-    truth = {r.name: established_collapse(r.obs) if r.task == "collapse" else accuracy_jump(r.info) for r in runs}
+    truth = {r.name: established_collapse(r.obs) if r.task == "collapse" else
+             accuracy_jump(r.info) if r.task == "eureka" else None for r in runs}
     collapse = [r for r in runs if r.task == "collapse"]
     eureka = [r for r in runs if r.task == "eureka" and "normsoftmax" not in r.name]
     cfg = AlertConfig()
     if not args.no_tune:
         cfg_c = tune([r for r in collapse if r.split == "tuning"], COLLAPSE_GRID, judge_collapse, score_collapse,
                      truth)
-        cfg_e = tune([r for r in eureka + collapse if r.split == "tuning"], EUREKA_GRID, judge_any, score_eureka,
-                     truth)
+        healthy = [r for r in runs if r.task == "healthy"]
+        cfg_e = tune([r for r in eureka + collapse + healthy if r.split == "tuning"], EUREKA_GRID, judge_any,
+                     score_eureka, truth)
         cfg = replace(cfg_c, **{k: getattr(cfg_e, k) for k in EUREKA_GRID})
         print("tuned:", {k: getattr(cfg, k) for k in (*COLLAPSE_GRID, *EUREKA_GRID)})
     rows = []
     for r in runs:
-        for every in EVERYS:
-            row = (judge_collapse if r.task == "collapse" else judge_eureka)(r, cfg, every, truth[r.name])
+        for every in everys(r):
+            row = JUDGE[r.task](r, cfg, every, truth[r.name])
             rows.append({"split": r.split, **row})
             print(json.dumps(rows[-1]))
     if args.markdown:

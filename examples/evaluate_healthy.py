@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python examples/evaluate_healthy.py                  # 3 models x 2 seeds
     OMP_NUM_THREADS=1 .venv/bin/python examples/evaluate_healthy.py --models llama --seeds 0 --steps 300
+    OMP_NUM_THREADS=1 .venv/bin/python examples/evaluate_healthy.py --models gpt2 --seeds 21 --out RUNS_DIR
 
 Each model is built from a config (4 layers of 4 heads, d_model 128; nothing downloaded; the
 library's own attention, ``sdpa``) and trained as such models usually are: bytes of the Python
@@ -9,15 +10,21 @@ standard library's source, AdamW (lr 1e-3, betas 0.9/0.95, weight decay 0.1), 10
 then cosine decay, gradient clipping at 1. The Monitor is attached with no arguments but the sink
 (``Monitor(model, sinks=...)``: zero configuration, the default cadence). No run here collapses or
 sits on a plateau, so every warning or critical alert is a false alarm; info notes are listed too.
-The table printed at the end is the one in docs/alerts.md#healthy-runs.
+The table printed at the end is the one in docs/alerts.md#healthy-runs. With ``--out`` each run's
+observations (what the Monitor passed its detectors, at the default cadence) and losses are written to
+``RUNS_DIR/healthy-<model>-s<seed>`` in ``examples/evaluate_record.py``'s format, so that
+``examples/evaluate_detectors.py RUNS_DIR`` replays the detectors on them (seeds below 20 tune).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 import torch
 import transformers
@@ -25,6 +32,9 @@ import transformers
 from diag.outputs.sinks import MemorySink
 from hooks import Monitor
 from hooks.demo import load_text
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling example modules
+from evaluate_record import Recorder  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 SHAPE = {"layers": 4, "heads": 4, "width": 128, "context": 128}
@@ -49,7 +59,7 @@ def build(name: str) -> torch.nn.Module:
     raise ValueError(f"unknown model {name!r}: expected gpt2, llama or neox")
 
 
-def train(name: str, seed: int, steps: int, data: torch.Tensor, batch: int = 8) -> dict:
+def train(name: str, seed: int, steps: int, data: torch.Tensor, batch: int = 8, out: Path | None = None) -> dict:
     torch.manual_seed(seed)
     model = build(name)
     model.config._attn_implementation = "sdpa"
@@ -65,7 +75,11 @@ def train(name: str, seed: int, steps: int, data: torch.Tensor, batch: int = 8) 
     context = SHAPE["context"]
     losses = []
     start = time.perf_counter()
+    folder = None if out is None else out / f"healthy-{name}-s{seed}"
     with Monitor(model, sinks=[sink]) as monitor:
+        if folder is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+            monitor.detectors = Recorder(monitor.detectors, folder / "observations.jsonl")
         for step in range(steps):
             at = torch.randint(0, data.numel() - context - 1, (batch,), generator=gen)
             ids = torch.stack([data[i : i + context] for i in at.tolist()])
@@ -77,6 +91,9 @@ def train(name: str, seed: int, steps: int, data: torch.Tensor, batch: int = 8) 
             opt.zero_grad(set_to_none=True)
             schedule.step()
             losses.append(float(loss.detach()))
+    if folder is not None:
+        config = {"task": "healthy", "model": name, "seed": seed, "steps": steps, "batch": batch, **SHAPE}
+        (folder / "run.json").write_text(json.dumps({"config": config, "losses": losses}))
     alerts = [a for a in monitor.alert_sink.history if a.status == "firing"]
     for a in alerts:  # the loss around each alert: what followed it
         around = [sum(losses[s : s + 20]) / len(losses[s : s + 20]) for s in range(max(0, a.since - 100), steps, 100)]
@@ -93,13 +110,14 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["gpt2", "llama", "neox"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--out", type=Path, help="record each run's observations and losses here (for replay)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     data = torch.frombuffer(bytearray(load_text(max_chars=2_000_000).encode()), dtype=torch.uint8).long()
     rows = []
     for name in args.models:
         for seed in args.seeds:
-            row = train(name, seed, args.steps, data)
+            row = train(name, seed, args.steps, data, out=args.out)
             rows.append(row)
             print(f"{name} seed {seed}: loss {row['loss_first']:.3f} -> {row['loss_last']:.3f} in "
                   f"{row['seconds']:.0f} s, {row['tags']} tags; alerts {dict(row['alerts']) or 'none'}", flush=True)

@@ -46,6 +46,9 @@ class Recorder:
         self.file.flush()
         return self.inner.observe(obs)
 
+    def __getattr__(self, name: str):  # the rest of the detectors' interface (cfg, wants_attention, ...)
+        return getattr(self.inner, name)
+
     def state_dict(self) -> dict:
         return self.inner.state_dict()
 

@@ -3,7 +3,10 @@
 Windows are in steps. A plateau: the mean losses of the two halves of the last ``plateau_window`` steps differ by
 at most ``plateau_rel``, the level (the window's least-squares trend at this step) is at least
 ``plateau_min_frac`` of the first loss (a converged run is not stuck), and the Q/K-to-V
-gradient ratio, averaged over layers and the window, is at most ``plateau_qk_ratio``. The
+gradient ratio, averaged over layers and the window, is at most ``plateau_qk_ratio``; and, where the
+window holds them, ``sigma_1(Wq^T Wk)`` grew by at most ``plateau_qk_growth`` (the heads' geometric mean) and
+the attention entropy is at least ``plateau_uniformity`` of uniform's: attention is what stopped learning (a
+flat loss while the query/key product still grows, or with attention already focused, is another state). The
 plateau is an episode; while it lasts its trend is refitted. The Eureka-moment: the loss,
 the median of the samples of the last ``eureka_span`` steps, is for two samples in a row below
 the plateau's own extrapolated trend by ``eureka_drop``
@@ -42,8 +45,31 @@ def fit_trend(points: list[list[float]]) -> tuple[float, float, float]:
     return float(a), float(b), noise
 
 
+def _log_sigma(obs: Observation) -> float:
+    """The mean over every head of ln sigma_1(Wq^T Wk), or NaN without spectra: its change over a window is the
+    geometric mean of the heads' growth."""
+    values = [np.log(m["qk_sigma1"]) for m in obs.layers.values() if "qk_sigma1" in m]
+    values = [v for v in values if np.all(np.isfinite(v)) and v.size]
+    return float(np.mean(np.concatenate(values))) if values else math.nan
+
+
+def _uniformity(obs: Observation) -> float:
+    """The attention entropy as a fraction of uniform attention's over the same keys, averaged over layers and
+    heads, or NaN without attention."""
+    values = [float(np.mean(m["attn_entropy"])) / float(m["attn_entropy_uniform"][0]) for m in obs.layers.values()
+              if "attn_entropy" in m and "attn_entropy_uniform" in m and float(m["attn_entropy_uniform"][0]) > 0]
+    values = [v for v in values if math.isfinite(v)]
+    return float(np.mean(values)) if values else math.nan
+
+
+def _growth(points: list[list[float]]) -> float:
+    """exp of the change of ln sigma_1 between the window's first and last samples that have it (NaN if < 2)."""
+    values = [p[4] for p in points if len(p) > 4 and math.isfinite(p[4])]
+    return float(np.exp(values[-1] - values[0])) if len(values) >= 2 else math.nan
+
+
 def _mean(points: list[list[float]], column: int) -> float:
-    values = [p[column] for p in points if math.isfinite(p[column])]
+    values = [p[column] for p in points if len(p) > column and math.isfinite(p[column])]
     return float(np.mean(values)) if values else math.nan
 
 
@@ -67,7 +93,7 @@ class Plateau:
         ratios = [float(m["grad_ratio_qk_v"][0]) for m in obs.layers.values() if "grad_ratio_qk_v" in m]
         entropies = [float(np.mean(m["attn_entropy"])) for m in obs.layers.values() if "attn_entropy" in m]
         point = [float(obs.step), obs.loss, float(np.mean(ratios)) if ratios else math.nan,
-                 float(np.mean(entropies)) if entropies else math.nan]
+                 float(np.mean(entropies)) if entropies else math.nan, _log_sigma(obs), _uniformity(obs)]
         if self.plateau is not None:
             return self._moment(obs.step, point)
         self.losses = [p for p in self.losses if p[0] > obs.step - self.cfg.plateau_window] + [point]
@@ -85,7 +111,10 @@ class Plateau:
         second = np.mean([p[1] for p in self.losses if p[0] > mid])
         flat = abs(first - second) <= self.cfg.plateau_rel * abs(first)  # the window's halves (in steps)
         high = self.first_loss is not None and level >= self.cfg.plateau_min_frac * self.first_loss
-        if not (flat and high and ratio <= self.cfg.plateau_qk_ratio):
+        growth, uniformity = _growth(self.losses), _mean(self.losses, 5)
+        still = not growth > self.cfg.plateau_qk_growth  # Wq^T Wk static (or no spectra to say otherwise)
+        diffuse = not uniformity < self.cfg.plateau_uniformity  # attention near uniform (or not sampled)
+        if not (flat and high and ratio <= self.cfg.plateau_qk_ratio and still and diffuse):
             return []
         since = int(self.losses[0][0])
         self.plateau = {"since": since, "a": a, "b": b, "noise": noise, "ratio": ratio,
@@ -94,7 +123,8 @@ class Plateau:
             f"the loss has been flat at {level:.4g} since step {since} (the halves of the last "
             f"{window} steps differ by {abs(first - second) / abs(first):.1%}) while Q/K gradients are "
             f"{ratio:.2f}x of V's: the model may be stuck before a Eureka-moment. What to do: {TODO}"),
-            {"loss": level, "grad_ratio_qk_v": ratio, "noise": noise},
+            {"loss": level, "grad_ratio_qk_v": ratio, "noise": noise, "qk_sigma1_growth": growth,
+             "attn_uniformity": uniformity},
             "firing", since)]
 
     def _moment(self, step: int, point: list[float]) -> list[Alert]:
@@ -137,13 +167,16 @@ class Plateau:
         self.plateau.update(a=a, b=b, noise=noise, ratio=_mean(self.losses, 2), entropy=_mean(self.losses, 3))
 
     def state_dict(self) -> dict:
-        return {"losses": [p[1] for p in self.losses], "loss_points": [[p[0], p[2], p[3]] for p in self.losses],
+        return {"losses": [p[1] for p in self.losses], "loss_points": [[p[0], *p[2:]] for p in self.losses],
                 "first_loss": self.first_loss, "plateau": self.plateau, "below": self.below, "loss_start": self.start,
                 "recent": self.recent}
 
     def load_state_dict(self, state: dict) -> None:
         points = state.get("loss_points", [])  # format 1 has losses but no points: the window starts afresh
-        self.losses = [[s, loss, r, e] for loss, (s, r, e) in zip(state.get("losses", []), points)]
+        # points saved before the entry test read sigma_1 and the uniformity lack them: unknown (NaN), as if
+        # those signals had not been sampled
+        self.losses = [[p[0], loss, *(list(p[1:]) + [math.nan] * 4)[:4]]
+                       for loss, p in zip(state.get("losses", []), points)]
         self.first_loss = state.get("first_loss")
         self.plateau = state.get("plateau") if isinstance(state.get("plateau"), dict) else None
         self.below = [list(p) for p in state.get("below", [])]

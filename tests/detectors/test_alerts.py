@@ -262,7 +262,8 @@ def test_loss_spike_looks_back_in_steps_at_any_every():
 
 
 def test_state_dict_round_trip_continues_identically():
-    cfg = AlertConfig(plateau_window=6, collapse_persist=3, eureka_span=1)
+    # plateau_uniformity: this head's attention is collapsed (0.03 of uniform), which the plateau test would refuse
+    cfg = AlertConfig(plateau_window=6, collapse_persist=3, eureka_span=1, plateau_uniformity=0.01)
     script = [(2.3, attn([0.1], [2])) for _ in range(10)] + [(1.0, attn([0.1], [2]))] * 2  # a moment needs 2
     whole, first = Detectors(cfg), Detectors(cfg)
     out_whole = [a for i, (loss, m) in enumerate(script)

@@ -40,3 +40,60 @@ def test_plateau_window_is_in_steps_not_samples():
 
 def test_healthy_qk_gradients_give_no_plateau():
     assert run(np.full(400, 1.3), ratio=0.8) == []
+
+
+def _layers(step, ratio, sigma, uniformity):
+    """One layer of 2 heads: Q/K:V gradient ratio, sigma_1(Wq^T Wk) per head, attention at ``uniformity`` of
+    uniform's entropy (3.0 nats over the same keys)."""
+    return {"L00": {"grad_ratio_qk_v": np.array([ratio]), "qk_sigma1": np.array(sigma, float),
+                    "attn_entropy": np.array([3.0 * uniformity] * 2), "attn_rank": np.array([20.0] * 2),
+                    "attn_rows": np.array([64.0]), "attn_entropy_uniform": np.array([3.0])}}
+
+
+def _flat_run(sigma_of_step, uniformity, cfg=None):
+    """A flat loss, Q/K gradients at 0.3x of V's, every family every 10 steps for 400 steps."""
+    det, out = Detectors(cfg or AlertConfig()), []
+    for step in range(0, 400, 10):
+        out += det.observe(Observation(step, 1.3, _layers(step, 0.3, sigma_of_step(step), uniformity)))
+    return [a for a in out if a.kind == "eureka_plateau"]
+
+
+def test_a_plateau_needs_static_query_key_weights_and_diffuse_attention():
+    """Issue #17: the alert says the model is stuck because attention learns slowly. A flat loss while
+    sigma_1(Wq^T Wk) still grows 2x per 200 steps (GPT-2's loss flattening after warmup), or while attention is
+    already focused (LLaMA's, at 0.61-0.66 of uniform), is not that state (docs/alerts.md#eureka_plateau)."""
+    still = _flat_run(lambda s: [1.0, 2.0], 0.85)
+    assert [(a.step, a.status) for a in still] == [(200, "firing")]  # the window (0, 200]: samples 10..200
+    assert still[0].values["qk_sigma1_growth"] == 1.0 and still[0].values["attn_uniformity"] == 0.85
+    # geometric mean over heads: one head x1, the other x4 per 190 steps is x2 > 1.6 until it stops growing at
+    # step 300; over the samples t - 190 .. t the heads' geometric mean then grows 2^((490 - t) / 190), <= 1.6
+    # from t = 362: flagged at the sample 370
+    growing = _flat_run(lambda s: [1.0, 2.0 * 4 ** (min(s, 300) / 190)], 0.85)
+    assert [a.step for a in growing] == [370]
+    assert _flat_run(lambda s: [1.0 * 1.004**s, 2.0 * 1.004**s], 0.85) == []  # x2.1 per 190 steps, for ever
+    assert _flat_run(lambda s: [1.0, 2.0], 0.65) == []  # focused attention
+    # the lines are AlertConfig fields
+    assert _flat_run(lambda s: [1.0, 2.0], 0.65, AlertConfig(plateau_uniformity=0.6))[0].step == 200
+    assert _flat_run(lambda s: [s + 1.0, s + 1.0], 0.85, AlertConfig(plateau_qk_growth=1e9))[0].step == 200
+
+
+def test_a_plateau_without_spectra_or_attention_is_judged_on_the_loss_and_gradients():
+    # the Monitor's default cadence reads spectra and attention less often than the loss; a window without them
+    # is not refused (unknown is not evidence against the plateau)
+    assert [a.step for a in run(np.full(400, 1.3))][:1] == [99]
+
+
+def test_a_state_saved_before_the_entry_test_read_spectra_and_attention_resumes():
+    """Points of the plateau window saved with [step, ratio, entropy] only (before issue #17's second round)
+    load with ln sigma_1 and the uniformity unknown; the resumed detector flags the plateau as the saved one
+    would have."""
+    det = Detectors(AlertConfig())
+    for step in range(0, 150, 10):
+        det.observe(Observation(step, 1.3, {"L00": {"grad_ratio_qk_v": np.array([0.3])}}))
+    state = det.state_dict()
+    state["loss_points"] = [p[:3] for p in state["loss_points"]]
+    resumed = Detectors(AlertConfig())
+    resumed.load_state_dict(state)
+    out = [a for step in range(150, 250, 10)
+           for a in resumed.observe(Observation(step, 1.3, _layers(step, 0.3, [1.0, 2.0], 0.85)))]
+    assert [(a.kind, a.step) for a in out] == [("eureka_plateau", 200)]

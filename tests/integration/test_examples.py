@@ -129,3 +129,28 @@ def test_evaluate_healthy_trains_each_third_party_model_with_a_zero_configuratio
         first, last = (float(x) for x in line.split("loss ")[1].split(" in ")[0].split(" -> "))
         assert last < first, line
         assert int(line.split(" s, ")[1].split(" tags")[0]) > 100, line  # 4 layers x 4 heads x ~9 metrics
+
+
+def test_evaluate_healthy_records_what_the_monitor_passed_its_detectors(tmp_path):
+    """``--out`` (docs/alerts.md#healthy-runs): the recorder wraps the detectors without hiding any of their
+    interface (the closer look asks them ``wants_attention`` every step: a recorder without it made every
+    update sample fail), and examples/evaluate_detectors.py replays the recording into the live alerts."""
+    import warnings
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import evaluate_detectors
+    import evaluate_healthy
+
+    from hooks.demo import load_text
+
+    data = torch.frombuffer(bytearray(load_text(max_chars=50_000).encode()), dtype=torch.uint8).long()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        evaluate_healthy.train("neox", 3, 25, data, out=tmp_path)
+    assert not [w for w in caught if "failed at this step" in str(w.message)], [str(w.message) for w in caught]
+    (run,) = evaluate_detectors.load_runs(tmp_path)
+    assert run.name == "healthy-neox-s3" and run.task == "healthy" and len(run.info["losses"]) == 25
+    assert [o.step for o in run.obs if o.loss is not None] == [0, 10, 20]  # the default cadence's loss samples
+    assert any("update_ratio_q" in m for o in run.obs for m in o.layers.values())
+    row = evaluate_detectors.judge_healthy(run, evaluate_detectors.AlertConfig(), "default")
+    assert row["healthy"] and row["warnings"] == [] and row["plateau_alerts"] == 0
