@@ -318,6 +318,16 @@ def summary(rows: list[dict]) -> list[str]:
     return out
 
 
+def healthy_table(rows: list[dict]) -> list[str]:
+    """The healthy runs one by one: every warning or critical alert on them is false."""
+    healthy = [r for r in rows if "healthy" in r]
+    if not healthy:
+        return []
+    out = ["| run | split | warning or critical alerts (kind@step) |", "|---|---|---|"]
+    out += [f"| {r['run']} | {r['split']} | {', '.join(r['warnings']) or 'none'} |" for r in healthy]
+    return out
+
+
 def outcome(run: Run) -> str:
     """A collapse run's ground truth in words: established (at the step), hovering, or none."""
     truth = established_collapse(run.obs)
@@ -386,7 +396,7 @@ def main() -> None:
             rows.append({"split": r.split, **row})
             print(json.dumps(rows[-1]))
     if args.markdown:
-        print("\n".join(runs_table(runs, truth) + [""] + summary(rows)))
+        print("\n".join(runs_table(runs, truth) + [""] + summary(rows) + [""] + healthy_table(rows)))
 
 
 if __name__ == "__main__":

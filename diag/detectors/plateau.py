@@ -119,12 +119,20 @@ class Plateau:
         since = int(self.losses[0][0])
         self.plateau = {"since": since, "a": a, "b": b, "noise": noise, "ratio": ratio,
                         "entropy": _mean(self.losses, 3)}
+        sinking = -100.0 * b / level if level > 0 else 0.0  # the trend's fall per 100 steps, relative
+        evidence = [f"Q/K gradients are {ratio:.2f}x of V's"]
+        if math.isfinite(growth):
+            evidence.append(f"sigma_1(Wq^T Wk) grew only x{growth:.2f}")
+        if math.isfinite(uniformity):
+            evidence.append(f"attention entropy is at {uniformity:.0%} of uniform")
+        slow = (f" The loss still sinks {sinking:.1%} per 100 steps: if it keeps falling steadily, attention is "
+                "learning slowly rather than stuck." if sinking >= 0.005 else "")
         return [Alert(step, "eureka_plateau", "warning", "", (
             f"the loss has been flat at {level:.4g} since step {since} (the halves of the last "
-            f"{window} steps differ by {abs(first - second) / abs(first):.1%}) while Q/K gradients are "
-            f"{ratio:.2f}x of V's: the model may be stuck before a Eureka-moment. What to do: {TODO}"),
+            f"{window} steps differ by {abs(first - second) / abs(first):.1%}) while {', '.join(evidence)}: the "
+            f"model may be stuck before a Eureka-moment.{slow} What to do: {TODO}"),
             {"loss": level, "grad_ratio_qk_v": ratio, "noise": noise, "qk_sigma1_growth": growth,
-             "attn_uniformity": uniformity},
+             "attn_uniformity": uniformity, "loss_sink_per_100": sinking},
             "firing", since)]
 
     def _moment(self, step: int, point: list[float]) -> list[Alert]:

@@ -65,6 +65,8 @@ def test_a_plateau_needs_static_query_key_weights_and_diffuse_attention():
     still = _flat_run(lambda s: [1.0, 2.0], 0.85)
     assert [(a.step, a.status) for a in still] == [(200, "firing")]  # the window (0, 200]: samples 10..200
     assert still[0].values["qk_sigma1_growth"] == 1.0 and still[0].values["attn_uniformity"] == 0.85
+    assert "sigma_1(Wq^T Wk) grew only x1.00" in still[0].message and "85% of uniform" in still[0].message
+    assert "still sinks" not in still[0].message  # a flat loss
     # geometric mean over heads: one head x1, the other x4 per 190 steps is x2 > 1.6 until it stops growing at
     # step 300; over the samples t - 190 .. t the heads' geometric mean then grows 2^((490 - t) / 190), <= 1.6
     # from t = 362: flagged at the sample 370
@@ -81,6 +83,9 @@ def test_a_plateau_without_spectra_or_attention_is_judged_on_the_loss_and_gradie
     # the Monitor's default cadence reads spectra and attention less often than the loss; a window without them
     # is not refused (unknown is not evidence against the plateau)
     assert [a.step for a in run(np.full(400, 1.3))][:1] == [99]
+    # a loss still sinking 2% per 100 steps is flat enough (halves 2% apart) and the message says it sinks
+    (first,) = [a for a in run(1.3 * (1 - 0.0002 * np.arange(400))) if a.kind == "eureka_plateau"]
+    assert "sigma_1" not in first.message and "The loss still sinks 2.0% per 100 steps" in first.message
 
 
 def test_a_state_saved_before_the_entry_test_read_spectra_and_attention_resumes():
