@@ -30,6 +30,14 @@ TODO = ("rule out a data or label bug first; then NormSoftmax (divide the logits
         "before the softmax), more seeds, or a longer budget. More learning rate or warmup does not address it")
 
 
+# While the plateau lasts its trend follows the loss, except for samples whose smoothed loss lies more than this
+# many of its own standard errors under the trend (the start of a drop must not drag the trend along). Chosen
+# among 1, 2, 3 on the tuning seeds (docs/alerts.md#eureka_plateau); before, the line was half the plateau's
+# per-sample noise at any cadence, which at the default cadence (a median of 2 samples) left out a quarter of
+# the plateau's own low samples, so the trend drifted above a slowly sinking loss and a moment came early.
+REFIT_SE = 1.0
+
+
 def fit_trend(points: list[list[float]]) -> tuple[float, float, float]:
     """Least squares ``loss = a + b * step`` over ``[[step, loss, ...], ...]``: (a, b, noise), the noise
     the residuals' median absolute deviation scaled to a standard deviation; a rising fit becomes the flat
@@ -143,7 +151,11 @@ class Plateau:
         smoothed = float(np.median([q[1] for q in self.recent]))  # the same steps at any interval
         if smoothed > expected - drop:
             self.below = []
-            if smoothed >= expected - 0.5 * p["noise"]:  # on the plateau, not on its way down: the trend follows
+            # the smoothed loss's own standard error: a median of n samples scatters ~1.25 sigma / sqrt(n)
+            margin = REFIT_SE * 1.25 * p["noise"] / math.sqrt(len(self.recent))
+            # on the plateau, not on its way down: neither the smoothed loss nor this sample (3 noise deviations:
+            # the first samples of a drop, which the median still hides) is under the trend
+            if smoothed >= expected - min(margin, 0.5 * drop) and point[1] >= expected - 3.0 * p["noise"]:
                 self._refit(point)
             return []
         self.below.append(point)
@@ -167,8 +179,8 @@ class Plateau:
 
     def _refit(self, point: list[float]) -> None:
         """Still on the plateau: the window rolls on and the trend follows it (a plateau may sink slowly);
-        while the smoothed loss is more than half a noise deviation under the trend no sample is added, and
-        the noise never grows, so a slow drop cannot drag the trend along."""
+        while the smoothed loss is more than ``REFIT_SE`` of its standard errors under the trend no sample is
+        added, and the noise never grows, so a slow drop cannot drag the trend along."""
         self.losses = [q for q in self.losses if q[0] > point[0] - self.cfg.plateau_window] + [point]
         a, b, noise = fit_trend(self.losses)
         noise = min(noise, self.plateau["noise"])  # a start of the drop in the window must not widen the band
