@@ -40,13 +40,23 @@ class Recorder:
         self.file = path.open("w")
 
     def observe(self, obs: Observation) -> list:
+        self._write(obs)
+        return self.inner.observe(obs)
+
+    def _write(self, obs: Observation) -> None:
         layers = {label: {k: [None if not math.isfinite(x) else x for x in np.asarray(v, float).tolist()]
                           for k, v in m.items()} for label, m in obs.layers.items()}
         self.file.write(json.dumps({"step": obs.step, "loss": obs.loss, "layers": layers}) + "\n")
         self.file.flush()
-        return self.inner.observe(obs)
+
+    def observe_updates(self, obs: Observation) -> list:
+        """The update ratios of a step after a sample (the Monitor's shared, collective-free path): recorded too."""
+        self._write(obs)
+        return getattr(self.inner, "observe_updates", self.inner.observe)(obs)
 
     def __getattr__(self, name: str):  # the rest of the detectors' interface (cfg, wants_attention, ...)
+        if name.startswith("__") or name == "inner":  # copy/pickle look these up before __init__ has run
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
     def state_dict(self) -> dict:

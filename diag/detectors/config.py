@@ -50,8 +50,9 @@ class AlertConfig:
     plateau_rel: float = 0.05  # the mean losses of the window's halves (in steps) differ by at most 5%
     plateau_qk_ratio: float = 0.5  # grad_ratio_qk_v below this: the softmax-induced plateau (a warning)
     plateau_min_frac: float = 0.25  # a plateau sits at this fraction of the first sampled loss or above
-    plateau_qk_growth: float = 1.6  # sigma_1(Wq^T Wk) grew at most this much over the window (heads' geometric mean)
-    plateau_uniformity: float = 0.72  # attention entropy at least this fraction of uniform's (window average)
+    plateau_qk_growth: float = 1.6  # sigma_1(Wq^T Wk) grew at most this much over the window (heads' geometric
+    # mean; float("inf"): off) ...
+    plateau_uniformity: float = 0.72  # ... and attention entropy is at least this fraction of uniform's (0: off)
     eureka_drop: float = 0.35  # the loss this far (relative) below the plateau's own trend ...
     eureka_noise: float = 2.0  # ... and this many noise deviations of the plateau below it, for 2 samples
     eureka_span: int = 20  # ... the median loss of the samples of the last this many steps (one batch is noise)
@@ -69,5 +70,13 @@ class AlertConfig:
                 if int(value) < 0 or (f.name == "plateau_window" and int(value) < 2):
                     raise ConfigError(f"AlertConfig.{f.name}={value!r}: expected a number of steps, "
                                       f"{'>= 2' if f.name == 'plateau_window' else '>= 0'}")
+            elif f.name == "plateau_uniformity":
+                if not 0 <= value <= 1:
+                    raise ConfigError(f"AlertConfig.plateau_uniformity={value!r}: expected a fraction of uniform "
+                                      "attention's entropy between 0 and 1 (0 switches the test off)")
+            elif f.name == "plateau_qk_growth":
+                if not value >= 1:
+                    raise ConfigError(f"AlertConfig.plateau_qk_growth={value!r}: expected a growth factor >= 1 "
+                                      "(float('inf') switches the test off)")
             elif not value > 0:
                 raise ConfigError(f"AlertConfig.{f.name}={value!r}: expected a positive number")

@@ -53,36 +53,55 @@ def fit_trend(points: list[list[float]]) -> tuple[float, float, float]:
     return float(a), float(b), noise
 
 
-def _log_sigma(obs: Observation) -> float:
-    """The mean over every head of ln sigma_1(Wq^T Wk), or NaN without spectra: its change over a window is the
-    geometric mean of the heads' growth."""
-    values = [np.log(m["qk_sigma1"]) for m in obs.layers.values() if "qk_sigma1" in m]
-    values = [v for v in values if np.all(np.isfinite(v)) and v.size]
-    return float(np.mean(np.concatenate(values))) if values else math.nan
+def _log_sigma(obs: Observation) -> dict[str, list[float]] | None:
+    """ln sigma_1(Wq^T Wk) per layer and head (NaN where it is not a positive finite number), or None without
+    spectra: a head's growth over a window is the change of its value."""
+    out = {}
+    for label, m in obs.layers.items():
+        if "qk_sigma1" in m:
+            sigma = np.atleast_1d(np.asarray(m["qk_sigma1"], float))
+            good = np.isfinite(sigma) & (sigma > 0)
+            out[label] = [float(np.log(x)) if ok else math.nan for x, ok in zip(sigma, good)]
+    return out or None
 
 
 def _uniformity(obs: Observation) -> float:
     """The attention entropy as a fraction of uniform attention's over the same keys, averaged over layers and
     heads, or NaN without attention."""
-    values = [float(np.mean(m["attn_entropy"])) / float(m["attn_entropy_uniform"][0]) for m in obs.layers.values()
-              if "attn_entropy" in m and "attn_entropy_uniform" in m and float(m["attn_entropy_uniform"][0]) > 0]
+    values = []
+    for m in obs.layers.values():
+        if "attn_entropy" not in m or "attn_entropy_uniform" not in m:
+            continue
+        entropy = np.atleast_1d(np.asarray(m["attn_entropy"], float))
+        uniform = np.atleast_1d(np.asarray(m["attn_entropy_uniform"], float))
+        if entropy.size and uniform.size and np.isfinite(uniform[0]) and uniform[0] > 0:
+            values.append(float(np.mean(entropy)) / float(uniform[0]))
     values = [v for v in values if math.isfinite(v)]
     return float(np.mean(values)) if values else math.nan
 
 
-def _growth(points: list[list[float]]) -> float:
-    """exp of the change of ln sigma_1 between the window's first and last samples that have it (NaN if < 2)."""
-    values = [p[4] for p in points if len(p) > 4 and math.isfinite(p[4])]
-    return float(np.exp(values[-1] - values[0])) if len(values) >= 2 else math.nan
+def _growth(points: list[list]) -> float:
+    """The geometric mean, over the heads whose sigma_1 is known at both, of the growth of sigma_1(Wq^T Wk)
+    between the window's first and last samples that have spectra (NaN if fewer than 2, or no head in common: a
+    layer whose spectra failed at one end does not count)."""
+    have = [p[4] for p in points if len(p) > 4 and isinstance(p[4], dict) and p[4]]
+    if len(have) < 2:
+        return math.nan
+    first, last = have[0], have[-1]
+    changes = [b - a for label in first.keys() & last.keys() for a, b in zip(first[label], last[label])
+               if math.isfinite(a) and math.isfinite(b)]
+    return float(np.exp(np.mean(changes))) if changes else math.nan
 
 
 def _mean(points: list[list[float]], column: int) -> float:
-    values = [p[column] for p in points if len(p) > column and math.isfinite(p[column])]
+    values = [p[column] for p in points if len(p) > column and math.isfinite(p[column])]  # 2, 3 and 5: floats
     return float(np.mean(values)) if values else math.nan
 
 
 class Plateau:
-    """The loss history ``losses``: ``[[step, loss, qk_ratio, entropy], ...]`` over the window."""
+    """The loss history ``losses``: ``[[step, loss, qk_ratio, entropy, ln_sigma1, uniformity], ...]`` over the
+    window (``ln_sigma1``: ``{layer: [ln sigma_1 per head]}`` or None, :func:`_log_sigma`); ``recent`` and
+    ``below`` keep the first four fields."""
 
     def __init__(self, cfg: AlertConfig) -> None:
         self.cfg = cfg
@@ -147,7 +166,7 @@ class Plateau:
         p = self.plateau
         expected = p["a"] + p["b"] * step
         drop = max(self.cfg.eureka_drop * abs(expected), self.cfg.eureka_noise * p["noise"])
-        self.recent = [q for q in self.recent if q[0] > step - self.cfg.eureka_span] + [point]
+        self.recent = [q for q in self.recent if q[0] > step - self.cfg.eureka_span] + [point[:4]]
         smoothed = float(np.median([q[1] for q in self.recent]))  # the same steps at any interval
         if smoothed > expected - drop:
             self.below = []
@@ -158,7 +177,7 @@ class Plateau:
             if smoothed >= expected - min(margin, 0.5 * drop) and point[1] >= expected - 3.0 * p["noise"]:
                 self._refit(point)
             return []
-        self.below.append(point)
+        self.below.append(point[:4])
         rising = math.isfinite(point[2]) and point[2] > p["ratio"]
         sharper = math.isfinite(point[3]) and point[3] < p["entropy"]
         unknown = not (math.isfinite(point[2]) or math.isfinite(point[3]))
@@ -179,24 +198,30 @@ class Plateau:
 
     def _refit(self, point: list[float]) -> None:
         """Still on the plateau: the window rolls on and the trend follows it (a plateau may sink slowly);
-        while the smoothed loss is more than ``REFIT_SE`` of its standard errors under the trend no sample is
-        added, and the noise never grows, so a slow drop cannot drag the trend along."""
+        while the smoothed loss is more than ``REFIT_SE`` of its standard errors (at most half the moment's drop)
+        under the trend, or the sample itself more than 3 noise deviations, no sample is added, and the noise
+        never grows, so a slow drop cannot drag the trend along."""
         self.losses = [q for q in self.losses if q[0] > point[0] - self.cfg.plateau_window] + [point]
         a, b, noise = fit_trend(self.losses)
         noise = min(noise, self.plateau["noise"])  # a start of the drop in the window must not widen the band
         self.plateau.update(a=a, b=b, noise=noise, ratio=_mean(self.losses, 2), entropy=_mean(self.losses, 3))
 
     def state_dict(self) -> dict:
-        return {"losses": [p[1] for p in self.losses], "loss_points": [[p[0], *p[2:]] for p in self.losses],
+        # "loss_points" keeps its three fields, so that an older version still loads this state; the signals of
+        # the plateau's entry tests have a key of their own
+        return {"losses": [p[1] for p in self.losses], "loss_points": [[p[0], p[2], p[3]] for p in self.losses],
+                "loss_signals": [[p[4], p[5]] for p in self.losses],
                 "first_loss": self.first_loss, "plateau": self.plateau, "below": self.below, "loss_start": self.start,
                 "recent": self.recent}
 
     def load_state_dict(self, state: dict) -> None:
         points = state.get("loss_points", [])  # format 1 has losses but no points: the window starts afresh
-        # points saved before the entry test read sigma_1 and the uniformity lack them: unknown (NaN), as if
-        # those signals had not been sampled
-        self.losses = [[p[0], loss, *(list(p[1:]) + [math.nan] * 4)[:4]]
-                       for loss, p in zip(state.get("losses", []), points)]
+        # a state saved before the entry tests read sigma_1 and the uniformity has no "loss_signals": unknown,
+        # as if those signals had not been sampled
+        signals = state.get("loss_signals") or [[None, math.nan]] * len(points)
+        self.losses = [[p[0], loss, p[1], p[2], sig if isinstance(sig, dict) else None,
+                        float(u) if isinstance(u, (int, float)) else math.nan]
+                       for loss, p, (sig, u) in zip(state.get("losses", []), points, signals)]
         self.first_loss = state.get("first_loss")
         self.plateau = state.get("plateau") if isinstance(state.get("plateau"), dict) else None
         self.below = [list(p) for p in state.get("below", [])]

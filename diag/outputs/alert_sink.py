@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from collections.abc import Callable
 from dataclasses import asdict
@@ -77,7 +78,7 @@ class AlertSink:
             return
         # One os.write on an O_APPEND descriptor, no user-space buffer (as diag.outputs.sinks.JsonlSink):
         # a process killed at any moment leaves whole lines only.
-        data = "".join(json.dumps({**asdict(a), "docs": a.anchor}) + "\n" for a in alerts).encode("utf-8")
+        data = "".join(json.dumps(_plain({**asdict(a), "docs": a.anchor})) + "\n" for a in alerts).encode("utf-8")
         try:
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
@@ -98,3 +99,10 @@ class AlertSink:
                 self.callback(a)
             except Exception as err:  # noqa: BLE001 - a user callback must not kill training
                 log.error("diag: on_alert callback raised %r for %s", err, a.kind)
+
+
+def _plain(record: dict) -> dict:
+    """A value the detector could not measure (NaN, e.g. a signal the cadence did not sample) is written as null:
+    strict JSON readers reject a bare NaN token."""
+    values = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in record["values"].items()}
+    return {**record, "values": values}

@@ -263,7 +263,7 @@ def test_loss_spike_looks_back_in_steps_at_any_every():
 
 def test_state_dict_round_trip_continues_identically():
     # plateau_uniformity: this head's attention is collapsed (0.03 of uniform), which the plateau test would refuse
-    cfg = AlertConfig(plateau_window=6, collapse_persist=3, eureka_span=1, plateau_uniformity=0.01)
+    cfg = AlertConfig(plateau_window=6, collapse_persist=3, eureka_span=1, plateau_uniformity=0.0)
     script = [(2.3, attn([0.1], [2])) for _ in range(10)] + [(1.0, attn([0.1], [2]))] * 2  # a moment needs 2
     whole, first = Detectors(cfg), Detectors(cfg)
     out_whole = [a for i, (loss, m) in enumerate(script)
@@ -284,6 +284,11 @@ def test_config_checks_itself():
         AlertConfig(sparse_entropy=-1)
     with pytest.raises(ConfigError, match="plateau_window"):
         AlertConfig(plateau_window=0)
+    with pytest.raises(ConfigError, match="plateau_uniformity=72.*between 0 and 1"):
+        AlertConfig(plateau_uniformity=72)  # a percentage: it would switch the plateau alert off
+    with pytest.raises(ConfigError, match="plateau_qk_growth=0.5.*>= 1"):
+        AlertConfig(plateau_qk_growth=0.5)
+    AlertConfig(plateau_uniformity=0.0, plateau_qk_growth=float("inf"))  # both entry tests off
 
 
 def test_alert_channels(tmp_path, caplog):
@@ -359,3 +364,18 @@ def test_skipped_step_numbers_warn_that_attention_was_not_captured():
     assert any(t.startswith("attn_entropy") for t in mem.records[0].scalars)
     step20 = [r for r in mem.records if r.step == 20 and "qk_sigma1/L00/max" in r.scalars][0]
     assert not any(t.startswith("attn_entropy") for t in step20.scalars)
+
+
+def test_alerts_jsonl_is_strict_json_when_a_value_is_unknown(tmp_path):
+    """A value the detector could not measure (NaN: a signal the cadence did not sample) is written as null."""
+    from diag.detectors.base import Alert
+
+    sink = AlertSink(FanOut([MemorySink()]), tmp_path / "alerts.jsonl", None, stop_on_critical=False)
+    sink.emit([Alert(5, "eureka_plateau", "warning", "", "m", {"loss": 1.3, "attn_uniformity": float("nan")},
+                     "firing", 0)])
+
+    def strict(token):
+        raise ValueError(f"non-standard JSON token {token}")
+
+    line = json.loads((tmp_path / "alerts.jsonl").read_text(), parse_constant=strict)
+    assert line["values"] == {"loss": 1.3, "attn_uniformity": None}

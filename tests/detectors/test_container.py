@@ -32,7 +32,7 @@ def test_resume_at_any_point_continues_identically():
     # plateau_qk_growth and plateau_uniformity off: the script's collapsing head grows and focuses all along,
     # which the plateau test would refuse (the plateau's entry is tested in test_plateau.py)
     cfg = AlertConfig(plateau_window=100, warn_window=40, sigma_growth=12.0, entropy_drop=0.15, warn_persist=2,
-                      plateau_qk_growth=1e300, plateau_uniformity=1e-9)
+                      plateau_qk_growth=float("inf"), plateau_uniformity=0.0)
     observations = list(script())
     whole = Detectors(cfg)
     expected = [(a.step, a.kind, a.status, a.where, a.since) for o in observations for a in whole.observe(o)]

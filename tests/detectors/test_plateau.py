@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
+import pytest
 
 from diag.detectors import AlertConfig, Detectors, Observation
+from diag.detectors.plateau import Plateau
 
 
 def run(losses, every=1, ratio=0.2, cfg=None, ratio_after=None):
@@ -64,7 +68,8 @@ def test_a_plateau_needs_static_query_key_weights_and_diffuse_attention():
     already focused (LLaMA's, at 0.61-0.66 of uniform), is not that state (docs/alerts.md#eureka_plateau)."""
     still = _flat_run(lambda s: [1.0, 2.0], 0.85)
     assert [(a.step, a.status) for a in still] == [(200, "firing")]  # the window (0, 200]: samples 10..200
-    assert still[0].values["qk_sigma1_growth"] == 1.0 and still[0].values["attn_uniformity"] == 0.85
+    assert still[0].values["qk_sigma1_growth"] == pytest.approx(1.0)
+    assert still[0].values["attn_uniformity"] == pytest.approx(0.85)
     assert "sigma_1(Wq^T Wk) grew only x1.00" in still[0].message and "85% of uniform" in still[0].message
     assert "still sinks" not in still[0].message  # a flat loss
     # geometric mean over heads: one head x1, the other x4 per 190 steps is x2 > 1.6 until it stops growing at
@@ -76,7 +81,7 @@ def test_a_plateau_needs_static_query_key_weights_and_diffuse_attention():
     assert _flat_run(lambda s: [1.0, 2.0], 0.65) == []  # focused attention
     # the lines are AlertConfig fields
     assert _flat_run(lambda s: [1.0, 2.0], 0.65, AlertConfig(plateau_uniformity=0.6))[0].step == 200
-    assert _flat_run(lambda s: [s + 1.0, s + 1.0], 0.85, AlertConfig(plateau_qk_growth=1e9))[0].step == 200
+    assert _flat_run(lambda s: [s + 1.0, s + 1.0], 0.85, AlertConfig(plateau_qk_growth=float("inf")))[0].step == 200
 
 
 def test_a_plateau_without_spectra_or_attention_is_judged_on_the_loss_and_gradients():
@@ -96,9 +101,65 @@ def test_a_state_saved_before_the_entry_test_read_spectra_and_attention_resumes(
     for step in range(0, 150, 10):
         det.observe(Observation(step, 1.3, {"L00": {"grad_ratio_qk_v": np.array([0.3])}}))
     state = det.state_dict()
-    state["loss_points"] = [p[:3] for p in state["loss_points"]]
+    assert len(state["loss_points"][0]) == 3  # an older version still reads the points (and ignores the rest)
+    del state["loss_signals"]
     resumed = Detectors(AlertConfig())
     resumed.load_state_dict(state)
     out = [a for step in range(150, 250, 10)
            for a in resumed.observe(Observation(step, 1.3, _layers(step, 0.3, [1.0, 2.0], 0.85)))]
     assert [(a.kind, a.step) for a in out] == [("eureka_plateau", 200)]
+
+
+def test_the_entry_tests_signals_survive_a_resume():
+    """The window's sigma_1 and uniformity are saved: a run resumed at step 60 flags the plateau at the step the
+    uninterrupted run does. Early on sigma_1 still grows x4 and attention is focused, so a resumed window that
+    forgot those samples would flag it earlier."""
+    def obs(step):
+        sigma = 4 ** (min(step, 100) / 100)
+        return Observation(step, 1.3, _layers(step, 0.3, [sigma, 2 * sigma], 0.5 if step < 100 else 0.9))
+
+    steps = range(0, 500, 10)
+    whole = Detectors(AlertConfig())
+    expected = [(a.kind, a.step) for t in steps for a in whole.observe(obs(t))]
+    assert expected and expected[0][0] == "eureka_plateau" and expected[0][1] > 200
+    first = Detectors(AlertConfig())
+    got = [(a.kind, a.step) for t in steps if t <= 60 for a in first.observe(obs(t))]
+    state = json.loads(json.dumps(first.state_dict()))
+    resumed = Detectors(AlertConfig())
+    resumed.load_state_dict(state)
+    got += [(a.kind, a.step) for t in steps if t > 60 for a in resumed.observe(obs(t))]
+    assert got == expected
+    forgetful = Detectors(AlertConfig())
+    del state["loss_signals"]
+    forgetful.load_state_dict(state)
+    early = [(a.kind, a.step) for t in steps if t > 60 for a in forgetful.observe(obs(t))]
+    assert early and early[0][1] < expected[0][1]  # the test above can fail
+
+
+def _flat_plateau(every):
+    """A Plateau on a flat loss of 1.3 with a deterministic +-0.03 scatter, flagged; returns it and the next step."""
+    det = Plateau(AlertConfig(plateau_window=100))
+    step = 0
+    while det.plateau is None:
+        loss = 1.3 + 0.03 * (-1) ** (step // every)
+        det.observe(Observation(step, loss, {"L00": {"grad_ratio_qk_v": np.array([0.3])}}))
+        step += every
+    return det, step
+
+
+def test_the_trend_leaves_out_one_sample_far_under_it_but_not_the_plateaus_own_scatter():
+    """Issue #17's refit rule (docs/alerts.md#eureka_plateau): at every=1 the median of 20 samples hides one
+    sample 5 noise deviations down, which must not join the trend's window (the first samples of a drop);
+    at every=10 (a median of 2 samples) a pair 0.6 deviations down is the plateau's own scatter and joins it.
+    Before, the line was half a deviation at any cadence: the outlier joined, the scatter did not."""
+    det, step = _flat_plateau(1)
+    noise = det.plateau["noise"]
+    expected = det.plateau["a"] + det.plateau["b"] * step
+    det.observe(Observation(step, expected - 5 * noise, {"L00": {"grad_ratio_qk_v": np.array([0.3])}}))
+    assert det.plateau is not None and step not in [p[0] for p in det.losses]
+    det, step = _flat_plateau(10)
+    noise = det.plateau["noise"]
+    for t in (step, step + 10):
+        low = det.plateau["a"] + det.plateau["b"] * t - 0.6 * noise
+        det.observe(Observation(t, low, {"L00": {"grad_ratio_qk_v": np.array([0.3])}}))
+    assert det.plateau is not None and step + 10 in [p[0] for p in det.losses]

@@ -134,7 +134,8 @@ def test_evaluate_healthy_trains_each_third_party_model_with_a_zero_configuratio
 def test_evaluate_healthy_records_what_the_monitor_passed_its_detectors(tmp_path):
     """``--out`` (docs/alerts.md#healthy-runs): the recorder wraps the detectors without hiding any of their
     interface (the closer look asks them ``wants_attention`` every step: a recorder without it made every
-    update sample fail), and examples/evaluate_detectors.py replays the recording into the live alerts."""
+    update sample fail), and examples/evaluate_detectors.py loads and judges the recording. 25 steps raise no
+    alert; that a replay raises the live alerts is tests/detectors/test_replay.py's test."""
     import warnings
 
     sys.path.insert(0, str(ROOT / "examples"))
