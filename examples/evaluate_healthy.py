@@ -9,7 +9,8 @@ library's own attention, ``sdpa``) and trained as such models usually are: bytes
 standard library's source, AdamW (lr 1e-3, betas 0.9/0.95, weight decay 0.1), 100 warmup steps
 then cosine decay, gradient clipping at 1. The Monitor is attached with no arguments but the sink
 (``Monitor(model, sinks=...)``: zero configuration, the default cadence). No run here collapses or
-sits on a plateau, so every warning or critical alert is a false alarm; info notes are listed too.
+stops learning, so every warning or critical alert is a false alarm (GPT-2's loss does stall for a while
+after its warmup: docs/alerts.md#healthy-runs discusses the plateau warning it gets); info notes are listed too.
 The table printed at the end is the one in docs/alerts.md#healthy-runs. With ``--out`` each run's
 observations (what the Monitor passed its detectors, at the default cadence) and losses are written to
 ``RUNS_DIR/healthy-<model>-s<seed>`` in ``examples/evaluate_record.py``'s format, so that
