@@ -193,10 +193,17 @@ def records_per_key(alerts: list) -> int:
     return max(counts.values(), default=0)
 
 
+def replay_run(run: Run, cfg: AlertConfig, every) -> list:
+    """:func:`replay` at ``every``; a healthy run (recorded by a Monitor at its default cadence) as recorded."""
+    if run.task == "healthy":
+        det = Detectors(cfg)
+        return [a for o in run.obs for a in det.observe(o)]
+    return replay(run.obs, cfg, every)
+
+
 def judge_healthy(run: Run, cfg: AlertConfig, every, truth=None) -> dict:
     """A healthy run, replayed as recorded (the Monitor's default cadence): its warning and critical alerts."""
-    det = Detectors(cfg)
-    alerts = [a for o in run.obs for a in det.observe(o)]
+    alerts = replay_run(run, cfg, every)
     bad = [a for a in alerts if a.status == "firing" and a.level != "info"]
     return {"run": run.name, "every": every, "healthy": True, "warnings": sorted({f"{a.kind}@{a.step}" for a in bad}),
             "plateau_alerts": sum(a.kind == "eureka_plateau" and a.status == "firing" for a in alerts),
@@ -370,10 +377,7 @@ def main() -> None:
     if args.show:
         run = next(r for r in runs if r.name == args.show)
         every = args.every if args.every == "default" else int(args.every)
-        det = Detectors(AlertConfig())
-        alerts = [a for o in run.obs for a in det.observe(o)] if run.task == "healthy" else \
-            replay(run.obs, AlertConfig(), every)
-        for a in alerts:
+        for a in replay_run(run, AlertConfig(), every):
             print(f"{a.step:5d} {a.status:8s} {a.level:8s} {a.kind:20s} {a.where:8s} since {a.since}  {a.message}")
         return
     truth = {r.name: established_collapse(r.obs) if r.task == "collapse" else

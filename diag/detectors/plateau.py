@@ -84,7 +84,7 @@ def _growth(points: list[list]) -> float:
     """The geometric mean, over the heads whose sigma_1 is known at both, of the growth of sigma_1(Wq^T Wk)
     between the window's first and last samples that have spectra (NaN if fewer than 2, or no head in common: a
     layer whose spectra failed at one end does not count)."""
-    have = [p[4] for p in points if len(p) > 4 and isinstance(p[4], dict) and p[4]]
+    have = [p[4] for p in points if p[4]]
     if len(have) < 2:
         return math.nan
     first, last = have[0], have[-1]
@@ -94,7 +94,7 @@ def _growth(points: list[list]) -> float:
 
 
 def _mean(points: list[list[float]], column: int) -> float:
-    values = [p[column] for p in points if len(p) > column and math.isfinite(p[column])]  # 2, 3 and 5: floats
+    values = [p[column] for p in points if math.isfinite(p[column])]
     return float(np.mean(values)) if values else math.nan
 
 

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
 from diag.detectors.base import Alert, TrainingHalted
-from diag.outputs.sinks import FanOut, Record
+from diag.outputs.sinks import FanOut, Record, json_value
 
 __all__ = ["AlertSink", "console_line", "shown_where"]
 
@@ -102,7 +101,6 @@ class AlertSink:
 
 
 def _plain(record: dict) -> dict:
-    """A value the detector could not measure (NaN, e.g. a signal the cadence did not sample) is written as null:
-    strict JSON readers reject a bare NaN token."""
-    values = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in record["values"].items()}
-    return {**record, "values": values}
+    """A value the detector could not measure (NaN, e.g. a signal the cadence did not sample) is written as null,
+    as metrics.jsonl writes it."""
+    return {**record, "values": {k: json_value(v) if isinstance(v, float) else v for k, v in record["values"].items()}}

@@ -160,7 +160,8 @@ class TensorBoardSink:
             writer.close()
 
 
-def _json_value(value: float) -> float | None:
+def json_value(value: float) -> float | None:
+    """A measured value as JSON: null if not finite (strict JSON readers reject a bare NaN or Infinity)."""
     return value if math.isfinite(value) else None
 
 
@@ -177,7 +178,7 @@ class JsonlSink:
 
     def write(self, record: Record) -> None:
         lines = [
-            json.dumps({"step": record.step, "tag": tag, "value": _json_value(float(value))})
+            json.dumps({"step": record.step, "tag": tag, "value": json_value(float(value))})
             for tag, value in record.scalars.items()
         ]
         if lines and self._fd is not None:
