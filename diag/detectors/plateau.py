@@ -152,8 +152,9 @@ class Plateau:
             evidence.append(f"sigma_1(Wq^T Wk) grew only x{growth:.2f}")
         if math.isfinite(uniformity):
             evidence.append(f"attention entropy is at {uniformity:.0%} of uniform")
-        slow = (f" The loss still sinks {sinking:.1%} per 100 steps: if it keeps falling steadily, attention is "
-                "learning slowly rather than stuck." if sinking >= 0.005 else "")
+        slow = (f" The loss still sinks {sinking:.1%} per 100 steps, as Eureka plateaus do before their moment; on "
+                "a language model whose loss keeps falling steadily, read this as attention learning slowly."
+                if sinking >= 0.005 else "")
         return [Alert(step, "eureka_plateau", "warning", "", (
             f"the loss has been flat at {level:.4g} since step {since} (the halves of the last "
             f"{window} steps differ by {abs(first - second) / abs(first):.1%}) while {', '.join(evidence)}: the "
