@@ -63,8 +63,8 @@ SPARSE, LOW_RANK = 0.5, 0.1  # the ground truth's fixed lines (not AlertConfig's
 COLLAPSE_GRID = {"sigma_growth": (4.0, 8.0, 16.0), "entropy_drop": (0.25, 0.4), "logit_factor": (2.0, 3.0, 4.0),
                  "near_entropy": (0.75, 1.0, 1.25), "near_growth": (1.5, 2.0)}
 # plateau_window and plateau_rel change the plateau detector only
-EUREKA_GRID = {"eureka_drop": (0.25, 0.35), "plateau_qk_ratio": (0.4, 0.5, 0.6),
-               "plateau_window": (150, 200), "plateau_rel": (0.05, 0.1), "eureka_span": (20, 40)}
+EUREKA_GRID = {"eureka_depth": (0.375, 0.425, 0.475), "plateau_qk_ratio": (0.4, 0.5, 0.6),
+               "plateau_window": (150, 200), "plateau_rel": (0.05, 0.125), "eureka_span": (20, 40)}
 PLATEAU_MARGIN = 0.05  # accuracy within 0.05 of the no-indicator ceiling: still on the plateau
 FRESH_SEED = 20  # runs of this seed and up are held out, the others tune
 EVAL_EVERY = 20  # steps between held-out evaluations: the accuracy jump is known to this resolution

@@ -47,13 +47,14 @@ class AlertConfig:
     note_horizon: int = 50  # ... within the first 50 steps: "no warmup", not a collapse
     # plateau and Eureka-moment (plateau.py)
     plateau_window: int = 200  # steps of loss in the plateau test
-    plateau_rel: float = 0.05  # the mean losses of the window's halves (in steps) differ by at most 5%
+    plateau_rel: float = 0.125  # the mean losses of the window's halves (in steps) differ by at most 12.5%
     plateau_qk_ratio: float = 0.5  # grad_ratio_qk_v below this: the softmax-induced plateau (a warning)
     plateau_min_frac: float = 0.25  # a plateau sits at this fraction of the first sampled loss or above
     plateau_qk_growth: float = 1.6  # sigma_1(Wq^T Wk) grew at most this much over the window (heads' geometric
     # mean; float("inf"): off) ...
     plateau_uniformity: float = 0.72  # ... and attention entropy is at least this fraction of uniform's (0: off)
-    eureka_drop: float = 0.35  # the loss this far (relative) below the plateau's own trend ...
+    eureka_depth: float = 0.425  # the loss at most 1 - this of the plateau's level (when it was flagged) ...
+    eureka_drop: float = 0.25  # ... and this far (relative) below the plateau's own trend ...
     eureka_noise: float = 2.0  # ... and this many noise deviations of the plateau below it, for 2 samples
     eureka_span: int = 20  # ... the median loss of the samples of the last this many steps (one batch is noise)
     # loss spikes (spike.py)
@@ -78,5 +79,9 @@ class AlertConfig:
                 if not value >= 1:
                     raise ConfigError(f"AlertConfig.plateau_qk_growth={value!r}: expected a growth factor >= 1 "
                                       "(float('inf') switches the test off)")
+            elif f.name == "eureka_depth":
+                if not 0 <= value < 1:
+                    raise ConfigError(f"AlertConfig.eureka_depth={value!r}: expected the drop's depth as a fraction of "
+                                      "the plateau's level, at least 0 (0: the trend's line alone) and below 1")
             elif not value > 0:
                 raise ConfigError(f"AlertConfig.{f.name}={value!r}: expected a positive number")

@@ -8,11 +8,12 @@ window holds them, ``sigma_1(Wq^T Wk)`` grew by at most ``plateau_qk_growth`` (t
 the attention entropy is at least ``plateau_uniformity`` of uniform's: attention is what stopped learning (a
 flat loss while the query/key product still grows, or with attention already focused, is another state). The
 plateau is an episode; while it lasts its trend is refitted. The Eureka-moment: the loss,
-the median of the samples of the last ``eureka_span`` steps, is for two samples in a row below
-the plateau's own extrapolated trend by ``eureka_drop``
-of the level and by ``eureka_noise`` times the plateau's noise, while the Q/K gradient
-share rises above its plateau mean or the attention entropy falls below it (when those
-signals are there). The moment closes the plateau (one ``resolved`` record).
+the median of the samples of the last ``eureka_span`` steps, is for two samples in a row at most
+``1 - eureka_depth`` of the plateau's level (its trend at the step it was flagged: how deep the drop is) and
+below the plateau's own extrapolated trend by ``eureka_drop`` of it and by ``eureka_noise`` times the
+plateau's noise (it leaves the plateau against the plateau's own trend: a plateau that sinks slowly to the
+depth line is no moment), while the Q/K gradient share rises above its plateau mean or the attention entropy
+falls below it (when those signals are there). The moment closes the plateau (one ``resolved`` record).
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ class Plateau:
             return []
         since = int(self.losses[0][0])
         self.plateau = {"since": since, "a": a, "b": b, "noise": noise, "ratio": ratio,
-                        "entropy": _mean(self.losses, 3)}
+                        "entropy": _mean(self.losses, 3), "level": level}
         sinking = -100.0 * b / level if level > 0 else 0.0  # the trend's fall per 100 steps, relative
         evidence = [f"Q/K gradients are {ratio:.2f}x of V's"]
         if math.isfinite(growth):
@@ -166,7 +167,10 @@ class Plateau:
     def _moment(self, step: int, point: list[float]) -> list[Alert]:
         p = self.plateau
         expected = p["a"] + p["b"] * step
-        drop = max(self.cfg.eureka_drop * abs(expected), self.cfg.eureka_noise * p["noise"])
+        # the trend's own line and the depth line under the level the plateau was flagged at (a plateau saved
+        # before it had a level: the trend's line alone); the moment needs the loss under both
+        depth = expected - (1.0 - self.cfg.eureka_depth) * p["level"] if "level" in p else 0.0
+        drop = max(self.cfg.eureka_drop * abs(expected), self.cfg.eureka_noise * p["noise"], depth)
         self.recent = [q for q in self.recent if q[0] > step - self.cfg.eureka_span] + [point[:4]]
         smoothed = float(np.median([q[1] for q in self.recent]))  # the same steps at any interval
         if smoothed > expected - drop:
@@ -188,20 +192,25 @@ class Plateau:
         duration = since - p["since"]
         self.plateau, self.below, self.losses, self.start = None, [], [], None
         self.recent = []
-        values = {"loss": smoothed, "plateau": expected, "grad_ratio_qk_v": point[2], "attn_entropy": point[3]}
+        level = p.get("level", math.nan)
+        deep = f", {1 - smoothed / level:.0%} under its level {level:.4g} when flagged" if level > 0 else ""
+        values = {"loss": smoothed, "plateau": expected, "plateau_level": level,
+                  "grad_ratio_qk_v": point[2], "attn_entropy": point[3]}
         return [Alert(step, "eureka_plateau", "info", "", f"resolved: the plateau ended at step {since} after "
                       f"{duration} steps", {"duration_steps": float(duration)}, "resolved", p["since"]),
                 Alert(step, "eureka_moment", "info", "", (
                     f"Eureka-moment at step {since}: the loss left its plateau ({smoothed:.4g} over the last "
-                    f"{self.cfg.eureka_span} steps against "
-                    f"{expected:.4g} on the plateau's trend) while the Q/K gradient share rose or attention "
-                    "entropy fell. What to do: nothing; validation accuracy should follow"), values, "firing", since)]
+                    f"{self.cfg.eureka_span} steps against {expected:.4g} on the plateau's trend{deep}) while the Q/K "
+                    "gradient share rose or attention entropy fell. What to do: nothing; validation accuracy should "
+                    "follow"), values, "firing", since)]
 
     def _refit(self, point: list[float]) -> None:
         """Still on the plateau: the window rolls on and the trend follows it (a plateau may sink slowly);
         while the smoothed loss is more than ``REFIT_SE`` of its standard errors (at most half the moment's drop)
         under the trend, or the sample itself more than 3 noise deviations, no sample is added, and the noise
-        never grows, so a slow drop cannot drag the trend along."""
+        never grows, so a slow drop cannot drag the trend along. (Keeping the noise measured when the plateau
+        was flagged instead was tried: the band stayed wide enough for the trend to follow a gradual drop all
+        the way down, and held-out seed 26 lost its moment; docs/alerts.md#eureka_plateau.)"""
         self.losses = [q for q in self.losses if q[0] > point[0] - self.cfg.plateau_window] + [point]
         a, b, noise = fit_trend(self.losses)
         noise = min(noise, self.plateau["noise"])  # a start of the drop in the window must not widen the band

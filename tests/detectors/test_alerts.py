@@ -174,7 +174,7 @@ def test_plateau_then_eureka_moment():
     # false moments); it is reported at the second (9) with ``since`` the first (8), and it ends the plateau.
     # eureka_span=1: the moment reads each sample's loss (the median over a span is tested in test_plateau.py)
     det = Detectors(AlertConfig(plateau_window=6, plateau_rel=0.02, plateau_qk_ratio=0.3, eureka_drop=0.3,
-                                eureka_span=1))
+                                eureka_depth=0.0, eureka_span=1))
     losses = [2.3, 2.3, 2.3, 2.3, 2.3, 2.3, 2.3, 2.29, 1.2, 0.5]
     out = _plateau_run(det, losses, ratio=0.05)
     assert kinds(firing(out)) == [(5, "eureka_plateau", ""), (9, "eureka_moment", "")]
@@ -198,8 +198,10 @@ def test_slowly_sinking_plateau_is_flagged():
     # trend's value, not a half-window mean; the moment needs 2 samples 25% below the trend (34 and 35: 1.0 at 33
     # is only 22% below), so it is reported at 35 and marked at 34, the step the old assertion named.
     # Pinned to the thresholds this test was written for (plateau_rel 0.05, plateau_qk_ratio 0.4, eureka_drop 0.25,
-    # one sample per moment test); the tuned defaults are evaluated on recorded runs (docs/alerts.md#evaluation).
-    cfg = AlertConfig(plateau_window=20, plateau_rel=0.05, plateau_qk_ratio=0.4, eureka_drop=0.25, eureka_span=1)
+    # one sample per moment test, no depth line); the tuned defaults are evaluated on recorded runs
+    # (docs/alerts.md#evaluation).
+    cfg = AlertConfig(plateau_window=20, plateau_rel=0.05, plateau_qk_ratio=0.4, eureka_drop=0.25, eureka_span=1,
+                      eureka_depth=0.0)
     assert _plateau_run(Detectors(cfg), losses, ratio=0.45) == []  # a slow healthy run (the demo's warmup twin)
     out = firing(_plateau_run(Detectors(cfg), losses, ratio=0.35))
     assert kinds(out) == [(21, "eureka_plateau", ""), (35, "eureka_moment", "")]
@@ -288,6 +290,8 @@ def test_config_checks_itself():
         AlertConfig(plateau_uniformity=72)  # a percentage: it would switch the plateau alert off
     with pytest.raises(ConfigError, match="plateau_qk_growth=0.5.*>= 1"):
         AlertConfig(plateau_qk_growth=0.5)
+    with pytest.raises(ConfigError, match="eureka_depth=42.5.*below 1"):
+        AlertConfig(eureka_depth=42.5)  # a percentage: no loss could ever reach the line
     AlertConfig(plateau_uniformity=0.0, plateau_qk_growth=float("inf"))  # both entry tests off
 
 
