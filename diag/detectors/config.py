@@ -83,5 +83,9 @@ class AlertConfig:
                 if not 0 <= value < 1:
                     raise ConfigError(f"AlertConfig.eureka_depth={value!r}: expected the drop's depth as a fraction of "
                                       "the plateau's level, at least 0 (0: the trend's line alone) and below 1")
+            elif f.name == "eureka_drop":
+                if not 0 < value < 1:
+                    raise ConfigError(f"AlertConfig.eureka_drop={value!r}: expected the drop under the plateau's "
+                                      "trend as a fraction of it, above 0 and below 1 (0.25 is 25%)")
             elif not value > 0:
                 raise ConfigError(f"AlertConfig.{f.name}={value!r}: expected a positive number")

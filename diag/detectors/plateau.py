@@ -11,8 +11,8 @@ plateau is an episode; while it lasts its trend is refitted. The Eureka-moment: 
 the median of the samples of the last ``eureka_span`` steps, is for two samples in a row at most
 ``1 - eureka_depth`` of the plateau's level (its trend at the step it was flagged: how deep the drop is) and
 below the plateau's own extrapolated trend by ``eureka_drop`` of it and by ``eureka_noise`` times the
-plateau's noise (it leaves the plateau against the plateau's own trend: a plateau that sinks slowly to the
-depth line is no moment), while the Q/K gradient share rises above its plateau mean or the attention entropy
+plateau's noise (it leaves the plateau against the plateau's own trend: a slow sink that the trend follows
+down to the depth line is no moment), while the Q/K gradient share rises above its plateau mean or the attention entropy
 falls below it (when those signals are there). The moment closes the plateau (one ``resolved`` record).
 """
 
@@ -108,7 +108,8 @@ class Plateau:
         self.cfg = cfg
         self.losses: list[list[float]] = []
         self.first_loss: float | None = None
-        self.plateau: dict | None = None  # {"since", "a", "b", "noise", "ratio", "entropy"} while one lasts
+        # while one lasts: {"since", "a", "b", "noise", "ratio", "entropy", "level"}
+        self.plateau: dict | None = None
         self.below: list[list[float]] = []  # consecutive samples whose smoothed loss is under the trend line
         self.recent: list[list[float]] = []  # the samples of the last eureka_span steps (the smoothed loss)
         self.start: int | None = None  # the first step of the current watch (the run's, or after a moment)
@@ -168,9 +169,11 @@ class Plateau:
         p = self.plateau
         expected = p["a"] + p["b"] * step
         # the trend's own line and the depth line under the level the plateau was flagged at (a plateau saved
-        # before it had a level: the trend's line alone); the moment needs the loss under both
-        depth = expected - (1.0 - self.cfg.eureka_depth) * p["level"] if "level" in p else 0.0
-        drop = max(self.cfg.eureka_drop * abs(expected), self.cfg.eureka_noise * p["noise"], depth)
+        # before it had a level takes the trend's value at the first step after the resume); the moment needs
+        # the loss under both
+        level = p.setdefault("level", expected)
+        trend_drop = max(self.cfg.eureka_drop * abs(expected), self.cfg.eureka_noise * p["noise"])
+        drop = max(trend_drop, expected - (1.0 - self.cfg.eureka_depth) * level)
         self.recent = [q for q in self.recent if q[0] > step - self.cfg.eureka_span] + [point[:4]]
         smoothed = float(np.median([q[1] for q in self.recent]))  # the same steps at any interval
         if smoothed > expected - drop:
@@ -179,7 +182,7 @@ class Plateau:
             margin = REFIT_SE * 1.25 * p["noise"] / math.sqrt(len(self.recent))
             # on the plateau, not on its way down: neither the smoothed loss nor this sample (3 noise deviations:
             # the first samples of a drop, which the median still hides) is under the trend
-            if smoothed >= expected - min(margin, 0.5 * drop) and point[1] >= expected - 3.0 * p["noise"]:
+            if smoothed >= expected - min(margin, 0.5 * trend_drop) and point[1] >= expected - 3.0 * p["noise"]:
                 self._refit(point)
             return []
         self.below.append(point[:4])
@@ -192,7 +195,6 @@ class Plateau:
         duration = since - p["since"]
         self.plateau, self.below, self.losses, self.start = None, [], [], None
         self.recent = []
-        level = p.get("level", math.nan)
         deep = f", {1 - smoothed / level:.0%} under its level {level:.4g} when flagged" if level > 0 else ""
         values = {"loss": smoothed, "plateau": expected, "plateau_level": level,
                   "grad_ratio_qk_v": point[2], "attn_entropy": point[3]}
@@ -206,7 +208,7 @@ class Plateau:
 
     def _refit(self, point: list[float]) -> None:
         """Still on the plateau: the window rolls on and the trend follows it (a plateau may sink slowly);
-        while the smoothed loss is more than ``REFIT_SE`` of its standard errors (at most half the moment's drop)
+        while the smoothed loss is more than ``REFIT_SE`` of its standard errors (at most half the trend's drop)
         under the trend, or the sample itself more than 3 noise deviations, no sample is added, and the noise
         never grows, so a slow drop cannot drag the trend along. (Keeping the noise measured when the plateau
         was flagged instead was tried: the band stayed wide enough for the trend to follow a gradual drop all

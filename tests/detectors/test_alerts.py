@@ -290,8 +290,11 @@ def test_config_checks_itself():
         AlertConfig(plateau_uniformity=72)  # a percentage: it would switch the plateau alert off
     with pytest.raises(ConfigError, match="plateau_qk_growth=0.5.*>= 1"):
         AlertConfig(plateau_qk_growth=0.5)
-    with pytest.raises(ConfigError, match="eureka_depth=42.5.*below 1"):
-        AlertConfig(eureka_depth=42.5)  # a percentage: no loss could ever reach the line
+    for depth in (42.5, 1.0, -0.1):  # 42.5: a percentage, no loss could ever reach the line
+        with pytest.raises(ConfigError, match=f"eureka_depth={depth}.*below 1"):
+            AlertConfig(eureka_depth=depth)
+    with pytest.raises(ConfigError, match="eureka_drop=25.*below 1"):
+        AlertConfig(eureka_drop=25)
     AlertConfig(plateau_uniformity=0.0, plateau_qk_growth=float("inf"))  # both entry tests off
 
 
