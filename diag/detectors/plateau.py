@@ -37,6 +37,7 @@ TODO = ("rule out a data or label bug first; then NormSoftmax (divide the logits
 # per-sample noise at any cadence, which at the default cadence (a median of 2 samples) left out a quarter of
 # the plateau's own low samples, so the trend drifted above a slowly sinking loss and a moment came early.
 REFIT_SE = 1.0
+MIN_POINTS = 4  # the fewest samples a trend is fitted on
 
 
 def fit_trend(points: list[list[float]]) -> tuple[float, float, float]:
@@ -130,7 +131,7 @@ class Plateau:
 
     def _plateau(self, step: int) -> list[Alert]:
         window = self.cfg.plateau_window
-        if len(self.losses) < 4 or step - self.start < window - 1:  # a whole window seen, at any interval
+        if len(self.losses) < MIN_POINTS or step - self.start < window - 1:  # a whole window seen, at any interval
             return []
         a, b, noise = fit_trend(self.losses)
         level = a + b * step
@@ -145,10 +146,15 @@ class Plateau:
         diffuse = not uniformity < self.cfg.plateau_uniformity  # attention near uniform (or not sampled)
         if not (flat and high and ratio <= self.cfg.plateau_qk_ratio and still and diffuse):
             return []
-        since = int(self.losses[0][0])
+        # the plateau began where the loss came down into its band (a window flat to 12.5% may still hold the end
+        # of the fall before it); how fast it sinks is measured from there
+        band = level * (1.0 + self.cfg.plateau_rel)
+        since = int(next((p[0] for p in self.losses if p[1] <= band), self.losses[0][0]))
+        on = [p for p in self.losses if p[0] >= since]
         self.plateau = {"since": since, "a": a, "b": b, "noise": noise, "ratio": ratio,
                         "entropy": _mean(self.losses, 3), "level": level}
-        sinking = -100.0 * b / level if level > 0 else 0.0  # the trend's fall per 100 steps, relative
+        slope = fit_trend(on)[1] if len(on) >= MIN_POINTS else b
+        sinking = -100.0 * slope / level if level > 0 else 0.0  # the fall per 100 steps, relative
         evidence = [f"Q/K gradients are {ratio:.2f}x of V's"]
         if math.isfinite(growth):
             evidence.append(f"sigma_1(Wq^T Wk) grew only x{growth:.2f}")
@@ -158,9 +164,9 @@ class Plateau:
                 "a language model whose loss keeps falling steadily, read this as attention learning slowly."
                 if sinking >= 0.005 else "")
         return [Alert(step, "eureka_plateau", "warning", "", (
-            f"the loss has been flat at {level:.4g} since step {since} (the halves of the last "
-            f"{window} steps differ by {abs(first - second) / abs(first):.1%}) while {', '.join(evidence)}: the "
-            f"model may be stuck before a Eureka-moment.{slow} What to do: {TODO}"),
+            f"the loss has been on a plateau near {level:.4g} since step {since} (the mean losses of the halves of "
+            f"the last {window} steps differ by {abs(first - second) / abs(first):.1%}) while "
+            f"{', '.join(evidence)}: the model may be stuck before a Eureka-moment.{slow} What to do: {TODO}"),
             {"loss": level, "grad_ratio_qk_v": ratio, "noise": noise, "qk_sigma1_growth": growth,
              "attn_uniformity": uniformity, "loss_sink_per_100": sinking},
             "firing", since)]

@@ -241,3 +241,18 @@ def test_a_plateau_that_still_sinks_six_percent_per_100_steps_is_flagged():
     assert flag.step == 200 and "still sinks" in flag.message
     assert run(1.4 * (1 - 0.0006 * np.arange(400)), every=10, cfg=AlertConfig(plateau_rel=0.05)) == []
     assert run(1.4 * 0.9984 ** np.arange(400), every=10, cfg=AlertConfig()) == []  # 15% per 100 steps
+
+
+def test_the_plateau_begins_where_the_loss_came_down_into_its_band():
+    """A window flat to 12.5% can still hold the end of the fall before the plateau: ``since`` is the first
+    sample inside the plateau's band (its level x 1.125), and the message's sinking rate is measured from there.
+    Before, ``since`` was the window's first step (80 on Eureka seed 1, where the loss was still at 1.75) and
+    the rate, fitted over the fall's tail too, read 14% per 100 steps for a plateau sinking 3%."""
+    steps = np.arange(400)
+    losses = np.where(steps < 150, 2.3 - 0.006 * steps, 1.4 - 0.0002 * (steps - 150))
+    (flag,) = [a for a in run(losses, every=10, cfg=AlertConfig()) if a.kind == "eureka_plateau"]
+    level = flag.values["loss"]
+    assert flag.step < 340 and 70 < flag.since <= 150  # flagged while the window still holds the fall
+    assert losses[flag.since] <= 1.125 * level < losses[flag.since - 10]
+    assert flag.values["loss_sink_per_100"] == pytest.approx(0.02 / 1.4, rel=0.2)
+    assert f"since step {flag.since}" in flag.message
