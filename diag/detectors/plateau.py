@@ -7,7 +7,8 @@ gradient ratio, averaged over layers and the window, is at most ``plateau_qk_rat
 window holds them, ``sigma_1(Wq^T Wk)`` grew by at most ``plateau_qk_growth`` (the heads' geometric mean) and
 the attention entropy is at least ``plateau_uniformity`` of uniform's: attention is what stopped learning (a
 flat loss while the query/key product still grows, or with attention already focused, is another state). The
-plateau is an episode; while it lasts its trend is refitted. The Eureka-moment: the loss,
+plateau is an episode, ``since`` the first sample of the window inside its band (at most ``1 + plateau_rel``
+times the level); while it lasts its trend is refitted. The Eureka-moment: the loss,
 the median of the samples of the last ``eureka_span`` steps, is for two samples in a row at most
 ``1 - eureka_depth`` of the plateau's level (its trend at the step it was flagged: how deep the drop is) and
 below the plateau's own extrapolated trend by ``eureka_drop`` of it and by ``eureka_noise`` times the
@@ -146,8 +147,8 @@ class Plateau:
         diffuse = not uniformity < self.cfg.plateau_uniformity  # attention near uniform (or not sampled)
         if not (flat and high and ratio <= self.cfg.plateau_qk_ratio and still and diffuse):
             return []
-        # the plateau began where the loss came down into its band (a window flat to 12.5% may still hold the end
-        # of the fall before it); how fast it sinks is measured from there
+        # the plateau began where the loss came down into its band (a window flat to plateau_rel may still hold
+        # the end of the fall before it); how fast it sinks is measured from there
         band = level * (1.0 + self.cfg.plateau_rel)
         since = int(next((p[0] for p in self.losses if p[1] <= band), self.losses[0][0]))
         on = [p for p in self.losses if p[0] >= since]
