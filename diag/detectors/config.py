@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, fields
 
 from diag.errors import ConfigError
@@ -18,7 +20,7 @@ class AlertConfig:
     """Thresholds of every detector; windows and dwells in steps, so the sampling interval does not matter."""
 
     # attention states (collapse.py); the lines scale with the attention's size
-    sparse_entropy: float = 0.5  # nats: below, a query spreads its mass over ~1.6 keys or fewer
+    sparse_entropy: float = 0.5  # nats: at or below, a query spreads its mass over ~1.6 keys or fewer
     low_rank_frac: float = 0.1  # effective rank <= 1 + 10% of (rows - 1): a few keys serve every query
     uniform_frac: float = 0.8  # entropy at 80% of uniform attention's over the same keys is "uniform"
     collapse_persist: int = 2  # samples a head must stay malignant ... (1: at once)
@@ -35,7 +37,7 @@ class AlertConfig:
     near_growth: float = 2.0  # ... while sigma_1 still grows by this factor over the window
     logit_factor: float = 3.0  # ... and its max attention logit at or above this many times ln(keys) ...
     sec_warn: float = 0.5  # ... with SEC_s at or above this ...
-    tau_warn: float = 0.01  # ... or an update ratio sigma1(dW)/sigma1(W) above this
+    tau_warn: float = 0.01  # ... or an update ratio sigma1(dW)/sigma1(W) at or above this
     # watching closer (the Monitor's default cadence samples attention every 100 steps): when a head's
     # sigma_1(Wq^T Wk) grows by watch_growth within warn_window steps, or a collapse episode or candidate
     # is open, attention is sampled with the spectra (every 10 steps) for watch_hold steps more
@@ -64,6 +66,14 @@ class AlertConfig:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
+            # a string, None or a bool is a mistake here (an int where a float is expected is fine)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise ConfigError(f"AlertConfig.{f.name}={value!r}: expected a number, got {type(value).__name__}; "
+                                  f"pass e.g. AlertConfig({f.name}={f.default!r})")
+            whole = f.name in _COUNTS or f.name in _STEPS
+            if whole and (not math.isfinite(value) or value != int(value)):
+                raise ConfigError(f"AlertConfig.{f.name}={value!r}: expected a whole number of "
+                                  f"{'samples' if f.name in _COUNTS else 'steps'}, e.g. {f.default!r}")
             if f.name in _COUNTS:
                 if int(value) < 1:
                     raise ConfigError(f"AlertConfig.{f.name}={value!r}: expected an integer >= 1")
@@ -75,6 +85,15 @@ class AlertConfig:
                 if not 0 <= value <= 1:
                     raise ConfigError(f"AlertConfig.plateau_uniformity={value!r}: expected a fraction of uniform "
                                       "attention's entropy between 0 and 1 (0 switches the test off)")
+            elif f.name == "uniform_frac":
+                if not 0 < value <= 1:
+                    raise ConfigError(f"AlertConfig.uniform_frac={value!r}: expected a fraction of uniform "
+                                      "attention's entropy, above 0 and at most 1 (0.8 is 80%)")
+            elif f.name == "exit_factor":
+                if not value >= 1:
+                    raise ConfigError(f"AlertConfig.exit_factor={value!r}: expected a factor >= 1 (the exit line sits "
+                                      "this many times beyond the entry line; under 1 it would sit inside it, and a "
+                                      "head at the same value would be both in and out), e.g. 1.5")
             elif f.name == "plateau_qk_growth":
                 if not value >= 1:
                     raise ConfigError(f"AlertConfig.plateau_qk_growth={value!r}: expected a growth factor >= 1 "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import numpy as np
 import pytest
@@ -296,6 +297,26 @@ def test_config_checks_itself():
     with pytest.raises(ConfigError, match="eureka_drop=25.*below 1"):
         AlertConfig(eureka_drop=25)
     AlertConfig(plateau_uniformity=0.0, plateau_qk_growth=float("inf"))  # both entry tests off
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("plateau_window", "200", "plateau_window='200': expected a number, got str"),  # from a config file
+    ("collapse_persist", None, "collapse_persist=None: expected a number"),
+    ("spike_sigma", True, "spike_sigma=True: expected a number, got bool"),
+    ("warn_window", 20.5, "warn_window=20.5: expected a whole number of steps"),
+    ("watch_hold", float("inf"), "watch_hold=inf: expected a whole number of steps"),
+    ("exit_factor", 0.9, "exit_factor=0.9: expected a factor >= 1"),  # the exit line inside the entry line
+    ("uniform_frac", 80, "uniform_frac=80: expected a fraction"),  # a percentage
+    ("uniform_frac", 0, "uniform_frac=0: expected a fraction"),
+])
+def test_config_names_the_field_for_a_wrong_type_or_range(field, value, says):
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        AlertConfig(**{field: value})
+
+
+def test_config_takes_numpy_numbers_and_whole_floats():
+    cfg = AlertConfig(spike_warmup=np.int64(3), plateau_window=200.0, sparse_entropy=np.float32(0.4), exit_factor=1)
+    assert cfg.spike_warmup == 3 and cfg.plateau_window == 200
 
 
 def test_alert_channels(tmp_path, caplog):
