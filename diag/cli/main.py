@@ -55,10 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
         "TensorBoard run with every signal and the alerts it raises.",
     )
     demo.add_argument("--logdir", default="runs/demo", help="TensorBoard run directory (default: runs/demo)")
-    demo.add_argument("--steps", type=int, default=300, help="training steps (default: 300)")
-    demo.add_argument("--every", type=int, default=10, help="sample every N steps (default: 10)")
+    demo.add_argument("--steps", type=_positive, default=300, help="training steps (default: 300)")
+    demo.add_argument("--every", type=_every, default=10, help="sample every signal every N steps, or 'default' for "
+                      "the Monitor's per-family cadence (default: 10)")
     demo.add_argument("--lr", type=float, default=None, help="learning rate (default: the demo's collapse setting)")
-    demo.add_argument("--warmup", type=int, default=0, help="linear warmup steps (default: 0, no warmup)")
+    demo.add_argument("--warmup", type=_non_negative, default=0, help="linear warmup steps (default: 0, no warmup)")
     demo.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     demo.add_argument("--step-limit", type=float, default=None, metavar="TAU",
                       help="bound each matrix's step: sigma_1(dW)/sigma_1(W) <= TAU (SpectralStepLimit; default: off)")
@@ -87,6 +88,26 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
     return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def _every(text: str) -> int | None:
+    """``--every``: a positive integer, or ``default`` (None: the Monitor's per-family cadence)."""
+    if text == "default":
+        return None
+    try:
+        return _positive(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1 or 'default', got {text!r}") from None
 
 
 def _add_analyze(sub: argparse._SubParsersAction) -> None:

@@ -90,3 +90,23 @@ def test_unreadable_files_are_explained_in_whole_sentences(tmp_path, capsys):
     assert "(it starts with 'hello, n': not a zip archive or a pickle, so not a file torch.save wrote)" in lines[0]
     assert "(its zip archive has no central directory: the file is cut short)" in lines[2]
     assert all(line.endswith(("re-save it", "see the errors above")) for line in lines), lines
+
+
+@pytest.mark.parametrize("option, value, says", [
+    ("--every", "0", "expected an integer >= 1 or 'default', got '0'"),
+    ("--steps", "-1", "expected an integer >= 1, got '-1'"),
+    ("--warmup", "-3", "expected an integer >= 0, got '-3'"),
+])
+def test_demo_refuses_bad_numbers_before_it_writes_anything(tmp_path, capsys, option, value, says):
+    logdir = tmp_path / "demo"
+    with pytest.raises(SystemExit) as exit_:
+        main(["demo", "--logdir", str(logdir), option, value])
+    assert exit_.value.code == 2 and says in capsys.readouterr().err
+    assert not logdir.exists()  # refused by argparse: no folder left behind, no text loaded
+
+
+def test_demo_every_default_is_the_monitors_cadence():
+    from diag.cli.main import build_parser
+
+    assert build_parser().parse_args(["demo", "--every", "default"]).every is None  # Monitor(every=None)
+    assert build_parser().parse_args(["demo"]).every == 10
