@@ -153,7 +153,9 @@ def _gather_sharded(mesh, shards: list[Tensor]) -> list[Tensor]:
         counts = rows[:, 1 + j].long().tolist()
         if min(counts) < 0 or sum(counts) != t.shape[d]:
             raise RuntimeError(f"gathering a {tuple(t.shape)} DTensor sharded on dim {d}: shard rows {counts} "
-                               f"do not add up to {t.shape[d]} (an unexpected split rule)")
+                               f"do not add up to {t.shape[d]} (an unexpected split rule); please report it with "
+                               "the placement of this parameter, and leave this layer out of the Monitor's spec "
+                               "meanwhile")
         moved = (t.shape[d],) + tuple(s for i, s in enumerate(t.shape) if i != d)
         pieces = [rows[r, offset : offset + c * rest] for r, c in enumerate(counts)]
         whole = torch.cat(pieces).view(moved).movedim(0, d).to(torch.promote_types(t.dtype, torch.float32))

@@ -96,7 +96,8 @@ class QKVLayout:
             raise SpecError("QKVLayout(packing='q_kv') needs q= (queries) and k= (the fused [K | V] weight)")
         if self.n_heads % self.kv_heads:
             raise SpecError(
-                f"QKVLayout: n_heads={self.n_heads} is not a multiple of n_kv_heads={self.kv_heads}"
+                f"QKVLayout: n_heads={self.n_heads} is not a multiple of n_kv_heads={self.kv_heads}; every key/value "
+                "head serves the same number of query heads: check both counts against the model's config"
             )
         if self.packing == "fused_per_head" and self.kv_heads != self.n_heads:
             raise SpecError("QKVLayout(packing='fused_per_head') needs n_kv_heads == n_heads; for grouped "

@@ -66,7 +66,8 @@ MAP_SIZE = 128
 def excluded_by_additive_mask(x: Tensor) -> Tensor:
     """True where an additive mask (or logits with the mask added) excludes a key."""
     if x.dtype == torch.bool:
-        raise TypeError("boolean masks mark allowed keys; use ~mask for excluded keys")
+        raise TypeError("excluded_by_additive_mask: got a boolean mask, which marks allowed keys; pass an additive "
+                        "(float) mask, or use ~mask for the excluded keys")
     return x <= torch.finfo(x.dtype).min / 2
 
 

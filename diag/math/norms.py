@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from diag.errors import ConfigError
+
 __all__ = ["top_singular_value", "Sigma1", "power_sigma1", "largest_row", "frobenius"]
 
 _TINY = 1e-30
@@ -60,7 +62,8 @@ class Sigma1:
         self, block: int = 16, rtol: float = 1e-3, exact_below: int = 128, max_dim: int | None = 256
     ) -> None:
         if block < 1 or not rtol > 0:
-            raise ValueError(f"Sigma1(block={block}, rtol={rtol}): expected block >= 1 and rtol > 0")
+            raise ConfigError(f"Sigma1(block={block}, rtol={rtol}): expected block >= 1 and rtol > 0, e.g. "
+                              "Sigma1(block=16, rtol=1e-3)")
         self.block, self.rtol, self.exact_below, self.max_dim = block, rtol, exact_below, max_dim
         self._starts: dict[object, Tensor] = {}
         self.last_dim = 0  # the subspace size the last Krylov call ended with (for benchmarks/tests)

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from diag.errors import ConfigError
+
 __all__ = [
     "qk_singular_values",
     "qk_singular_values_of_layers",
@@ -37,7 +39,9 @@ def expand_kv_heads(wk: Tensor, n_heads: int) -> Tensor:
     """Repeat key/value heads (G, ...) so that row h serves query head h: (H, ...)."""
     groups = wk.shape[0]
     if n_heads % groups:
-        raise ValueError(f"{n_heads} query heads cannot share {groups} key/value heads evenly")
+        raise ConfigError(f"expand_kv_heads: {n_heads} query heads cannot share {groups} key/value heads evenly; "
+                          f"the query head count must be a multiple of the key/value head count (check n_heads and "
+                          f"n_kv_heads of the layout)")
     return wk.repeat_interleave(n_heads // groups, dim=0)
 
 

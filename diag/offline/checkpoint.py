@@ -167,7 +167,8 @@ def _read_json(path: Path) -> dict[str, Any]:
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{path}: not readable JSON ({err}); re-copy or re-write the file") from None
     if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object, found {type(data).__name__}")
+        raise CheckpointError(f"{path}: expected a JSON object ({{...}}), found a {type(data).__name__}; pass the "
+                              "model's config.json or the checkpoint index it names")
     return data
 
 

@@ -88,7 +88,9 @@ def parse_layout(data: Any, source: str) -> LayoutFile:
         raise SpecError(f"{source}: not a layout file; expected {{\"format\": \"{FORMAT}\", \"layers\": "
                         "[{\"module\": ..., \"layout\": {QKVLayout fields}}, ...]} (docs/analyze.md#layout-files)")
     if data.get("format", FORMAT) != FORMAT:
-        raise SpecError(f"{source}: \"format\" is {data.get('format')!r}, expected {FORMAT!r}")
+        raise SpecError(f"{source}: \"format\" is {data.get('format')!r}, expected {FORMAT!r}; a file written by "
+                        f"another version: set \"format\": \"{FORMAT}\" if its layers follow "
+                        "docs/analyze.md#layout-files")
     entries = []
     for i, item in enumerate(data["layers"]):
         where = f"{source}: layers[{i}]"

@@ -28,6 +28,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from diag.errors import ConfigError
 from diag.outputs.sinks import Record
 from diag.outputs.tags import parse_tag, parse_where
 
@@ -91,7 +92,8 @@ def heatmap(values: np.ndarray, lo: float, hi: float, cell: int | tuple[int, int
     """(R, C) numbers -> (R * cell_h, C * cell_w, 3) uint8; ``cell`` defaults to :func:`cell_size`."""
     values = np.asarray(values, dtype=np.float64)
     if values.ndim != 2 or values.size == 0:
-        raise ValueError(f"heatmap needs a non-empty 2-D array, got shape {values.shape}")
+        raise ConfigError(f"heatmap: expected a non-empty 2-D array (rows x columns), got shape {values.shape}; "
+                          "pass one value per layer and head")
     if cell is None:
         cell = cell_size(*values.shape)
     cell_h, cell_w = (cell, cell) if isinstance(cell, int) else cell
@@ -213,7 +215,7 @@ class UpdateRatioHistory:
 
     def __init__(self, most: int = 512) -> None:
         if most < 1:
-            raise ValueError(f"UpdateRatioHistory(most={most}): expected >= 1")
+            raise ConfigError(f"UpdateRatioHistory(most={most}): expected an integer >= 1, e.g. most=512")
         self.most = most
         self.series: dict[int, dict[tuple[str, str], float]] = {}  # step -> {(metric, layer): ratio}
 
