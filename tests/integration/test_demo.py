@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
 import torch
 
 from diag.cli.main import main
@@ -35,3 +36,16 @@ def test_demo_writes_all_signals(tmp_path, capsys):
     # the one policy for output folders: a second run into the same folder is refused, --overwrite replaces it
     assert main(argv) == 2
     assert "already holds a run" in capsys.readouterr().err and len(list(logdir.glob("events.out.tfevents.*"))) == 1
+
+
+def test_demo_without_library_sources_says_why(tmp_path, monkeypatch):
+    """A Python whose standard library has no .py files (compiled or zipped builds): a DiagError that names the
+    folder and the fix, not a failure deep in torch.randint."""
+    import os
+
+    from diag.errors import DiagError
+    from hooks.demo import data
+
+    monkeypatch.setattr(os, "__file__", str(tmp_path / "os.pyc"))  # a library folder with no .py file
+    with pytest.raises(DiagError, match=r"holds only 0 characters of \.py files.*\.py sources"):
+        data.load_text()
