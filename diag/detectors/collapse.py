@@ -37,7 +37,7 @@ WHAT = {
 }
 
 
-def lines(rows: float, cfg: AlertConfig, uniform_entropy: float = math.inf) -> tuple[float, float]:
+def lines(rows: float, cfg: AlertConfig) -> tuple[float, float]:
     """(sparse entropy line in nats, low-rank line) for attention over ``rows`` rows."""
     return cfg.sparse_entropy, 1.0 + cfg.low_rank_frac * max(rows - 1.0, 0.0)
 
@@ -46,7 +46,7 @@ def attention_state(entropy: float, rank: float, rows: float, cfg: AlertConfig,
                     uniform_entropy: float = math.inf) -> str:
     """'malignant' (sparse and low-rank), 'benign' (sparse, not low-rank), 'uniform' (low-rank with
     entropy >= uniform_frac of uniform attention's over the same keys) or 'normal'."""
-    sparse_line, rank_line = lines(rows, cfg, uniform_entropy)
+    sparse_line, rank_line = lines(rows, cfg)
     sparse, low_rank = entropy <= sparse_line, rank <= rank_line
     if sparse:
         return "malignant" if low_rank else "benign"
@@ -57,7 +57,7 @@ def _tests(state: str, e: float, r: float, rows: float, u: float, cfg: AlertConf
     """(enter test, exit test) of one state; the exit lines sit exit_factor beyond the entry lines."""
     if not (math.isfinite(e) and math.isfinite(r)):
         return False, False
-    sparse_line, rank_line = lines(rows, cfg, u)
+    sparse_line, rank_line = lines(rows, cfg)
     f = cfg.exit_factor
     if state == "malignant":
         return e <= sparse_line and r <= rank_line, e > f * sparse_line or r > f * rank_line

@@ -13,7 +13,7 @@ samples (1 by default: tuned, docs/alerts.md#evaluation).
 Growth of ``sigma_1`` alone is what every no-warmup run shows in its first steps.
 
 ``large_early_updates`` (info, once per run): in the first ``note_horizon`` steps an update
-ratio ``sigma_1(dW)/sigma_1(W) >= note_ratio`` (10x the paper's tau): the run has no, or a
+ratio ``sigma_1(dW)/sigma_1(W) >= note_ratio`` (about 60x the paper's tau of 0.004): the run has no, or a
 short, warmup at this learning rate. A fact about the schedule, not a prediction.
 """
 

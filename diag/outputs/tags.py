@@ -5,13 +5,15 @@
 * layer-only: ``<metric>/L<layer>``             e.g. ``update_ratio_q/L03``, ``update_ratio_o/L03``
 * histogram:  ``<metric>/L<layer>/heads``        the values of all heads of a layer
 * global:     ``<metric>``                      e.g. ``loss``
-* alerts:     ``alerts/<kind>``                 the number of alerts of a kind at a step
+* alerts:     ``alerts/<kind>``                 the number of episodes of a kind started at a step
 
 TensorBoard also gets one run per layer (a sub-folder ``L03/`` of the logdir, see
 :func:`layer_runs`) holding ``by_layer/<metric>/<stat>`` and ``by_layer/<metric>``: the same
 name in every layer's run, so one chart shows every layer as a line of its own colour, named
-in the legend. This module builds every tag and parses them back (:func:`parse_tag`,
-:func:`parse_where`); nothing else spells the scheme out.
+in the legend. This module builds the metric tags above and parses them back (:func:`parse_tag`,
+:func:`parse_where`); the tags of other outputs (``alerts/``, ``qk_spectrum/``, ``heatmap/``,
+``step_size/``, ``attention_map/``, ``step_limit_*``) are written by those outputs, outside this
+scheme (docs/tensorboard.md lists them all).
 
 Layers are counted from 0 in module registration order (the order of the state
 dict, which is the execution order for every supported family) and zero-padded
@@ -112,7 +114,7 @@ class Tag:
 
 def parse_tag(tag: str) -> Tag | None:
     """The parts of a tag of this scheme; a global tag (no ``/``) is ``Tag(tag)``; None for anything else
-    (``alerts/<kind>``, ``limit/...``)."""
+    (``alerts/<kind>``, ``step_limit_<key>/...`` and the other tags written outside this scheme)."""
     if "/" not in tag:
         return Tag(tag)
     match = _TAG.match(tag)
