@@ -120,6 +120,24 @@ def test_early_warning_from_three_samples_in_a_run_s_first_steps():
     assert run([seq[0], seq[2]]) == []
 
 
+def test_an_early_warning_says_the_trend_can_still_turn_around():
+    """In a run's first note_horizon steps the message says the outcome is open (docs/alerts.md#collapse_warning
+    measures how often); the same trend later in a run does not."""
+    seq = [(0, 0.1, 3.88, 32.0, 0.2), (2, 1.0, 3.07, 23.0, 8.9), (4, 3.3, 1.95, 10.0, 31.0)]
+
+    def message(offset):
+        det, out = Detectors(), []
+        for step, sigma, entropy, rank, logit in seq:
+            m = {"qk_sigma1": np.array([sigma]), "qk_sec": np.array([0.9]), **attn([entropy], [rank], rows=128),
+                 "attn_max_logit": np.array([logit])}
+            out += det.observe(Observation(offset + step, None, {"L00": m}))
+        (warning,) = [a for a in out if a.kind == "collapse_warning"]
+        return warning.message
+
+    assert "can still turn around" in message(0) and "What to do" in message(0)
+    assert "can still turn around" not in message(AlertConfig().note_horizon)  # warned at note_horizon + 4
+
+
 def test_late_warning_when_a_head_near_the_sparse_line_keeps_growing():
     """The loop's late phase (a slow collapse): entropy already under near_entropy while sigma_1 still grows by
     near_growth within warn_window; the same head with sigma_1 flat (a run that hovers and recovers) is quiet."""
