@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from diag.errors import ConfigError, WarnOnce
-from diag.layouts.vocab import QKVLayout, split_qkv
+from diag.layouts.vocab import QKVLayout, qkv_views
 from diag.math.norms import largest_row, power_sigma1
 from diag.math.updates import Stack, stack_by_shape, update_of, work_dtype
 from diag.outputs.tags import stat_tag
@@ -420,7 +420,9 @@ def _qkv_views(current: Callable[[], QKVLayout], pname: str) -> list[tuple[str, 
             r = t.T if now.transposed else t
             return r[:rows] if part == 0 else r[rows:]
         return [("k", lambda t: kv(t, 0)), ("v", lambda t: kv(t, 1))]
-    return [(role, lambda t, i=i: split_qkv({current().q: t}, current())[i]) for i, role in enumerate("qkv")]
+    # views, not split_qkv's copies: the limited step is written back through them (Q of fused_per_group was a
+    # copy there, and its bounded step was lost: Falcon-style GQA moved Q by 0.28 with tau 1e-3)
+    return [(role, lambda t, i=i: qkv_views({current().q: t}, current())[i]) for i, role in enumerate("qkv")]
 
 
 def _check_vectors(vectors: dict, matrices: list[LimitedMatrix]) -> None:

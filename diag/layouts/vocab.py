@@ -22,6 +22,7 @@ __all__ = [
     "PACKINGS",
     "QKVLayout",
     "split_qkv",
+    "qkv_views",
     "split_o",
     "split_projections",
     "split_qkv_bias",
@@ -221,7 +222,9 @@ def split_qkv(
     """Per-head views (H, D, E), (G, D, E), (G, D, E) of Q, K and V.
 
     ``tensors`` maps the layout's parameter names to weights, or to tensors of the
-    same shapes (gradients, updates). Views share storage: nothing is copied.
+    same shapes (gradients, updates). Views share storage (nothing is copied), except
+    Q of ``fused_per_group`` with more than one query head per group, whose rows are
+    no single strided block: a copy. To write a slice back, use :func:`qkv_views`.
     ``paired=True``: where the layout has a ``kv_map`` other than the default
     h // (H / G), K and V come as (H, D, E), row h holding the key/value head of query
     head h (a gathered copy), so that code pairing heads by position (the spectra)
@@ -242,6 +245,19 @@ def split_qkv(
         index = list(layout.kv_index)
         k, v = k[index], v[index]
     return q, k, v
+
+
+def qkv_views(tensors: Mapping[str, Tensor], layout: QKVLayout) -> tuple[Tensor, Tensor, Tensor]:
+    """Q, K and V as views of ``tensors`` that share their storage, for code that writes a slice back (the step
+    limit). The shapes of :func:`split_qkv` (unpaired), except Q of ``fused_per_group`` with more than one query
+    head per group: its rows are not one strided block, so it stays (G, r, D, E) (``split_qkv`` gives the
+    (H, D, E) copy). Read any of them as a matrix with ``.reshape(-1, E)``."""
+    if layout.packing == "fused_per_group" and layout.n_heads > layout.kv_heads:
+        h, g, d = layout.n_heads, layout.kv_heads, layout.head_dim
+        fused = _rows(tensors[layout.q], layout.transposed)
+        grouped = fused.reshape(g, h // g + 2, d, fused.shape[-1])
+        return grouped[:, : h // g], grouped[:, h // g], grouped[:, h // g + 1]
+    return split_qkv(tensors, layout)
 
 
 def split_o(tensors: Mapping[str, Tensor], layout: QKVLayout) -> Tensor | None:

@@ -396,3 +396,44 @@ def test_slices_follow_a_layout_read_from_the_computation_after_construction():
         assert torch.equal(m.matrix(p), split_qkv({after.q: p}, after)[i].reshape(m.matrix(p).shape))
         assert not torch.equal(m.matrix(p), split_qkv({before.q: p}, before)[i].reshape(m.matrix(p).shape))
     monitor.close()
+
+
+def test_falcon_grouped_query_slices_are_bounded_in_the_weight():
+    """Falcon's new decoder architecture stores, per key/value group, [Q_1..Q_r | K | V] in one weight: its Q
+    rows are no single strided block. Each slice's applied step is exactly tau (exact mode, float64), sliced
+    here by hand; the Q slice once moved by 0.28 with tau 1e-3, its bounded step written into a copy."""
+    import transformers
+
+    torch.manual_seed(0)
+    nh, g, d = 4, 2, 8
+    cfg = transformers.FalconConfig(vocab_size=50, hidden_size=nh * d, num_attention_heads=nh, num_hidden_layers=1,
+                                    new_decoder_architecture=True, num_kv_heads=g, multi_query=False, alibi=False,
+                                    attention_dropout=0.0, hidden_dropout=0.0)
+    model = transformers.FalconForCausalLM(cfg).double()
+    ids = torch.randint(0, 50, (3, 10), generator=torch.Generator().manual_seed(1))
+    weight = model.transformer.h[0].self_attention.query_key_value.weight
+
+    def roles(t):  # by hand: (G, r + 2, D, E) rows per group
+        grouped = t.detach().reshape(g, nh // g + 2, d, -1)
+        return {"q": grouped[:, : nh // g].reshape(-1, t.shape[-1]), "k": grouped[:, nh // g].reshape(-1, t.shape[-1]),
+                "v": grouped[:, nh // g + 1].reshape(-1, t.shape[-1])}
+
+    plain_model = copy.deepcopy(model)
+    # the Monitor reads the layout from the computation at the first forward: the names and shapes alone cannot
+    # tell Falcon's grouped rows from [all Q | all K | all V] (discover() proposes the latter)
+    monitor = Monitor(model, every=1, sinks=[MemorySink()], images=False)
+    for m in (model, plain_model):
+        m(input_ids=ids, labels=ids).loss.backward()
+    assert monitor.layers[0].layout.packing == "fused_per_group"
+    before = roles(weight)
+    _adamw(plain_model, lr=1e-2).step()
+    proposed = roles(plain_model.transformer.h[0].self_attention.query_key_value.weight)
+    tau = 1e-3
+    assert all(_sv1(proposed[r] - before[r]) / _sv1(before[r]) > tau for r in "qkv")  # all three are limited
+    lim = SpectralStepLimit(_adamw(model, lr=1e-2), tau, model=model, monitor=monitor, exact=True)
+    assert {m.name.rsplit("[", 1)[-1] for m in lim.matrices if "query_key_value" in m.name} == {"q]", "k]", "v]"}
+    lim.step()
+    after = roles(weight)
+    monitor.close()
+    for r in "qkv":
+        assert abs(_sv1(after[r] - before[r]) / _sv1(before[r]) / tau - 1) < 1e-6, r

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from diag.errors import SpecError
-from diag.layouts.vocab import QKVLayout, shape_problem, split_qkv, split_qkv_bias
+from diag.layouts.vocab import QKVLayout, qkv_views, shape_problem, split_qkv, split_qkv_bias
 
 H, G, D, E = 4, 2, 3, 10
 
@@ -35,6 +35,36 @@ def test_fused_per_group_rows(qkv):
     rows = torch.cat([torch.cat([q[g * r:(g + 1) * r].reshape(-1, E), k[g], v[g]]) for g in range(G)])
     _check(QKVLayout(H, D, "w", packing="fused_per_group", n_kv_heads=G), {"w": rows}, qkv)
     _check(QKVLayout(H, D, "w", packing="fused_per_group", n_kv_heads=G, transposed=True), {"w": rows.T}, qkv)
+
+
+WRITABLE = {  # every packing, in both storage orientations where it has two: (layout, parameter shapes)
+    "separate": (QKVLayout(H, D, "a", "b", "c", n_kv_heads=G), {"a": (H * D, E), "b": (G * D, E), "c": (G * D, E)}),
+    "fused": (QKVLayout(H, D, "w", packing="fused", n_kv_heads=G), {"w": ((H + 2 * G) * D, E)}),
+    "fused-t": (QKVLayout(H, D, "w", packing="fused", n_kv_heads=G, transposed=True), {"w": (E, (H + 2 * G) * D)}),
+    "per-head": (QKVLayout(H, D, "w", packing="fused_per_head"), {"w": (3 * H * D, E)}),
+    "per-group": (QKVLayout(H, D, "w", packing="fused_per_group", n_kv_heads=G), {"w": ((H + 2 * G) * D, E)}),
+    "per-group-t": (QKVLayout(H, D, "w", packing="fused_per_group", n_kv_heads=G, transposed=True),
+                    {"w": (E, (H + 2 * G) * D)}),
+    "mqa-per-group": (QKVLayout(H, D, "w", packing="fused_per_group", n_kv_heads=1), {"w": ((H + 2) * D, E)}),
+    "q_kv": (QKVLayout(H, D, "q", "kv", packing="q_kv", n_kv_heads=G), {"q": (H * D, E), "kv": (2 * G * D, E)}),
+    "heads_3d": (QKVLayout(H, D, "a", "b", "c", packing="heads_3d", n_kv_heads=G),
+                 {"a": (H, D, E), "b": (G, D, E), "c": (G, D, E)}),
+    "heads_3d-t": (QKVLayout(H, D, "a", "b", "c", packing="heads_3d", n_kv_heads=G, transposed=True),
+                   {"a": (H, E, D), "b": (G, E, D), "c": (G, E, D)}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WRITABLE))
+def test_qkv_views_write_through_to_the_rows_split_qkv_reads(case):
+    """What the step limit writes through qkv_views lands in the weight, in exactly the rows split_qkv reads for
+    that role (split_qkv's Q of fused_per_group is a copy: a write through it was lost)."""
+    layout, shapes = WRITABLE[case]
+    tensors = {name: torch.zeros(shape) for name, shape in shapes.items()}
+    for value, view in zip((1.0, 2.0, 3.0), qkv_views(tensors, layout)):
+        view.copy_(torch.full_like(view, value))
+    for value, part in zip((1.0, 2.0, 3.0), split_qkv(tensors, layout)):
+        assert bool((part == value).all()), (case, value)
+    assert sum(int((t != 0).sum()) for t in tensors.values()) == sum(t.numel() for t in tensors.values())
 
 
 def test_heads_3d_both_orientations(qkv):
