@@ -231,7 +231,9 @@ class AttentionCapture:
                     return
                 verdict = self._verify(layer, seen)
                 if verdict.problem is not None:
-                    self.problems[layer.index] = self.layout_refused[layer.index] = verdict.problem
+                    self.problems[layer.index] = verdict.problem
+                    if not verdict.call_only:  # the layout itself is suspect: every metric of the layer is dropped
+                        self.layout_refused[layer.index] = verdict.problem
                     return
                 self.checked[layer.index] = verdict.checked
                 logits = seen.stats_logits()

@@ -61,6 +61,8 @@ class Inputs:
 class Verdict:
     problem: str | None = None
     checked: str = ""  # "shapes", "heads", "exact", "q", "q,k": what was compared
+    # the problem is the call, not the layout: attention statistics are dropped, the weight-side signals stay
+    call_only: bool = False
 
 
 def _first_3d(values, n: int) -> Tensor | None:
@@ -133,6 +135,28 @@ def _unpaired(layer: AttentionLayer) -> Verdict:
     ))
 
 
+def _no_split_of(lay: QKVLayout, heads: int) -> bool:
+    """No head split of the layer's projections gives ``heads`` heads: more heads than query rows, or a
+    width they do not divide."""
+    width = lay.n_heads * lay.head_dim
+    return heads < 1 or heads > width or width % heads != 0
+
+
+def _not_this_attention(layer: AttentionLayer, seen) -> Verdict:
+    """A softmax call that cannot be this layer's (batch, heads, queries, keys) attention under any head split
+    of its projections: a kernel laid out another way (Longformer's sliding window scores are (batch, tokens,
+    heads, window)). The call says nothing about the layout, which came from a named family's adapter, so the
+    weight-side signals stay and only the attention statistics are dropped."""
+    lay = layer.layout
+    shape = "" if seen.logits is None else f" (logits {tuple(seen.logits.shape)})"
+    return Verdict(call_only=True, problem=(
+        f"{layer.name} ({type(layer.module).__name__}) computes its attention in a form the capture cannot read as "
+        f"(batch, heads, queries, keys): its softmax call{shape} would have {seen.heads} heads, which no head "
+        f"split of its {lay.n_heads * lay.head_dim}-wide projections gives (a sliding-window or chunked kernel); "
+        f"its attention statistics are not measured. Its weight-side signals are, with the layout found for "
+        f"the family, {lay.describe()} (adapter {lay.adapter!r}), which no computation confirmed"))
+
+
 def _shape_problem(lay: QKVLayout, seen) -> str | None:
     if seen.heads != lay.n_heads:
         return f"the attention call computes {seen.heads} heads, the layout says n_heads={lay.n_heads}"
@@ -150,6 +174,8 @@ def check_call(layer: AttentionLayer, seen, inputs: Inputs | None, n: int) -> Ve
     proposed it (the layer's layout is replaced), refused with the inferred spec when a spec gave it."""
     lay = layer.layout
     problem = _shape_problem(lay, seen)
+    if problem is not None and seen.q is None and not is_provisional(lay) and _no_split_of(lay, seen.heads):
+        return _not_this_attention(layer, seen)
     if problem is None and seen.exact:
         return Verdict(checked="exact")
     x = None if inputs is None else inputs.x

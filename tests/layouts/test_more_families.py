@@ -103,3 +103,35 @@ def test_family_is_exact_with_no_spec(name, impl):
         for h in range(NH):
             sigma = torch.linalg.svdvals(wq[h].T @ wk[h])[0].item()
             assert record.scalars[f"qk_sigma1/{layer.label}/H{h:02d}"] == pytest.approx(sigma, rel=REL), (name, h)
+
+
+def test_longformer_sliding_window_keeps_its_weight_side_signals():
+    """Longformer's encoder scores are (batch, tokens, heads, window): no head split of the layer reads that
+    softmax as (batch, heads, queries, keys). The call, not the layout, is what cannot be read: the attention
+    statistics are dropped with a warning that says so, and sigma_1 of every head is still the full SVD of
+    Wq_h^T Wk_h (until 2026-12-02 the whole layer was refused as a suspect head split)."""
+    cfg = transformers.LongformerConfig(vocab_size=V, hidden_size=E, num_attention_heads=NH, num_hidden_layers=2,
+                                        intermediate_size=64, max_position_embeddings=80, attention_window=4,
+                                        pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.LongformerModel(cfg).train()
+    ids = torch.randint(1, V, (3, 10), generator=torch.Generator().manual_seed(1))
+    sink = MemorySink()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monitor = Monitor(model, every=1, sinks=[sink])
+        model(input_ids=ids).last_hidden_state.pow(2).mean().backward()
+        monitor.step(0, loss=1.0)
+        monitor.close()
+    said = [str(w.message) for w in caught if "diag:" in str(w.message)]
+    assert len(monitor.layers) == 2 and not monitor.refused, said
+    assert any("sliding-window" in m and "weight-side signals are" in m for m in said), said
+    scalars = sink.records[0].scalars
+    assert not any(t.startswith("attn_entropy/") for t in scalars)
+    for layer, block in zip(monitor.layers, model.encoder.layer):
+        wq = block.attention.self.query.weight.detach().double().reshape(NH, D, E)
+        wk = block.attention.self.key.weight.detach().double().reshape(NH, D, E)
+        for h in range(NH):
+            sigma = torch.linalg.svdvals(wq[h].T @ wk[h])[0].item()
+            assert scalars[f"qk_sigma1/{layer.label}/H{h:02d}"] == pytest.approx(sigma, rel=REL)
+        assert f"grad_norm_q/{layer.label}/H00" in scalars
