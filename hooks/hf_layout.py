@@ -33,7 +33,8 @@ from torch import Tensor, nn
 
 from diag.errors import SpecError
 from diag.layouts.adapters import find_layout, is_cross, resolve
-from diag.layouts.vocab import PACKINGS, QKVLayout
+from diag.layouts.infer import fused_layouts
+from diag.layouts.vocab import QKVLayout
 from diag.offline.checkpoint import Checkpoint
 from diag.offline.layoutfile import LayoutEntry, LayoutFile
 from hooks.discovery import module_view
@@ -109,10 +110,8 @@ def _candidates(view, h: int, d: int, e: int) -> list[QKVLayout]:
             g = (r // d - h) // 2
             if g < 1 or h % g:
                 continue
-            packings = ["fused", "fused_per_head" if g == h else "fused_per_group"]
-            for packing in (p for p in packings if p in PACKINGS):
-                found += _pairings(QKVLayout(h, d, q=name, packing=packing, n_kv_heads=g, transposed=transposed,
-                                             cross=cross, adapter="probe"))
+            for layout in fused_layouts(h, d, name, g, transposed=transposed, cross=cross, adapter="probe"):
+                found += _pairings(layout)
     roles = {role: [n for n, s in two_d.items() if s[1] == e and n.endswith(".weight")
                     and pattern.fullmatch(n.removesuffix(".weight").lower())] for role, pattern in _ROLE.items()}
     for q in roles["q"]:

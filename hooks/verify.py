@@ -91,7 +91,8 @@ def spec_hint(layer: AttentionLayer, inferred: QKVLayout | None = None) -> str:
     return (
         f"{given}; pass the right one, e.g. Monitor(model, spec={{{layer.patterns[0]!r}: QKVLayout(n_heads=..., "
         "head_dim=..., q=..., packing='fused' | 'fused_per_head' | 'fused_per_group' | 'separate' | 'q_kv' | "
-        "'heads_3d', n_kv_heads=..., kv_map=..., transposed=..., cross=...)}) (docs/layouts.md)"
+        "'heads_3d', n_kv_heads=..., kv_map=..., groups=..., order=..., transposed=..., cross=...)}) "
+        "(docs/layouts.md)"
     )
 
 

@@ -16,15 +16,17 @@ Pure tensor functions: the live module is read by ``hooks.verify``.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from diag.layouts.vocab import QKVLayout, shape_problem, split_qkv
 
-__all__ = ["Block", "profiles", "match_heads", "split_ids", "same_split", "layout_from_blocks"]
+__all__ = ["Block", "profiles", "match_heads", "split_ids", "same_split", "layout_from_blocks", "fused_layouts"]
 
 
 @dataclass(frozen=True)
@@ -105,12 +107,26 @@ def _block_ids(block: Block, shape: tuple[int, ...], d: int) -> Tensor:
     return ids[block.block * d:(block.block + 1) * d]
 
 
+def fused_layouts(h: int, d: int, name: str, g: int, **fields: Any) -> list[QKVLayout]:
+    """Every way one weight can hold h query and g key/value heads of d rows each, the named packings first:
+    [all Q | all K | all V], per key/value group [Q_1..Q_r | K | V] (per head when g == h), then any grouping
+    of whole heads with the Q, K and V blocks in any order (CodeGen: 4 groups of [Q | V | K]). ``fields``: the
+    other QKVLayout fields (transposed, cross, adapter)."""
+    out = [QKVLayout(h, d, name, packing=p, n_kv_heads=g, **fields)
+           for p in ("fused", "fused_per_group" if g < h else "fused_per_head")]
+    for groups in (n for n in range(1, g + 1) if g % n == 0):
+        for order in ("".join(o) for o in itertools.permutations("qkv")):
+            if order != "qkv" or groups not in (1, g):  # (1, "qkv") is fused, (g, "qkv") the one above
+                out.append(QKVLayout(h, d, name, packing="fused_per_group", n_kv_heads=g, groups=groups,
+                                     order=order, **fields))
+    return out
+
+
 def _candidates(q: Block, k: Block, shapes: Mapping[str, tuple[int, ...]], h: int, g: int, d: int,
                 value: str | None) -> list[QKVLayout]:
     transposed = q.orient in ("cols", "heads_t")
     if q.name == k.name:
-        packings = ["fused", "fused_per_group"] if g < h else ["fused", "fused_per_head"]
-        return [QKVLayout(h, d, q.name, packing=p, n_kv_heads=g, transposed=transposed) for p in packings]
+        return fused_layouts(h, d, q.name, g, transposed=transposed)
     rows_k = shapes[k.name][0 if k.orient == "rows" else -1] if k.orient in ("rows", "cols") else None
     out = []
     if rows_k == 2 * g * d:

@@ -45,6 +45,10 @@ class QKVLayout:
       * ``fused_per_group``: one weight whose rows are, per key/value group g,
         [Q_{g*r} .. Q_{g*r+r-1} | K_g | V_g] with r = n_heads / n_kv_heads (Falcon's
         new decoder architecture); with n_kv_heads == n_heads it is ``fused_per_head``.
+        ``groups`` and ``order`` make it general: the rows are ``groups`` equal groups,
+        each holding n_heads / groups query heads and n_kv_heads / groups key and value
+        heads, as three blocks in ``order`` (CodeGen: groups=4, order="qvk", i.e. per
+        group [Q | V | K]); heads are numbered group by group.
       * ``q_kv``: ``q`` names the query weight, ``k`` one weight whose rows are
         [all K | all V] (GPT-2 cross-attention: ``q_attn`` and ``c_attn``).
       * ``heads_3d``: ``q``, ``k``, ``v`` name three 3-D per-head parameters
@@ -83,6 +87,8 @@ class QKVLayout:
     o: str | None = None
     o_transposed: bool | None = None
     kv_map: tuple[int, ...] | None = None
+    groups: int | None = None  # fused_per_group: row groups (None: n_kv_heads, one key/value head per group)
+    order: str = "qkv"  # fused_per_group: the order of the Q, K and V blocks inside a group
 
     def __post_init__(self) -> None:
         if self.packing not in PACKINGS:
@@ -107,6 +113,21 @@ class QKVLayout:
             raise SpecError("QKVLayout(packing='heads_3d') needs the names q=, k= and v= of three 3-D weights")
         if self.kv_map is not None:
             self._check_kv_map()
+        if self.groups is not None or self.order != "qkv":
+            self._check_groups()
+
+    def _check_groups(self) -> None:
+        if self.packing != "fused_per_group":
+            raise SpecError(f"QKVLayout(groups={self.groups!r}, order={self.order!r}) describes the rows of "
+                            f"packing='fused_per_group', not packing={self.packing!r}; pass packing='fused_per_group'")
+        if not isinstance(self.order, str) or sorted(self.order) != ["k", "q", "v"]:
+            raise SpecError(f"QKVLayout.order={self.order!r}: expected the letters q, k and v once each, in the "
+                            "order of their blocks inside a group, e.g. 'qkv' or 'qvk'")
+        groups = self.groups
+        if groups is not None and (not isinstance(groups, int) or isinstance(groups, bool) or groups < 1
+                                   or self.n_heads % groups or self.kv_heads % groups):
+            raise SpecError(f"QKVLayout.groups={groups!r}: expected a whole number >= 1 that divides n_heads="
+                            f"{self.n_heads} and n_kv_heads={self.kv_heads} (every group holds whole heads)")
 
     def _check_kv_map(self) -> None:
         kv_map = self.kv_map
@@ -144,10 +165,15 @@ class QKVLayout:
         return tuple(n for n in names if n is not None)
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field as JSON-ready data (``kv_map`` as a list); :meth:`from_dict` reads it back."""
+        """Every field as JSON-ready data (``kv_map`` as a list); :meth:`from_dict` reads it back. ``groups``
+        and ``order`` only where they are not the defaults, so that a version before them reads the rest."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         if self.kv_map is not None:
             out["kv_map"] = list(self.kv_map)
+        if self.groups is None:
+            del out["groups"]
+        if self.order == "qkv":
+            del out["order"]
         return out
 
     @classmethod
@@ -186,6 +212,10 @@ class QKVLayout:
             args.append(f"n_kv_heads={self.n_kv_heads}")
         if self.kv_map is not None:
             args.append(f"kv_map={self.kv_map!r}")
+        if self.groups is not None:
+            args.append(f"groups={self.groups}")
+        if self.order != "qkv":
+            args.append(f"order={self.order!r}")
         args += [f"{n}=True" for n in ("transposed", "cross") if getattr(self, n)]
         if self.o is not None:
             args.append(f"o={self.o!r}")
@@ -211,9 +241,21 @@ def _fused_rows(fused: Tensor, layout: QKVLayout) -> tuple[Tensor, Tensor, Tenso
     if layout.packing == "fused":
         q, k, v = fused.split([h * d, g * d, fused.shape[0] - (h + g) * d], dim=0)
         return q.reshape(h, d, e), k.reshape(g, d, e), v.reshape(g, -1, e)
-    r = h // g  # fused_per_head (r == 1) and fused_per_group: per group [Q_1..Q_r | K | V]
-    grouped = fused.reshape(g, r + 2, d, e)
-    return grouped[:, :r].reshape(h, d, e), grouped[:, r], grouped[:, r + 1]
+    q, k, v = _groups(fused, layout)
+    return q.reshape(h, d, e), k.reshape(g, d, e), v.reshape(g, d, e)
+
+
+def _groups(fused: Tensor, layout: QKVLayout) -> tuple[Tensor, Tensor, Tensor]:
+    """fused_per_head and fused_per_group: Q, K, V as views (groups, heads per group, D, E) of the rows (R, E)."""
+    h, g, d = layout.n_heads, layout.kv_heads, layout.head_dim
+    groups = layout.groups or g
+    size = {"q": h // groups, "k": g // groups, "v": g // groups}
+    grouped = fused.reshape(groups, h // groups + 2 * (g // groups), d, fused.shape[-1])
+    parts, start = {}, 0
+    for role in layout.order:
+        parts[role] = grouped[:, start:start + size[role]]
+        start += size[role]
+    return parts["q"], parts["k"], parts["v"]
 
 
 def split_qkv(
@@ -249,15 +291,21 @@ def split_qkv(
 
 def qkv_views(tensors: Mapping[str, Tensor], layout: QKVLayout) -> tuple[Tensor, Tensor, Tensor]:
     """Q, K and V as views of ``tensors`` that share their storage, for code that writes a slice back (the step
-    limit). The shapes of :func:`split_qkv` (unpaired), except Q of ``fused_per_group`` with more than one query
-    head per group: its rows are not one strided block, so it stays (G, r, D, E) (``split_qkv`` gives the
-    (H, D, E) copy). Read any of them as a matrix with ``.reshape(-1, E)``."""
-    if layout.packing == "fused_per_group" and layout.n_heads > layout.kv_heads:
-        h, g, d = layout.n_heads, layout.kv_heads, layout.head_dim
-        fused = _rows(tensors[layout.q], layout.transposed)
-        grouped = fused.reshape(g, h // g + 2, d, fused.shape[-1])
-        return grouped[:, : h // g], grouped[:, h // g], grouped[:, h // g + 1]
+    limit). The shapes of :func:`split_qkv` (unpaired), except where a role's rows are not one strided block
+    (``fused_per_group`` with several groups of several heads, e.g. Falcon's r query heads per group): those
+    stay (groups, heads per group, D, E) (``split_qkv`` gives the (H, D, E) copy). Read any of them as a
+    matrix with ``.reshape(-1, E)``."""
+    if layout.packing in ("fused_per_head", "fused_per_group"):
+        return tuple(_flat_view(p) for p in _groups(_rows(tensors[layout.q], layout.transposed), layout))
     return split_qkv(tensors, layout)
+
+
+def _flat_view(part: Tensor) -> Tensor:
+    """(groups, n, D, E) as (groups * n, D, E) where that is a view, else as it is."""
+    try:
+        return part.view(-1, *part.shape[2:])
+    except RuntimeError:
+        return part
 
 
 def split_o(tensors: Mapping[str, Tensor], layout: QKVLayout) -> Tensor | None:

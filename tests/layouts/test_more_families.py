@@ -135,3 +135,39 @@ def test_longformer_sliding_window_keeps_its_weight_side_signals():
             sigma = torch.linalg.svdvals(wq[h].T @ wk[h])[0].item()
             assert scalars[f"qk_sigma1/{layer.label}/H{h:02d}"] == pytest.approx(sigma, rel=REL)
         assert f"grad_norm_q/{layer.label}/H00" in scalars
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_codegen_groups_of_query_value_key_with_no_spec(impl):
+    """CodeGen's qkv_proj holds 4 model-parallel groups, each [Q | V | K] of n_heads / 4 heads (V before K),
+    which no packing named before could express (the layer was refused, and no spec could fix it). Read from
+    the computation as QKVLayout(groups=4, order='qvk'); every head's sigma_1 is the full SVD of Wq_h^T Wk_h
+    sliced by hand as transformers' CodeGenAttention splits it."""
+    nh, d = 8, 4  # 2 heads per group
+    cfg = transformers.CodeGenConfig(vocab_size=V, n_embd=nh * d, n_head=nh, n_layer=2, n_positions=64,
+                                     rotary_dim=2, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+    torch.manual_seed(0)
+    model = transformers.CodeGenModel(cfg)
+    model.config._attn_implementation = impl
+    model.train()
+    ids = torch.randint(1, V, (3, 10), generator=torch.Generator().manual_seed(1))
+    sink = MemorySink()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monitor = Monitor(model, every=1, sinks=[sink])
+        model(input_ids=ids).last_hidden_state.pow(2).mean().backward()
+        checked = dict(monitor.capture.checked)
+        monitor.step(0, loss=1.0)
+        monitor.close()
+    assert checked == {0: "q,k", 1: "q,k"} and not monitor.refused, [str(w.message) for w in caught]
+    layout = monitor.layers[0].layout
+    assert (layout.packing, layout.groups, layout.order) == ("fused_per_group", 4, "qvk"), layout.describe()
+    scalars = sink.records[0].scalars
+    e, local = nh * d, nh * d // 4
+    for layer, block in zip(monitor.layers, model.h):
+        w = block.attn.qkv_proj.weight.detach().double().reshape(4, 3 * local, e)  # by hand: per group q, v, k
+        wq = w[:, :local].reshape(nh, d, e)
+        wk = w[:, 2 * local:].reshape(nh, d, e)
+        for h in range(nh):
+            sigma = torch.linalg.svdvals(wq[h].T @ wk[h])[0].item()
+            assert scalars[f"qk_sigma1/{layer.label}/H{h:02d}"] == pytest.approx(sigma, rel=REL)

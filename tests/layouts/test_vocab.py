@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -47,6 +48,11 @@ WRITABLE = {  # every packing, in both storage orientations where it has two: (l
                     {"w": (E, (H + 2 * G) * D)}),
     "mqa-per-group": (QKVLayout(H, D, "w", packing="fused_per_group", n_kv_heads=1), {"w": ((H + 2) * D, E)}),
     "q_kv": (QKVLayout(H, D, "q", "kv", packing="q_kv", n_kv_heads=G), {"q": (H * D, E), "kv": (2 * G * D, E)}),
+    "codegen": (QKVLayout(H, D, "w", packing="fused_per_group", groups=2, order="qvk"), {"w": (3 * H * D, E)}),
+    "codegen-t": (QKVLayout(H, D, "w", packing="fused_per_group", groups=2, order="qvk", transposed=True),
+                  {"w": (E, 3 * H * D)}),
+    "groups-gqa": (QKVLayout(H, D, "w", packing="fused_per_group", n_kv_heads=G, groups=2, order="kvq"),
+                   {"w": ((H + 2 * G) * D, E)}),
     "heads_3d": (QKVLayout(H, D, "a", "b", "c", packing="heads_3d", n_kv_heads=G),
                  {"a": (H, D, E), "b": (G, D, E), "c": (G, D, E)}),
     "heads_3d-t": (QKVLayout(H, D, "a", "b", "c", packing="heads_3d", n_kv_heads=G, transposed=True),
@@ -65,6 +71,33 @@ def test_qkv_views_write_through_to_the_rows_split_qkv_reads(case):
     for value, part in zip((1.0, 2.0, 3.0), split_qkv(tensors, layout)):
         assert bool((part == value).all()), (case, value)
     assert sum(int((t != 0).sum()) for t in tensors.values()) == sum(t.numel() for t in tensors.values())
+
+
+def test_groups_and_order_of_a_fused_weight(qkv):
+    """CodeGen's qkv_proj: 4 model-parallel groups, each [Q | V | K] of n_heads / 4 heads, heads numbered group
+    by group; here 2 groups of 2 heads (and the same with grouped-query heads, blocks [K | V | Q])."""
+    q, _, _ = qkv
+    k, v = torch.randn(H, D, E), torch.randn(H, D, E)
+    n = H // 2
+    rows = torch.cat([torch.cat([q[i * n:(i + 1) * n], v[i * n:(i + 1) * n], k[i * n:(i + 1) * n]]).reshape(-1, E)
+                      for i in range(2)])
+    _check(QKVLayout(H, D, "w", packing="fused_per_group", groups=2, order="qvk"), {"w": rows}, (q, k, v))
+    qg, kg, vg = qkv  # G = 2 key/value heads: one per group
+    rows = torch.cat([torch.cat([kg[i][None], vg[i][None], qg[i * n:(i + 1) * n]]).reshape(-1, E) for i in range(2)])
+    _check(QKVLayout(H, D, "w", packing="fused_per_group", n_kv_heads=G, groups=2, order="kvq"), {"w": rows}, qkv)
+    falcon = QKVLayout(H, D, "w", packing="fused_per_group", n_kv_heads=G)
+    assert falcon.groups is None and "groups" not in falcon.describe()  # None: n_kv_heads groups, as before
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    ({"packing": "fused", "groups": 2}, "not packing='fused'"),
+    ({"packing": "fused_per_group", "order": "qqk"}, "the letters q, k and v once each"),
+    ({"packing": "fused_per_group", "groups": 3}, "divides n_heads=4"),
+    ({"packing": "fused_per_group", "groups": 0}, "a whole number >= 1"),
+])
+def test_groups_and_order_are_checked(kwargs, says):
+    with pytest.raises(SpecError, match=re.escape(says)):
+        QKVLayout(H, D, "w", **kwargs)
 
 
 def test_heads_3d_both_orientations(qkv):
@@ -120,13 +153,16 @@ LAYOUTS = [
     QKVLayout(4, 8, "wqkv", packing="fused_per_group", n_kv_heads=2, transposed=True, o="proj.weight"),
     QKVLayout(4, 8, "Wq", "Wk", "Wv", packing="heads_3d", transposed=True),
     QKVLayout(4, 8, "q_attn.weight", "c_attn.weight", packing="q_kv", transposed=True, cross=True),
+    QKVLayout(8, 4, "qkv_proj.weight", packing="fused_per_group", groups=4, order="qvk", o="out_proj.weight"),
 ]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: lay.packing)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: f"{lay.packing}-{lay.order}")
 def test_json_round_trip_keeps_every_field(layout):
     data = json.loads(json.dumps(layout.to_dict()))
-    assert set(data) == set(layout.__dataclass_fields__)
+    # groups and order are written only where they are not the defaults: a version before them reads the rest
+    defaults = {name for name, default in (("groups", None), ("order", "qkv")) if getattr(layout, name) == default}
+    assert set(data) == set(layout.__dataclass_fields__) - defaults
     assert QKVLayout.from_dict(data) == layout
 
 

@@ -220,3 +220,25 @@ def test_the_command_line_reads_a_bigcode_folder_exactly_with_no_options(tmp_pat
     for la, ref in zip(summary["layers"], reference):
         sigma1 = summary["metrics"]["0"][la["label"]]["qk_sigma1"]
         assert sigma1 == pytest.approx(ref[:, 0].tolist(), rel=1e-6)
+
+
+def test_a_codegen_folder_is_read_as_groups_of_query_value_key(tmp_path):
+    """CodeGen's qkv_proj: 4 groups of [Q | V | K]. The probe forward finds QKVLayout(groups=4, order='qvk')
+    among the fused candidates (none fitted before, and its logits, computed in float32 inside a float64
+    twin, were then also held to float64's precision), and the spectra are the full SVD of Wq_h^T Wk_h sliced
+    by hand as transformers' CodeGenAttention splits its rows."""
+    nh, d = 8, 4
+    torch.manual_seed(0)
+    model = tf.CodeGenForCausalLM(tf.CodeGenConfig(vocab_size=64, n_embd=nh * d, n_head=nh, n_layer=2,
+                                                   n_positions=64, rotary_dim=2))
+    model.save_pretrained(tmp_path / "codegen")
+    analysis = _offline(tmp_path / "codegen")
+    assert [(la.layout.packing, la.layout.groups, la.layout.order) for la in analysis.layers] == [
+        ("fused_per_group", 4, "qvk")] * 2
+    local = nh * d // 4
+    for la, block in zip(analysis.layers, model.transformer.h):
+        w = block.attn.qkv_proj.weight.detach().double().reshape(4, 3 * local, nh * d)  # per group q, v, k
+        q, k = w[:, :local].reshape(nh, d, -1), w[:, 2 * local:].reshape(nh, d, -1)
+        ref = torch.stack([torch.linalg.svdvals(q[h].T @ k[h])[:d] for h in range(nh)])
+        got = torch.as_tensor(analysis.spectra[analysis.steps[0]][la.label]["qk_spectrum"], dtype=torch.float64)
+        torch.testing.assert_close(got.reshape(nh, -1)[:, :d], ref, rtol=1e-6, atol=1e-9)
