@@ -154,8 +154,8 @@ def _not_this_attention(layer: AttentionLayer, seen) -> Verdict:
         f"{layer.name} ({type(layer.module).__name__}) computes its attention in a form the capture cannot read as "
         f"(batch, heads, queries, keys): its softmax call{shape} would have {seen.heads} heads, which no head "
         f"split of its {lay.n_heads * lay.head_dim}-wide projections gives (a sliding-window or chunked kernel); "
-        f"its attention statistics are not measured. Its weight-side signals are, with the layout found for "
-        f"the family, {lay.describe()} (adapter {lay.adapter!r}), which no computation confirmed"))
+        f"its attention statistics are not measured. Its weight-side signals are measured with the layout found "
+        f"for the family, {lay.describe()} (adapter {lay.adapter!r}), which no computation confirmed"))
 
 
 def _shape_problem(lay: QKVLayout, seen) -> str | None:
