@@ -110,7 +110,10 @@ def _candidates(view, h: int, d: int, e: int) -> list[QKVLayout]:
             g = (r // d - h) // 2
             if g < 1 or h % g:
                 continue
-            for layout in fused_layouts(h, d, name, g, transposed=transposed, cross=cross, adapter="probe"):
+            # the probe's scaling (query head by c, its key head by 1/c) cannot tell a query block from a key block
+            # of the same size: Q before K, as every family we know stores them
+            for layout in fused_layouts(h, d, name, g, q_first=True, transposed=transposed, cross=cross,
+                                        adapter="probe"):
                 found += _pairings(layout)
     roles = {role: [n for n, s in two_d.items() if s[1] == e and n.endswith(".weight")
                     and pattern.fullmatch(n.removesuffix(".weight").lower())] for role, pattern in _ROLE.items()}

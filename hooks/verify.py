@@ -136,11 +136,16 @@ def _unpaired(layer: AttentionLayer) -> Verdict:
     ))
 
 
-def _no_split_of(lay: QKVLayout, heads: int) -> bool:
-    """No head split of the layer's projections gives ``heads`` heads: more heads than query rows, or a
-    width they do not divide."""
-    width = lay.n_heads * lay.head_dim
-    return heads < 1 or heads > width or width % heads != 0
+def _not_heads_first(lay: QKVLayout, seen) -> bool:
+    """The softmax call is not (batch, heads, queries, keys) with heads this layer could have: its second axis
+    is a head count no split of the layer's projections gives (more heads than rows, or a count that does not
+    divide their width), or its third axis is the layout's head count while the second is not (scores laid
+    out (batch, tokens, heads, window), whatever the number of tokens)."""
+    width, heads = lay.n_heads * lay.head_dim, seen.heads
+    if heads < 1 or heads > width or width % heads != 0:
+        return True
+    logits = seen.logits
+    return logits is not None and logits.dim() == 4 and logits.shape[2] == lay.n_heads != logits.shape[1]
 
 
 def _not_this_attention(layer: AttentionLayer, seen) -> Verdict:
@@ -150,12 +155,13 @@ def _not_this_attention(layer: AttentionLayer, seen) -> Verdict:
     weight-side signals stay and only the attention statistics are dropped."""
     lay = layer.layout
     shape = "" if seen.logits is None else f" (logits {tuple(seen.logits.shape)})"
+    source = "your spec" if lay.adapter == "spec" else f"the family's adapter {lay.adapter!r}"
     return Verdict(call_only=True, problem=(
         f"{layer.name} ({type(layer.module).__name__}) computes its attention in a form the capture cannot read as "
-        f"(batch, heads, queries, keys): its softmax call{shape} would have {seen.heads} heads, which no head "
-        f"split of its {lay.n_heads * lay.head_dim}-wide projections gives (a sliding-window or chunked kernel); "
-        f"its attention statistics are not measured. Its weight-side signals are measured with the layout found "
-        f"for the family, {lay.describe()} (adapter {lay.adapter!r}), which no computation confirmed"))
+        f"(batch, heads, queries, keys) with its {lay.n_heads} heads: its softmax call{shape} has them on another "
+        f"axis or has a head count no split of its {lay.n_heads * lay.head_dim}-wide projections gives (a "
+        f"sliding-window or chunked kernel); its attention statistics are not measured. Its weight-side signals "
+        f"are measured with the layout from {source}, {lay.describe()}, which no computation confirmed"))
 
 
 def _shape_problem(lay: QKVLayout, seen) -> str | None:
@@ -175,7 +181,7 @@ def check_call(layer: AttentionLayer, seen, inputs: Inputs | None, n: int) -> Ve
     proposed it (the layer's layout is replaced), refused with the inferred spec when a spec gave it."""
     lay = layer.layout
     problem = _shape_problem(lay, seen)
-    if problem is not None and seen.q is None and not is_provisional(lay) and _no_split_of(lay, seen.heads):
+    if problem is not None and seen.q is None and not is_provisional(lay) and _not_heads_first(lay, seen):
         return _not_this_attention(layer, seen)
     if problem is None and seen.exact:
         return Verdict(checked="exact")

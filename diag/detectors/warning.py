@@ -35,7 +35,7 @@ TODO = ("add or lengthen warmup, lower the learning rate, or bound the step (QK-
         "step limit); watch attn_entropy and attn_rank of this head")
 
 
-# a warning in a run's first note_horizon steps: near the collapse boundary such an early trend decides nothing yet
+# a warning in a run's first warn_window steps: near the collapse boundary such an early trend decides nothing yet
 # (docs/alerts.md#does-a-runs-outcome-survive-another-rounding); how often one is followed by a collapse is
 # measured in docs/alerts.md#collapse_warning
 EARLY = ("This early in a run the trend can still turn around (how often it does: the docs section at the end): watch "
@@ -136,7 +136,7 @@ class CollapseWarning:
                 out.append(Alert(step, "collapse_warning", "warning", where, (
                     f"towards malignant collapse since step {event.since}: {what}"
                     + (f", its largest logit at {values['attn_max_logit']:.1f}" if "attn_max_logit" in values else "")
-                    + ". " + (EARLY if step <= self.cfg.note_horizon else "") +
+                    + ". " + (EARLY if step <= self.cfg.warn_window else "") +
                     f"What to do: {TODO}"), values, "firing", event.since))
         return out
 

@@ -107,15 +107,20 @@ def _block_ids(block: Block, shape: tuple[int, ...], d: int) -> Tensor:
     return ids[block.block * d:(block.block + 1) * d]
 
 
-def fused_layouts(h: int, d: int, name: str, g: int, **fields: Any) -> list[QKVLayout]:
+def fused_layouts(h: int, d: int, name: str, g: int, q_first: bool = False, **fields: Any) -> list[QKVLayout]:
     """Every way one weight can hold h query and g key/value heads of d rows each, the named packings first:
     [all Q | all K | all V], per key/value group [Q_1..Q_r | K | V] (per head when g == h), then any grouping
-    of whole heads with the Q, K and V blocks in any order (CodeGen: 4 groups of [Q | V | K]). ``fields``: the
-    other QKVLayout fields (transposed, cross, adapter)."""
+    of whole heads with the Q, K and V blocks in any order (CodeGen: 4 groups of [Q | V | K]). ``q_first``:
+    where Q and K blocks are the same size (g == h), only orders with Q before K (a test that cannot tell a
+    query block from a key block, as the probe forward's scaling cannot, would otherwise take either).
+    ``fields``: the other QKVLayout fields (transposed, cross, adapter)."""
     out = [QKVLayout(h, d, name, packing=p, n_kv_heads=g, **fields)
            for p in ("fused", "fused_per_group" if g < h else "fused_per_head")]
+    orders = ["".join(o) for o in itertools.permutations("qkv")]
+    if q_first and g == h:
+        orders = [o for o in orders if o.index("q") < o.index("k")]
     for groups in (n for n in range(1, g + 1) if g % n == 0):
-        for order in ("".join(o) for o in itertools.permutations("qkv")):
+        for order in orders:
             if order != "qkv" or groups not in (1, g):  # (1, "qkv") is fused, (g, "qkv") the one above
                 out.append(QKVLayout(h, d, name, packing="fused_per_group", n_kv_heads=g, groups=groups,
                                      order=order, **fields))

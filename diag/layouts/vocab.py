@@ -10,6 +10,7 @@ gives W_O, whose update ratio is measured with those of Q, K and V.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -124,6 +125,9 @@ class QKVLayout:
             raise SpecError(f"QKVLayout.order={self.order!r}: expected the letters q, k and v once each, in the "
                             "order of their blocks inside a group, e.g. 'qkv' or 'qvk'")
         groups = self.groups
+        if isinstance(groups, numbers.Integral) and not isinstance(groups, bool):
+            groups = int(groups)
+            object.__setattr__(self, "groups", groups)  # a numpy integer from a config: stored as int
         if groups is not None and (not isinstance(groups, int) or isinstance(groups, bool) or groups < 1
                                    or self.n_heads % groups or self.kv_heads % groups):
             raise SpecError(f"QKVLayout.groups={groups!r}: expected a whole number >= 1 that divides n_heads="
@@ -265,8 +269,9 @@ def split_qkv(
 
     ``tensors`` maps the layout's parameter names to weights, or to tensors of the
     same shapes (gradients, updates). Views share storage (nothing is copied), except
-    Q of ``fused_per_group`` with more than one query head per group, whose rows are
-    no single strided block: a copy. To write a slice back, use :func:`qkv_views`.
+    a role of ``fused_per_group`` whose rows are no single strided block (several
+    groups of several heads: Falcon's Q, CodeGen's Q, K and V): a copy. To write a
+    slice back, use :func:`qkv_views`.
     ``paired=True``: where the layout has a ``kv_map`` other than the default
     h // (H / G), K and V come as (H, D, E), row h holding the key/value head of query
     head h (a gathered copy), so that code pairing heads by position (the spectra)

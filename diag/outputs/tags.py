@@ -13,7 +13,7 @@ name in every layer's run, so one chart shows every layer as a line of its own c
 in the legend. This module builds the metric tags above and parses them back (:func:`parse_tag`,
 :func:`parse_where`); the tags of other outputs (``alerts/``, ``qk_spectrum/``, ``heatmap/``,
 ``step_size/``, ``attention_map/``, ``step_limit_*``) are written by those outputs, outside this
-scheme (docs/tensorboard.md lists them all).
+scheme (docs/tensorboard.md lists them all; the step limit's per-layer ``/mean`` and ``/min`` follow it).
 
 Layers are counted from 0 in module registration order (the order of the state
 dict, which is the execution order for every supported family) and zero-padded
@@ -114,7 +114,8 @@ class Tag:
 
 def parse_tag(tag: str) -> Tag | None:
     """The parts of a tag of this scheme; a global tag (no ``/``) is ``Tag(tag)``; None for anything else
-    (``alerts/<kind>``, ``step_limit_<key>/...`` and the other tags written outside this scheme)."""
+    (``alerts/<kind>``, the per-matrix ``step_limit_<key>/Lxx/<role>`` and the other tags written outside this
+    scheme; the step limit's per-layer ``step_limit_<key>/Lxx/<stat>`` follow it)."""
     if "/" not in tag:
         return Tag(tag)
     match = _TAG.match(tag)

@@ -30,7 +30,6 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from diag.detectors.core import TrainingHalted
-from diag.errors import ConfigError
 from hooks.integrations import any_rank, callback_options
 from hooks.monitor import Monitor
 
@@ -90,8 +89,8 @@ class MonitorCallback(TrainerCallback):
         self.close()  # a second train() on the same callback starts afresh
         self._stop.critical = None  # ... without the last run's critical alert
         if model is None:
-            raise ConfigError("MonitorCallback: the Trainer passed no model to on_train_begin; create the Trainer "
-                              "with model=... (or call the callback's on_train_begin with model=your_model)")
+            raise RuntimeError("MonitorCallback: the Trainer passed no model to on_train_begin; create the Trainer "
+                               "with model=... (or call the callback's on_train_begin with model=your_model)")
         main = state.is_world_process_zero
         kwargs_here = dict(self.monitor_kwargs)
         if not main:

@@ -121,8 +121,8 @@ def test_early_warning_from_three_samples_in_a_run_s_first_steps():
 
 
 def test_an_early_warning_says_the_trend_can_still_turn_around():
-    """In a run's first note_horizon steps the message says the outcome is open (docs/alerts.md#collapse_warning
-    measures how often); the same trend later in a run does not."""
+    """In a run's first warn_window steps the message says the outcome is open (docs/alerts.md#collapse_warning
+    measures how often, over warnings in the first 20 steps); the same trend later in a run does not."""
     seq = [(0, 0.1, 3.88, 32.0, 0.2), (2, 1.0, 3.07, 23.0, 8.9), (4, 3.3, 1.95, 10.0, 31.0)]
 
     def message(offset):
@@ -135,7 +135,8 @@ def test_an_early_warning_says_the_trend_can_still_turn_around():
         return warning.message
 
     assert "can still turn around" in message(0) and "What to do" in message(0)
-    assert "can still turn around" not in message(AlertConfig().note_horizon)  # warned at note_horizon + 4
+    assert "can still turn around" in message(AlertConfig().warn_window - 4)  # warned at step 20
+    assert "can still turn around" not in message(AlertConfig().warn_window)  # warned at step 24
 
 
 def test_late_warning_when_a_head_near_the_sparse_line_keeps_growing():

@@ -105,7 +105,8 @@ def test_family_is_exact_with_no_spec(name, impl):
             assert record.scalars[f"qk_sigma1/{layer.label}/H{h:02d}"] == pytest.approx(sigma, rel=REL), (name, h)
 
 
-def test_longformer_sliding_window_keeps_its_weight_side_signals():
+@pytest.mark.parametrize("tokens", [10, 16])  # 16: its padded token count divides the width (32)
+def test_longformer_sliding_window_keeps_its_weight_side_signals(tokens):
     """Longformer's encoder scores are (batch, tokens, heads, window): no head split of the layer reads that
     softmax as (batch, heads, queries, keys). The call, not the layout, is what cannot be read: the attention
     statistics are dropped with a warning that says so, and sigma_1 of every head is still the full SVD of
@@ -115,7 +116,7 @@ def test_longformer_sliding_window_keeps_its_weight_side_signals():
                                         pad_token_id=0)
     torch.manual_seed(0)
     model = transformers.LongformerModel(cfg).train()
-    ids = torch.randint(1, V, (3, 10), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(1, V, (3, tokens), generator=torch.Generator().manual_seed(1))
     sink = MemorySink()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

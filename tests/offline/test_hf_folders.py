@@ -9,6 +9,7 @@ discovery does not find it).
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -17,11 +18,13 @@ import transformers as tf
 import zoo
 
 from diag.cli.main import main
-from diag.layouts.vocab import QKVLayout
+from diag.layouts.infer import fused_layouts
+from diag.layouts.vocab import QKVLayout, split_qkv
 from diag.offline.series import analyze_checkpoints
 from diag.outputs.sinks import MemorySink
 from hooks import Monitor
 from hooks.hf_layout import ModelLayouts
+from hooks.layout_probe import verdicts
 
 H, D, E = 4, 8, 32
 TAGS = ("qk_sigma1", "qk_sec", "qk_erank", "qk_stable_rank")
@@ -242,3 +245,46 @@ def test_a_codegen_folder_is_read_as_groups_of_query_value_key(tmp_path):
         ref = torch.stack([torch.linalg.svdvals(q[h].T @ k[h])[:d] for h in range(nh)])
         got = torch.as_tensor(analysis.spectra[analysis.steps[0]][la.label]["qk_spectrum"], dtype=torch.float64)
         torch.testing.assert_close(got.reshape(nh, -1)[:, :d], ref, rtol=1e-6, atol=1e-9)
+
+
+class _Fused(torch.nn.Module):
+    """A toy attention whose one weight is packed as ``layout`` says (any groups and order)."""
+
+    def __init__(self, layout: QKVLayout, e: int) -> None:
+        super().__init__()
+        self.layout = layout
+        self.qkv = torch.nn.Linear(e, (layout.n_heads + 2 * layout.kv_heads) * layout.head_dim, bias=False).double()
+        self.out = torch.nn.Linear(layout.n_heads * layout.head_dim, e).double()
+
+    def forward(self, x):
+        lay = self.layout
+        q, k, v = (torch.einsum("bte,hde->bhtd", x, w) for w in split_qkv({"qkv.weight": self.qkv.weight}, lay))
+        r = lay.n_heads // lay.kv_heads
+        k, v = k.repeat_interleave(r, 1), v.repeat_interleave(r, 1)
+        a = torch.softmax(q @ k.transpose(-1, -2) / lay.head_dim ** 0.5, -1)
+        return self.out((a @ v).transpose(1, 2).flatten(2))
+
+
+@pytest.mark.parametrize("h, g", [(4, 4), (4, 2)])
+def test_the_probe_finds_every_grouping_and_order_q_before_k(h, g):
+    """The probe forward over fused_layouts(q_first=True) finds each true (groups, order) exactly, except that
+    it cannot tell a query block from a key block of the same size (scaling one by c and the other by 1/c is
+    symmetric): with g == h a weight storing K before Q is read with the two swapped, Q first, the convention
+    the docs state (sigma_1 of Wq^T Wk is the same; the q and k gradient norms trade places)."""
+    d, e = 2, 8
+    ids = torch.arange((h + 2 * g) * d).reshape(-1, 1)
+    for groups in (n for n in range(1, g + 1) if g % n == 0):
+        for order in map("".join, itertools.permutations("qkv")):
+            true = QKVLayout(h, d, "qkv.weight", packing="fused_per_group", n_kv_heads=g, groups=groups, order=order)
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(_Fused(true, e))
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.normal_(0, p.shape[-1] ** -0.5)
+            found, _ = verdicts(model, {"input": torch.randn(2, 6, e, dtype=torch.float64)},
+                                {"0": fused_layouts(h, d, "qkv.weight", g, q_first=True)})
+            got = [t.flatten().tolist() for t in split_qkv({"qkv.weight": ids}, found["0"])]
+            want = [t.flatten().tolist() for t in split_qkv({"qkv.weight": ids}, true)]
+            if g == h and order.index("k") < order.index("q"):
+                want = [want[1], want[0], want[2]]  # read Q first: the blocks of Q and K swapped
+            assert got == want, (groups, order, found["0"].describe())
