@@ -66,9 +66,13 @@ class Verdict:
 
 
 def _first_3d(values, n: int) -> Tensor | None:
+    """The first tensor as (n, tokens, E): a channels-last 4-D input (batch, height, width, E), as timm's MaxViT
+    passes its windows, is read with its two token axes as one (a view)."""
     for v in values:
         if isinstance(v, Tensor):
-            return v[:n] if v.dim() == 3 and v.is_floating_point() else None
+            if not v.is_floating_point() or v.dim() not in (3, 4):
+                return None
+            return v[:n] if v.dim() == 3 else v[:n].flatten(1, 2)
     return None
 
 
@@ -102,7 +106,7 @@ def _refuse(layer: AttentionLayer, what: str, inferred: QKVLayout | None = None,
                    f"{spec_hint(layer, inferred)}")
 
 
-def _unconfirmed(layer: AttentionLayer, checked: str, heads: int | None = None) -> Verdict:
+def _unconfirmed(layer: AttentionLayer, checked: str, heads: int | None = None, why: str | None = None) -> Verdict:
     """A generic adapter's proposal that the computation could not confirm: refused, never guessed; the
     message offers the proposal (with the kernel's head count) as a spec, to pass only if it is right."""
     lay = layer.layout
@@ -113,9 +117,10 @@ def _unconfirmed(layer: AttentionLayer, checked: str, heads: int | None = None) 
     spec = _spec(layer, QKVLayout.from_dict({**lay.to_dict(), "adapter": "spec"}))
     return Verdict(problem=(
         f"{layer.name} ({type(layer.module).__name__}): the layout proposed from names, {lay.describe()}, could "
-        f"not be confirmed: the kernel's q and k were not visible to compare with the module input (compared: "
-        f"{checked}; logits from a product the capture cannot see, or the input not an argument it reads); "
-        "it is not guessed. "
+        "not be confirmed: " + (why or (
+            f"the kernel's q and k were not visible to compare with the module input (compared: {checked}; "
+            "logits from a product the capture cannot see, or the input not an argument it reads)")) +
+        "; it is not guessed. "
         f"If that split is right (packing, head order, query->key pairing), pass it: Monitor(model, {spec})"
     ))
 
@@ -136,12 +141,18 @@ def _unpaired(layer: AttentionLayer) -> Verdict:
     ))
 
 
-def _not_heads_first(lay: QKVLayout, seen) -> bool:
-    """The softmax call is not (batch, heads, queries, keys) with heads this layer could have: its second axis
-    is a head count no split of the layer's projections gives (more heads than rows, or a count that does not
-    divide their width), or its third axis is the layout's head count while the second is not (scores laid
-    out (batch, tokens, heads, window), whatever the number of tokens)."""
+def _not_token_attention(lay: QKVLayout, seen) -> bool:
+    """The call is not (batch, heads, queries, keys) attention over tokens that this layer's projections could
+    compute. With q and k visible: heads times head size wider than the projections, or the layout's head size
+    on the query axis and another on the last (XCiT's cross-covariance attention multiplies (batch, heads,
+    channels, tokens): its "head size" is the token count, whatever the image size). Without them,
+    the softmax's second axis is a head count no split of the projections gives (more heads than rows, or a
+    count that does not divide their width), or its third axis is the layout's head count while the second
+    is not (scores laid out (batch, tokens, heads, window), whatever the number of tokens)."""
     width, heads = lay.n_heads * lay.head_dim, seen.heads
+    if seen.q is not None:  # wider than the projections, or the head size on the token axis: (.., D, tokens)
+        q = seen.q
+        return heads * q.shape[-1] > width or (q.dim() == 4 and q.shape[2] == lay.head_dim != q.shape[3])
     if heads < 1 or heads > width or width % heads != 0:
         return True
     logits = seen.logits
@@ -158,9 +169,10 @@ def _not_this_attention(layer: AttentionLayer, seen) -> Verdict:
     source = "your spec" if lay.adapter == "spec" else f"the family's adapter {lay.adapter!r}"
     return Verdict(call_only=True, problem=(
         f"{layer.name} ({type(layer.module).__name__}) computes its attention in a form the capture cannot read as "
-        f"(batch, heads, queries, keys) with its {lay.n_heads} heads: its softmax call{shape} has them on another "
-        f"axis or has a head count no split of its {lay.n_heads * lay.head_dim}-wide projections gives (a "
-        f"sliding-window or chunked kernel); its attention statistics are not measured. Its weight-side signals "
+        f"(batch, heads, queries, keys) over tokens with its {lay.n_heads} heads: its call{shape} has them on "
+        f"another axis, or a head count or head size no split of its {lay.n_heads * lay.head_dim}-wide "
+        f"projections gives (a sliding-window or chunked kernel, or attention across channels); its attention "
+        f"statistics are not measured. Its weight-side signals "
         f"are measured with the layout from {source}, {lay.describe()}, which no computation confirmed"))
 
 
@@ -181,7 +193,13 @@ def check_call(layer: AttentionLayer, seen, inputs: Inputs | None, n: int) -> Ve
     proposed it (the layer's layout is replaced), refused with the inferred spec when a spec gave it."""
     lay = layer.layout
     problem = _shape_problem(lay, seen)
-    if problem is not None and seen.q is None and not is_provisional(lay) and _not_heads_first(lay, seen):
+    if problem is not None and _not_token_attention(lay, seen):
+        if is_provisional(lay):  # nothing to confirm the names' proposal with: offered as a spec, not guessed
+            return _unconfirmed(layer, "shapes", why=(
+                "its attention call is not (batch, heads, queries, keys) over tokens (a head count or head size "
+                "no split of its projections gives, e.g. attention across channels), so the computation cannot "
+                "confirm a split; with the layout passed as a spec, the weight-side signals are measured and "
+                "the attention statistics left out"))
         return _not_this_attention(layer, seen)
     if problem is None and seen.exact:
         return Verdict(checked="exact")

@@ -370,3 +370,75 @@ def test_timm_vit_example_runs_and_writes_every_signal(tmp_path):
                      for a in map(json.loads, (tmp_path / "alerts.jsonl").read_text().splitlines()))
     assert printed == written
     assert f"tensorboard --logdir {tmp_path}" in result.stdout
+
+
+def _hand_sigma1(wq: torch.Tensor, wk: torch.Tensor) -> list[float]:
+    return [torch.linalg.svdvals(wq[h].T @ wk[h])[0].item() for h in range(wq.shape[0])]
+
+
+def test_maxvit_channels_last_windows_with_no_spec():
+    """MaxViT's AttentionCl takes its windows channels-last, (batch, height, width, C), and packs qkv as
+    [all Q | all K | all V], or per head [Q_h | K_h | V_h] with ``head_first`` (``view(B, -1, heads,
+    3 * dim_head).chunk(3)``). The 4-D input is read as (batch, tokens, C), so the kernel's q and k are
+    compared with it (before: the names' proposal could not be confirmed and every layer was refused).
+    sigma_1 of every head is the full SVD of Wq_h^T Wk_h sliced by hand as each module's flag says."""
+    torch.manual_seed(0)
+    model = timm.create_model("maxvit_tiny_tf_224", pretrained=False, num_classes=10, img_size=64).train()
+    sink = MemorySink()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monitor = Monitor(model, every=1, sinks=[sink], images=False)
+        model(torch.randn(2, 3, 64, 64)).pow(2).mean().backward()
+        checked = set(monitor.capture.checked.values())
+        monitor.step(0, loss=1.0)
+        monitor.close()
+    assert not monitor.refused and checked == {"q,k"}, [str(w.message)[:300] for w in caught]
+    scalars = sink.records[0].scalars
+    for layer in monitor.layers:
+        attn = dict(model.named_modules())[layer.name]
+        heads, d = attn.num_heads, attn.dim_head
+        w = attn.qkv.weight.detach().double()
+        if attn.head_first:  # by hand: per head [Q_h | K_h | V_h]
+            wq, wk = w.reshape(heads, 3, d, -1)[:, 0], w.reshape(heads, 3, d, -1)[:, 1]
+        else:  # [all Q | all K | all V]
+            wq, wk = w.reshape(3, heads, d, -1)[0], w.reshape(3, heads, d, -1)[1]
+        for h, sigma in enumerate(_hand_sigma1(wq, wk)):
+            assert scalars[f"qk_sigma1/{layer.label}/H{h:02d}"] == pytest.approx(sigma, rel=REL)
+        assert f"attn_entropy/{layer.label}/H00" in scalars
+
+
+def test_xcit_attention_across_channels_gets_its_spec_offered_and_then_its_weight_side():
+    """XCiT's XCA multiplies (batch, heads, channels, tokens) q and k: attention across channels, not tokens.
+    No computation can confirm the names' proposal, so with no spec the layer is refused and the message offers
+    the proposal as a spec; with that spec the spectra are measured (exact against hand slicing of qkv, rows
+    [all Q | all K | all V]) and the attention statistics, which would describe channels, are left out."""
+    torch.manual_seed(0)
+
+    def run(spec=None):
+        model = timm.create_model("xcit_nano_12_p16_224", pretrained=False, num_classes=10, img_size=64).train()
+        sink = MemorySink()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            monitor = Monitor(model, every=1, sinks=[sink], images=False, spec=spec)
+            model(torch.randn(2, 3, 64, 64)).pow(2).mean().backward()
+            monitor.step(0, loss=1.0)
+            monitor.close()
+        return model, monitor, sink.records[0].scalars, [str(w.message) for w in caught]
+
+    _, monitor, _, said = run()
+    xca = [i for i, layer in enumerate(monitor.layers) if type(layer.module).__name__ == "XCA"]
+    assert xca and all(i in monitor.refused for i in xca)
+    assert any("attention across channels" in m and "spec={'blocks.*.attn': QKVLayout(n_heads=4, head_dim=32, "
+               "q='qkv.weight', packing='fused'" in m for m in said), said[:2]
+    from diag.layouts.vocab import QKVLayout
+
+    spec = {"blocks.*.attn": QKVLayout(n_heads=4, head_dim=32, q="qkv.weight", packing="fused", o="proj.weight")}
+    model, monitor, scalars, said = run(spec)
+    assert not any(i in monitor.refused for i in xca), said[:2]
+    for i in xca:
+        layer = monitor.layers[i]
+        w = layer.module.qkv.weight.detach().double()
+        wq, wk = w[:128].reshape(4, 32, -1), w[128:256].reshape(4, 32, -1)  # by hand: [all Q | all K | all V]
+        for h, sigma in enumerate(_hand_sigma1(wq, wk)):
+            assert scalars[f"qk_sigma1/{layer.label}/H{h:02d}"] == pytest.approx(sigma, rel=REL)
+        assert f"attn_entropy/{layer.label}/H00" not in scalars
