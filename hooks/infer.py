@@ -125,9 +125,21 @@ def read_layout(module: nn.Module, q: Tensor, k: Tensor, x: Tensor, kv: Tensor |
         return None, f"kernel q {tuple(q.shape)}, k {tuple(k.shape)}; module input {tuple(x.shape)} is not their source"
     norms = _norm_children(module, d)
     tol = _tolerance(q)
-    q_blocks, why_q = _assign(q, *_blocks(module, x[:n], d, norms), tol)
-    k_blocks, why_k = _assign(k, *_blocks(module, src[:n], d, norms), tol)
     seen = f"kernel q {tuple(q.shape)}, k {tuple(k.shape)} (n, heads, tokens, head size), input {tuple(x.shape)}"
+    # the input as it arrives, then through each norm of the module over its width (a norm inside the module,
+    # before the projections: timm's TinyViT)
+    pre = [("", None)] + (_norm_children(module, x.shape[-1]) if x.shape[-1] != d else [])
+    for name, norm in pre:
+        try:
+            with torch.no_grad():
+                xin, sin = (x[:n], src[:n]) if norm is None else (norm(x[:n]), norm(src[:n]))
+        except Exception:  # noqa: BLE001 - a child that is no norm over the input's width
+            continue
+        q_blocks, why_q = _assign(q, *_blocks(module, xin, d, norms), tol)
+        k_blocks, why_k = _assign(k, *_blocks(module, sin, d, norms), tol)
+        if q_blocks is not None and k_blocks is not None:
+            seen += f" through its {name!r} before the projections" if name else ""
+            break
     if q_blocks is None or k_blocks is None:
         return None, f"{seen}; no weight of the module reproduces them ({why_q or why_k})"
     g = k.shape[1]

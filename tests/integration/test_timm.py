@@ -442,3 +442,28 @@ def test_xcit_attention_across_channels_gets_its_spec_offered_and_then_its_weigh
         for h, sigma in enumerate(_hand_sigma1(wq, wk)):
             assert scalars[f"qk_sigma1/{layer.label}/H{h:02d}"] == pytest.approx(sigma, rel=REL)
         assert f"attn_entropy/{layer.label}/H00" not in scalars
+
+
+def test_tiny_vit_norm_inside_the_attention_module_with_no_spec():
+    """TinyViT's Attention normalises its input itself (``self.norm``) before ``qkv``, packed per head
+    [Q_h | K_h | V_h]: the kernel's q and k are the projections of norm(x), not of x. The layout is read from
+    the computation through that norm (before: no block fitted and every layer was refused). sigma_1 of every
+    head is the full SVD of the raw Wq_h^T Wk_h sliced by hand."""
+    torch.manual_seed(0)
+    model = timm.create_model("tiny_vit_5m_224", pretrained=False, num_classes=10).train()
+    sink = MemorySink()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monitor = Monitor(model, every=1, sinks=[sink], images=False)
+        model(torch.randn(1, 3, 224, 224)).pow(2).mean().backward()
+        checked = set(monitor.capture.checked.values())
+        monitor.step(0, loss=1.0)
+        monitor.close()
+    assert monitor.layers and not monitor.refused and checked == {"q,k"}, [str(w.message)[:300] for w in caught]
+    scalars = sink.records[0].scalars
+    for layer in monitor.layers:
+        attn = dict(model.named_modules())[layer.name]
+        assert attn.key_dim == attn.val_dim
+        w = attn.qkv.weight.detach().double().reshape(attn.num_heads, 3, attn.key_dim, -1)  # per head q, k, v
+        for h, sigma in enumerate(_hand_sigma1(w[:, 0], w[:, 1])):
+            assert scalars[f"qk_sigma1/{layer.label}/H{h:02d}"] == pytest.approx(sigma, rel=REL)
