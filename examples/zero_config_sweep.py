@@ -19,6 +19,7 @@ only: exactness against the full SVD and eager attention is what the test suite 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import warnings
 from pathlib import Path
@@ -52,10 +53,8 @@ def hf_model(model_type: str, impl: str) -> tuple[torch.nn.Module, dict]:
     cfg = transformers.AutoConfig.for_model(model_type, **SMALL)
     for name, value in ALIASES.items():
         if hasattr(cfg, name):
-            try:
+            with contextlib.suppress(AttributeError):  # a read-only alias of a field set above
                 setattr(cfg, name, value)
-            except AttributeError:  # a read-only alias of a field set above
-                pass
     if getattr(cfg, "head_dim", None) not in (None, E // NH):
         cfg.head_dim = E // NH
     torch.manual_seed(0)

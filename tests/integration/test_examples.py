@@ -155,3 +155,16 @@ def test_evaluate_healthy_records_what_the_monitor_passed_its_detectors(tmp_path
     assert any("update_ratio_q" in m for o in run.obs for m in o.layers.values())
     row = evaluate_detectors.judge_healthy(run, evaluate_detectors.AlertConfig(), "default")
     assert row["healthy"] and row["warnings"] == [] and row["plateau_alerts"] == 0
+
+
+def test_zero_config_sweep_prints_one_row_per_model_and_attention():
+    """examples/zero_config_sweep.py on three Hugging Face types: a decoder measured whole at both attention
+    settings, CodeGen (its [Q | V | K] groups read from the kernel, no spec) and Longformer (weight side only,
+    and no SDPA attention in transformers)."""
+    out = run_example("zero_config_sweep.py", "--hf", "llama", "codegen", "longformer")
+    rows = {tuple(c.strip() for c in line.split("|")[1:3]): [c.strip() for c in line.split("|")[3:-1]]
+            for line in out.splitlines() if line.startswith("| ") and not line.startswith("| model")}
+    assert rows[("llama", "eager")][:4] == rows[("llama", "sdpa")][:4] == ["2", "2", "2", "0"]
+    assert rows[("codegen", "sdpa")][:4] == ["2", "2", "2", "0"] and rows[("codegen", "sdpa")][4] == "q,k"
+    assert rows[("longformer", "eager")][:4] == ["2", "2", "0", "0"]
+    assert "no sdpa attention" in rows[("longformer", "sdpa")][0]
