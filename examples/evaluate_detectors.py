@@ -360,6 +360,30 @@ def compare(runs: list[Run], others: list[Run]) -> list[str]:
     return out
 
 
+def trust(runs: list[Run]) -> list[str]:
+    """What followed each run's first collapse_warning at the default cadence (docs/alerts.md#collapse_warning):
+    a markdown table by when it came (first ``warn_window`` steps, later, none) and, for the early ones, by
+    learning rate; the outcome is the ground truth (established, hovering, none)."""
+    window = AlertConfig().warn_window
+    table: dict[str, Counter] = {}
+    for r in runs:
+        if r.task != "collapse":
+            continue
+        alerts = replay(r.obs, AlertConfig(), "default")
+        steps = [a.step for a in alerts if a.kind == "collapse_warning" and a.status == "firing"]
+        result = outcome(r).split(" at ")[0]
+        when = "none" if not steps else f"in the first {window} steps" if min(steps) <= window else "later"
+        table.setdefault(when, Counter())[result] += 1
+        if when != "none" and min(steps) <= window:
+            table.setdefault(f"of which lr {r.info['config']['lr']:g}", Counter())[result] += 1
+    out = ["| first `collapse_warning` | runs | established collapse | hovering at the line | no collapse |",
+           "|---|---|---|---|---|"]
+    for when in sorted(table, key=lambda k: (k.startswith("none"), k.startswith("later"), k)):
+        c = table[when]
+        out.append(f"| {when} | {sum(c.values())} | {c['established']} | {c['hovering']} | {c['none']} |")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", type=Path)
@@ -367,10 +391,15 @@ def main() -> None:
     parser.add_argument("--every", default="10", help="an integer, or default (the per-family cadence)")
     parser.add_argument("--no-tune", action="store_true", help="report the defaults on every run")
     parser.add_argument("--markdown", action="store_true", help="end with the summary table of docs/alerts.md")
+    parser.add_argument("--trust", action="store_true", help="only the table of what followed each run's first "
+                        "collapse_warning (docs/alerts.md#collapse_warning)")
     parser.add_argument("--compare", type=Path, metavar="RUNS_DIR2",
                         help="only compare the ground truth of the collapse runs recorded in both folders")
     args = parser.parse_args()
     runs = load_runs(args.runs)
+    if args.trust:
+        print("\n".join(trust(runs)))
+        return
     if args.compare:
         print("\n".join(compare(runs, load_runs(args.compare))))
         return
