@@ -41,10 +41,14 @@ def _tolerance(t: Tensor) -> float:
 
 def _norm_children(module: nn.Module, d: int) -> list[tuple[str, nn.Module]]:
     """Leaf descendants that may normalise a head: torch's norms over ``d`` features, or any leaf module
-    whose parameters are all vectors of length ``d`` (a custom RMSNorm under any name)."""
+    whose parameters are all vectors of length ``d`` (a custom RMSNorm under any name). A module with buffers
+    is left out: calling a BatchNorm in training mode would update its running statistics, and the capture
+    must not change the model. They are called through ``forward`` (no hooks of theirs run)."""
     out = []
     for name, sub in module.named_modules():
         if not name or any(True for _ in sub.children()) or isinstance(sub, nn.Linear):
+            continue
+        if any(True for _ in sub.buffers(recurse=False)):
             continue
         params = list(sub.parameters(recurse=False))
         shaped = getattr(sub, "normalized_shape", None)
@@ -132,7 +136,7 @@ def read_layout(module: nn.Module, q: Tensor, k: Tensor, x: Tensor, kv: Tensor |
     for name, norm in pre:
         try:
             with torch.no_grad():
-                xin, sin = (x[:n], src[:n]) if norm is None else (norm(x[:n]), norm(src[:n]))
+                xin, sin = (x[:n], src[:n]) if norm is None else (norm.forward(x[:n]), norm.forward(src[:n]))
         except Exception:  # noqa: BLE001 - a child that is no norm over the input's width
             continue
         q_blocks, why_q = _assign(q, *_blocks(module, xin, d, norms), tol)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import warnings
 import weakref
+from copy import deepcopy
 
 import pytest
 import torch
@@ -332,3 +333,45 @@ def test_exception_in_later_module_of_wrapped_model_leaves_no_mode(tmp_path):
     monitor.close()
     assert_no_hooks(model)
     assert_no_function_mode()
+
+
+class _PerHeadWithBatchNorm(nn.Module):
+    """A module that normalises its own input (``norm``, TinyViT-style) before a qkv packed per head
+    [Q_h | K_h | V_h], and has a BatchNorm over as many features, registered first, applied to its output. The
+    kernel's q and k are projections of norm(x), so the layout inference tries the module's norm-like
+    children on the input: it must never run the BatchNorm (in training mode that updates its running
+    statistics, and the Monitor must not change the model)."""
+
+    def __init__(self, e: int = 8, heads: int = 2) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = heads, e // heads
+        self.bn = nn.BatchNorm1d(e)
+        self.norm = nn.LayerNorm(e)
+        self.qkv = nn.Linear(e, 3 * e)
+        self.proj = nn.Linear(e, e)
+
+    def forward(self, x):
+        b, t, e = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(b, t, self.num_heads, 3 * self.head_dim).transpose(1, 2).chunk(3, -1)
+        y = nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, e)
+        return self.bn(self.proj(y))
+
+
+def test_the_layout_inference_never_runs_a_norm_with_running_statistics(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(_PerHeadWithBatchNorm())
+    with torch.no_grad():  # a LayerNorm whose gains matter
+        model[0].norm.weight.uniform_(0.5, 2.0)
+        model[0].norm.bias.uniform_(-1.0, 1.0)
+    twin = deepcopy(model)
+    x = torch.randn(3, 8, 8)  # 8 tokens of width 8: a BatchNorm1d(8) would accept it as (batch, channels, length)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        monitor = Monitor(model, every=1, sinks=[MemorySink()])
+        model(x).sum().backward()
+        monitor.step(0)
+        monitor.close()
+    twin(x).sum().backward()
+    assert monitor.layers[0].layout.packing == "fused_per_head" and not monitor.refused  # read through norm
+    for name, buffer in model[0].bn.named_buffers():
+        assert torch.equal(buffer, dict(twin[0].bn.named_buffers())[name]), name
