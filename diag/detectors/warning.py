@@ -38,8 +38,8 @@ TODO = ("add or lengthen warmup, lower the learning rate, or bound the step (QK-
 # a warning in a run's first warn_window steps: near the collapse boundary such an early trend decides nothing yet
 # (docs/alerts.md#does-a-runs-outcome-survive-another-rounding); how often one is followed by a collapse is
 # measured in docs/alerts.md#collapse_warning
-EARLY = ("This early in a run the trend can still turn around (how often it does: the docs section at the end): watch "
-         "whether malignant_collapse follows. ")
+EARLY = ("This early in a run the trend can still turn around (how often: the docs section this alert links to); "
+         "watch whether malignant_collapse follows. ")
 
 
 class CollapseWarning:
