@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -87,6 +88,8 @@ def test_groups_and_order_of_a_fused_weight(qkv):
     _check(QKVLayout(H, D, "w", packing="fused_per_group", n_kv_heads=G, groups=2, order="kvq"), {"w": rows}, qkv)
     falcon = QKVLayout(H, D, "w", packing="fused_per_group", n_kv_heads=G)
     assert falcon.groups is None and "groups" not in falcon.describe()  # None: n_kv_heads groups, as before
+    from_numpy = QKVLayout(H, D, "w", packing="fused_per_group", groups=np.int64(2), order="qvk")  # from a config
+    assert type(from_numpy.groups) is int and json.dumps(from_numpy.to_dict())
 
 
 @pytest.mark.parametrize("kwargs, says", [
