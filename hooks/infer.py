@@ -20,7 +20,7 @@ from diag.layouts.infer import Block, layout_from_blocks, match_heads, profiles
 from diag.layouts.vocab import QKVLayout, bias_names, shape_problem
 from hooks.discovery import AttentionLayer, module_view
 
-__all__ = ["read_layout", "adopt"]
+__all__ = ["read_layout", "adopt", "query_source"]
 
 _NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)
 
@@ -119,12 +119,21 @@ def _value(module: nn.Module, q: Block, k: Block) -> str | None:
     return max(others, key=lambda n: difflib.SequenceMatcher(None, n, k.name).ratio())
 
 
+def query_source(x: Tensor, q: Tensor, k: Tensor, cross: bool) -> Tensor:
+    """What the queries were projected from: x, or its first tokens when the kernel got fewer queries than x
+    has tokens while its keys are all of x's (class attention: CaiT's and VOLO's class token queries)."""
+    if not cross and x.dim() == 3 and q.shape[2] < x.shape[1] == k.shape[2]:
+        return x[:, : q.shape[2]]
+    return x
+
+
 def read_layout(module: nn.Module, q: Tensor, k: Tensor, x: Tensor, kv: Tensor | None,
                 cross: bool) -> tuple[QKVLayout | None, str]:
     """The layout that reproduces the kernel's q (n, H, T, D) and k (n, G', S, D) from x (n, T, E) (and,
     for cross-attention, kv (n, S, E)), and a sentence on what was observed."""
     n, h, _, d = q.shape
     src = kv if (cross or k.shape[2] != x.shape[1]) and kv is not None else x
+    x = query_source(x, q, k, cross) if src is x else x  # class-token queries: the first tokens of x
     if x.shape[:2] != (n, q.shape[2]) or src.shape[1] != k.shape[2]:
         return None, f"kernel q {tuple(q.shape)}, k {tuple(k.shape)}; module input {tuple(x.shape)} is not their source"
     norms = _norm_children(module, d)

@@ -39,7 +39,7 @@ from diag.layouts.infer import same_split
 from diag.layouts.patterns import spec_text
 from diag.layouts.vocab import QKVLayout, bias_names, split_qkv, split_qkv_bias
 from hooks.discovery import AttentionLayer
-from hooks.infer import adopt, read_layout
+from hooks.infer import adopt, query_source, read_layout
 
 __all__ = ["Inputs", "Verdict", "module_inputs", "check_call", "spec_hint"]
 
@@ -271,12 +271,13 @@ def _check_norms(layer: AttentionLayer, q: Tensor, k: Tensor, x: Tensor, kv: Ten
         if found:
             biases[name] = params[found[0]].detach()
     bq, bk = split_qkv_bias(biases, lay)
-    if x.shape[-1] != wq.shape[-1] or x.shape[0] != q.shape[0] or x.shape[1] != q.shape[2]:
+    xq = query_source(x, q, k, lay.cross)
+    if x.shape[-1] != wq.shape[-1] or x.shape[0] != q.shape[0] or xq.shape[1] != q.shape[2]:
         return Verdict(checked="shapes")  # the first input is not what the projections read
     if not all(bool(torch.isfinite(t).all()) for t in (q, k, x, wq, wk)):
         return Verdict(checked="shapes")  # non-finite values cannot confirm or refute a layout
     tol = _tolerance(q)
-    dev = _deviation(q.norm(dim=-1), _projected_norms(x, wq, bq))
+    dev = _deviation(q.norm(dim=-1), _projected_norms(xq, wq, bq))
     if not dev <= tol:
         return Verdict(problem=f"the per-head norms of the kernel's q differ from the module input projected "
                        f"with the layout (deviation {dev:.3g} > {tol:.3g}): heads are split or ordered differently "

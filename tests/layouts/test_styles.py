@@ -99,3 +99,44 @@ def test_training_is_bit_identical_with_the_layout_read_from_the_computation(nam
     assert plain[0] == watched[0]
     assert all(torch.equal(a, b) for a, b in zip(plain[1], watched[1]))
     assert torch.equal(plain[2], watched[2])
+
+
+class _ClassAttention(torch.nn.Module):
+    """CaiT/VOLO-style class attention: queries from the class token only (``q`` on ``x[:, :1]``), keys and
+    values from every token (``kv``, rows [all K | all V]); ``last=True`` takes the query from the last token
+    instead, which no rule should confirm as 'the first tokens'."""
+
+    def __init__(self, heads: int = 4, last: bool = False) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.last = heads, E // heads, last
+        self.q = torch.nn.Linear(E, E)
+        self.kv = torch.nn.Linear(E, 2 * E)
+        self.proj = torch.nn.Linear(E, E)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        k, v = self.kv(x).reshape(b, t, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        token = x[:, -1:] if self.last else x[:, :1]
+        q = self.q(token).reshape(b, 1, self.num_heads, self.head_dim).transpose(1, 2)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, 1, E)
+        return torch.cat([self.proj(y), x[:, 1:]], dim=1)
+
+
+def test_class_token_queries_are_read_from_the_first_tokens():
+    """Queries projected from the first token(s) only, keys from all: the layout check and the inference read
+    the queries' source as those first tokens (before: 'the module input is not their source', and a names-only
+    layout was refused), and sigma_1 is the full SVD of each head's Wq_h^T Wk_h sliced by hand. A query taken
+    from the last token is not confirmed."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_ClassAttention())
+    monitor, record, checked, caught = run(model)
+    assert not monitor.refused and checked == {0: "q,k"}, caught
+    attn = model[0]
+    wq = attn.q.weight.detach().double().reshape(4, E // 4, E)
+    wk = attn.kv.weight.detach().double()[:E].reshape(4, E // 4, E)
+    for h in range(4):
+        sigma = torch.linalg.svdvals(wq[h].T @ wk[h])[0].item()
+        assert record.scalars[f"qk_sigma1/L00/H{h:02d}"] == pytest.approx(sigma, rel=REL)
+    torch.manual_seed(0)
+    monitor, _, _, caught = run(torch.nn.Sequential(_ClassAttention(last=True)))
+    assert monitor.refused, caught
