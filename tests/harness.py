@@ -1,14 +1,20 @@
 """Shared checks for tests that train with and without the Monitor: hook and function-mode leaks, state
-equality, a seeded training loop. Imported by tests in several folders (tests/ is on sys.path, see conftest.py).
+equality, a seeded training loop, one monitored step of a model nobody configured and its sigma_1 against the
+full SVD. Imported by tests in several folders (tests/ is on sys.path, see conftest.py).
 """
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
+
+import pytest
 import torch
 import torch.nn.modules.module as module_globals
 import zoo
 from torch import nn
 
+from diag.outputs.sinks import MemorySink
 from hooks import Monitor
 
 STEPS = 12
@@ -36,6 +42,32 @@ GLOBAL_HOOK_ATTRS = (
 
 
 # ------------------------------------------------------------------ helpers
+
+
+def one_step(model: nn.Module, loss: Callable[[], torch.Tensor], **monitor_kwargs):
+    """One training step with ``Monitor(model, every=1, sinks=[MemorySink()], **monitor_kwargs)``: ``loss()`` runs
+    the forward, its backward follows, then ``monitor.step(0)`` and ``close()``. Returns the monitor, the
+    record of step 0, what the layout check compared per layer (``capture.checked`` before close) and every
+    warning's text."""
+    sink = MemorySink()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monitor = Monitor(model, every=1, sinks=[sink], **monitor_kwargs)
+        value = loss()
+        value.backward()
+        checked = dict(monitor.capture.checked)
+        monitor.step(0, loss=value)
+        monitor.close()
+    return monitor, sink.records[0], checked, [str(w.message) for w in caught]
+
+
+def assert_sigma1_by_hand(scalars: dict, label: str, wq: torch.Tensor, wk: torch.Tensor, rel: float) -> None:
+    """Every head's logged ``qk_sigma1/<label>/Hxx`` equals the float64 full SVD of ``wq[h].T @ wk[h]`` (per-head
+    (H, D, E) weights sliced by hand, each test by its family's own documented split)."""
+    wq, wk = wq.detach().double(), wk.detach().double()
+    for h in range(wq.shape[0]):
+        sigma = torch.linalg.svdvals(wq[h].T @ wk[h])[0].item()
+        assert scalars[f"qk_sigma1/{label}/H{h:02d}"] == pytest.approx(sigma, rel=rel), (label, h)
 
 
 def hook_state(model: nn.Module) -> dict:

@@ -74,8 +74,8 @@ class Analysis:
             "layers": [{"label": la.label, "module": la.name, "adapter": la.layout.adapter,
                         "heads": la.layout.n_heads, "kv_heads": la.layout.kv_heads,
                         "head_dim": la.layout.head_dim, "packing": la.layout.packing,
-                        "kv_map": _kv_map(la.layout), "groups": getattr(la.layout, "groups", None),
-                        "order": getattr(la.layout, "order", "qkv")} for la in self.layers],
+                        "kv_map": _kv_map(la.layout), "groups": la.layout.groups,
+                        "order": la.layout.order} for la in self.layers],
             "metrics": {str(step): {label: {m: [_num(x) for x in v] for m, v in metrics.items() if m != "qk_spectrum"}
                                     for label, metrics in arrays.items()} for step, arrays in self.spectra.items()},
             "updates": {str(step): {label: {m: _num(v[0]) for m, v in metrics.items()}

@@ -102,36 +102,34 @@ def test_early_warning_needs_a_large_attention_logit():
     assert warned[0].values["attn_max_logit"] == pytest.approx(1.1 * line) and "largest logit" in warned[0].message
 
 
+# (step, sigma_1, entropy, rank, max logit) of one head in a no-warmup run's first steps, sampled every 2 steps
+EARLY_TREND = [(0, 0.1, 3.88, 32.0, 0.2), (2, 1.0, 3.07, 23.0, 8.9), (4, 3.3, 1.95, 10.0, 31.0)]
+
+
+def early_warnings(points, offset: int = 0):
+    """The collapse warnings the detectors raise on ``points`` (EARLY_TREND's form), its steps moved by offset."""
+    det, out = Detectors(), []
+    for step, sigma, entropy, rank, logit in points:
+        m = {"qk_sigma1": np.array([sigma]), "qk_sec": np.array([0.9]), **attn([entropy], [rank], rows=128),
+             "attn_max_logit": np.array([logit])}
+        out += det.observe(Observation(offset + step, None, {"L00": m}))
+    return [a for a in out if a.kind == "collapse_warning"]
+
+
 def test_early_warning_from_three_samples_in_a_run_s_first_steps():
     """A head of a no-warmup run can collapse within ten steps; the closer look samples it every 2 steps then.
     Three samples spanning 4 steps are a trend (x33, entropy -50%, rank -69%, logit 31 over 3 x 3.5);
     two samples are not."""
-    seq = [(0, 0.1, 3.88, 32.0, 0.2), (2, 1.0, 3.07, 23.0, 8.9), (4, 3.3, 1.95, 10.0, 31.0)]
-
-    def run(points):
-        det, out = Detectors(), []
-        for step, sigma, entropy, rank, logit in points:
-            m = {"qk_sigma1": np.array([sigma]), "qk_sec": np.array([0.9]), **attn([entropy], [rank], rows=128),
-                 "attn_max_logit": np.array([logit])}
-            out += det.observe(Observation(step, None, {"L00": m}))
-        return [a for a in out if a.kind == "collapse_warning"]
-
-    assert kinds(run(seq)) == [(4, "collapse_warning", "L00/H00")]
-    assert run([seq[0], seq[2]]) == []
+    assert kinds(early_warnings(EARLY_TREND)) == [(4, "collapse_warning", "L00/H00")]
+    assert early_warnings([EARLY_TREND[0], EARLY_TREND[2]]) == []
 
 
 def test_an_early_warning_says_the_trend_can_still_turn_around():
     """In a run's first warn_window steps the message says the outcome is open (docs/alerts.md#collapse_warning
     measures how often, over warnings in the first 20 steps); the same trend later in a run does not."""
-    seq = [(0, 0.1, 3.88, 32.0, 0.2), (2, 1.0, 3.07, 23.0, 8.9), (4, 3.3, 1.95, 10.0, 31.0)]
 
     def message(offset):
-        det, out = Detectors(), []
-        for step, sigma, entropy, rank, logit in seq:
-            m = {"qk_sigma1": np.array([sigma]), "qk_sec": np.array([0.9]), **attn([entropy], [rank], rows=128),
-                 "attn_max_logit": np.array([logit])}
-            out += det.observe(Observation(offset + step, None, {"L00": m}))
-        (warning,) = [a for a in out if a.kind == "collapse_warning"]
+        (warning,) = early_warnings(EARLY_TREND, offset)
         return warning.message
 
     assert "can still turn around" in message(0) and "What to do" in message(0)

@@ -33,6 +33,7 @@ import timm
 import torch
 import torch.nn.functional as F
 import zoo
+from harness import assert_sigma1_by_hand, one_step
 from references import assert_max_logits
 from torch import nn
 
@@ -372,8 +373,10 @@ def test_timm_vit_example_runs_and_writes_every_signal(tmp_path):
     assert f"tensorboard --logdir {tmp_path}" in result.stdout
 
 
-def _hand_sigma1(wq: torch.Tensor, wk: torch.Tensor) -> list[float]:
-    return [torch.linalg.svdvals(wq[h].T @ wk[h])[0].item() for h in range(wq.shape[0])]
+def _one_image_step(model: nn.Module, size: int, batch: int = 2, **monitor_kwargs):
+    """:func:`harness.one_step` on random images, the loss the mean square of the logits, no images written."""
+    x = torch.randn(batch, 3, size, size)
+    return one_step(model, lambda: model(x).pow(2).mean(), images=False, **monitor_kwargs)
 
 
 def test_maxvit_channels_last_windows_with_no_spec():
@@ -384,26 +387,18 @@ def test_maxvit_channels_last_windows_with_no_spec():
     sigma_1 of every head is the full SVD of Wq_h^T Wk_h sliced by hand as each module's flag says."""
     torch.manual_seed(0)
     model = timm.create_model("maxvit_tiny_tf_224", pretrained=False, num_classes=10, img_size=64).train()
-    sink = MemorySink()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        monitor = Monitor(model, every=1, sinks=[sink], images=False)
-        model(torch.randn(2, 3, 64, 64)).pow(2).mean().backward()
-        checked = set(monitor.capture.checked.values())
-        monitor.step(0, loss=1.0)
-        monitor.close()
-    assert not monitor.refused and checked == {"q,k"}, [str(w.message)[:300] for w in caught]
-    scalars = sink.records[0].scalars
+    monitor, record, checked, caught = _one_image_step(model, 64)
+    assert not monitor.refused and set(checked.values()) == {"q,k"}, [m[:300] for m in caught]
+    scalars = record.scalars
     for layer in monitor.layers:
         attn = dict(model.named_modules())[layer.name]
         heads, d = attn.num_heads, attn.dim_head
-        w = attn.qkv.weight.detach().double()
+        w = attn.qkv.weight
         if attn.head_first:  # by hand: per head [Q_h | K_h | V_h]
             wq, wk = w.reshape(heads, 3, d, -1)[:, 0], w.reshape(heads, 3, d, -1)[:, 1]
         else:  # [all Q | all K | all V]
             wq, wk = w.reshape(3, heads, d, -1)[0], w.reshape(3, heads, d, -1)[1]
-        for h, sigma in enumerate(_hand_sigma1(wq, wk)):
-            assert scalars[f"qk_sigma1/{layer.label}/H{h:02d}"] == pytest.approx(sigma, rel=REL)
+        assert_sigma1_by_hand(scalars, layer.label, wq, wk, rel=REL)
         assert f"attn_entropy/{layer.label}/H00" in scalars
 
 
@@ -416,14 +411,8 @@ def test_xcit_attention_across_channels_gets_its_spec_offered_and_then_its_weigh
 
     def run(spec=None):
         model = timm.create_model("xcit_nano_12_p16_224", pretrained=False, num_classes=10, img_size=64).train()
-        sink = MemorySink()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            monitor = Monitor(model, every=1, sinks=[sink], images=False, spec=spec)
-            model(torch.randn(2, 3, 64, 64)).pow(2).mean().backward()
-            monitor.step(0, loss=1.0)
-            monitor.close()
-        return model, monitor, sink.records[0].scalars, [str(w.message) for w in caught]
+        monitor, record, _, said = _one_image_step(model, 64, spec=spec)
+        return model, monitor, record.scalars, said
 
     _, monitor, _, said = run()
     xca = [i for i, layer in enumerate(monitor.layers) if type(layer.module).__name__ == "XCA"]
@@ -437,10 +426,9 @@ def test_xcit_attention_across_channels_gets_its_spec_offered_and_then_its_weigh
     assert not any(i in monitor.refused for i in xca), said[:2]
     for i in xca:
         layer = monitor.layers[i]
-        w = layer.module.qkv.weight.detach().double()
-        wq, wk = w[:128].reshape(4, 32, -1), w[128:256].reshape(4, 32, -1)  # by hand: [all Q | all K | all V]
-        for h, sigma in enumerate(_hand_sigma1(wq, wk)):
-            assert scalars[f"qk_sigma1/{layer.label}/H{h:02d}"] == pytest.approx(sigma, rel=REL)
+        w = layer.module.qkv.weight  # by hand: [all Q | all K | all V]
+        assert_sigma1_by_hand(scalars, layer.label, w[:128].reshape(4, 32, -1), w[128:256].reshape(4, 32, -1),
+                              rel=REL)
         assert f"attn_entropy/{layer.label}/H00" not in scalars
 
 
@@ -451,19 +439,11 @@ def test_tiny_vit_norm_inside_the_attention_module_with_no_spec():
     head is the full SVD of the raw Wq_h^T Wk_h sliced by hand."""
     torch.manual_seed(0)
     model = timm.create_model("tiny_vit_5m_224", pretrained=False, num_classes=10).train()
-    sink = MemorySink()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        monitor = Monitor(model, every=1, sinks=[sink], images=False)
-        model(torch.randn(1, 3, 224, 224)).pow(2).mean().backward()
-        checked = set(monitor.capture.checked.values())
-        monitor.step(0, loss=1.0)
-        monitor.close()
-    assert monitor.layers and not monitor.refused and checked == {"q,k"}, [str(w.message)[:300] for w in caught]
-    scalars = sink.records[0].scalars
+    monitor, record, checked, caught = _one_image_step(model, 224, batch=1)
+    assert monitor.layers and not monitor.refused and set(checked.values()) == {"q,k"}, [m[:300] for m in caught]
+    scalars = record.scalars
     for layer in monitor.layers:
         attn = dict(model.named_modules())[layer.name]
         assert attn.key_dim == attn.val_dim
-        w = attn.qkv.weight.detach().double().reshape(attn.num_heads, 3, attn.key_dim, -1)  # per head q, k, v
-        for h, sigma in enumerate(_hand_sigma1(w[:, 0], w[:, 1])):
-            assert scalars[f"qk_sigma1/{layer.label}/H{h:02d}"] == pytest.approx(sigma, rel=REL)
+        w = attn.qkv.weight.reshape(attn.num_heads, 3, attn.key_dim, -1)  # by hand: per head q, k, v
+        assert_sigma1_by_hand(scalars, layer.label, w[:, 0], w[:, 1], rel=REL)

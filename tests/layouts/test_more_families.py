@@ -4,14 +4,10 @@ of Wq_h^T Wk_h sliced by hand from the family's documented packing (not through 
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 import transformers  # in the test extra: never a skip
-
-from diag.outputs.sinks import MemorySink
-from hooks import Monitor
+from harness import assert_sigma1_by_hand, one_step
 
 V, E, NH, D = 50, 32, 4, 8
 REL = 1e-5
@@ -80,16 +76,7 @@ def _run(name: str, impl: str):
     model.config._attn_implementation = impl
     model.train()
     ids = torch.randint(0, V, (3, 10), generator=torch.Generator().manual_seed(1))
-    sink = MemorySink()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        monitor = Monitor(model, every=1, sinks=[sink])
-        out = model(input_ids=ids, labels=ids, attention_mask=torch.ones_like(ids))
-        out.loss.backward()
-        checked = dict(monitor.capture.checked)
-        monitor.step(0, loss=out.loss)
-        monitor.close()
-    return model, monitor, sink.records[0], checked, [str(w.message) for w in caught]
+    return (model, *one_step(model, lambda: model(input_ids=ids, labels=ids, attention_mask=torch.ones_like(ids)).loss))
 
 
 @pytest.mark.parametrize("name, impl", CASES, ids=[f"{n}-{i}" for n, i in CASES])
@@ -99,10 +86,7 @@ def test_family_is_exact_with_no_spec(name, impl):
     assert len(monitor.layers) == len(blocks) == 2
     assert checked == {0: "q,k", 1: "q,k"} and not monitor.refused, caught
     for layer, block in zip(monitor.layers, blocks):
-        wq, wk = (w.detach().double() for w in FAMILIES[name][3](block))
-        for h in range(NH):
-            sigma = torch.linalg.svdvals(wq[h].T @ wk[h])[0].item()
-            assert record.scalars[f"qk_sigma1/{layer.label}/H{h:02d}"] == pytest.approx(sigma, rel=REL), (name, h)
+        assert_sigma1_by_hand(record.scalars, layer.label, *FAMILIES[name][3](block), rel=REL)
 
 
 @pytest.mark.parametrize("tokens", [10, 16])  # 16: its padded token count divides the width (32)
@@ -117,24 +101,16 @@ def test_longformer_sliding_window_keeps_its_weight_side_signals(tokens):
     torch.manual_seed(0)
     model = transformers.LongformerModel(cfg).train()
     ids = torch.randint(1, V, (3, tokens), generator=torch.Generator().manual_seed(1))
-    sink = MemorySink()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        monitor = Monitor(model, every=1, sinks=[sink])
-        model(input_ids=ids).last_hidden_state.pow(2).mean().backward()
-        monitor.step(0, loss=1.0)
-        monitor.close()
-    said = [str(w.message) for w in caught if "diag:" in str(w.message)]
+    monitor, record, _, caught = one_step(model, lambda: model(input_ids=ids).last_hidden_state.pow(2).mean())
+    said = [m for m in caught if "diag:" in m]
     assert len(monitor.layers) == 2 and not monitor.refused, said
     assert any("sliding-window" in m and "weight-side signals are measured" in m for m in said), said
-    scalars = sink.records[0].scalars
+    scalars = record.scalars
     assert not any(t.startswith("attn_entropy/") for t in scalars)
     for layer, block in zip(monitor.layers, model.encoder.layer):
-        wq = block.attention.self.query.weight.detach().double().reshape(NH, D, E)
-        wk = block.attention.self.key.weight.detach().double().reshape(NH, D, E)
-        for h in range(NH):
-            sigma = torch.linalg.svdvals(wq[h].T @ wk[h])[0].item()
-            assert scalars[f"qk_sigma1/{layer.label}/H{h:02d}"] == pytest.approx(sigma, rel=REL)
+        attn = block.attention.self
+        assert_sigma1_by_hand(scalars, layer.label, attn.query.weight.reshape(NH, D, E),
+                              attn.key.weight.reshape(NH, D, E), rel=REL)
         assert f"grad_norm_q/{layer.label}/H00" in scalars
 
 
@@ -152,23 +128,12 @@ def test_codegen_groups_of_query_value_key_with_no_spec(impl):
     model.config._attn_implementation = impl
     model.train()
     ids = torch.randint(1, V, (3, 10), generator=torch.Generator().manual_seed(1))
-    sink = MemorySink()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        monitor = Monitor(model, every=1, sinks=[sink])
-        model(input_ids=ids).last_hidden_state.pow(2).mean().backward()
-        checked = dict(monitor.capture.checked)
-        monitor.step(0, loss=1.0)
-        monitor.close()
-    assert checked == {0: "q,k", 1: "q,k"} and not monitor.refused, [str(w.message) for w in caught]
+    monitor, record, checked, caught = one_step(model, lambda: model(input_ids=ids).last_hidden_state.pow(2).mean())
+    assert checked == {0: "q,k", 1: "q,k"} and not monitor.refused, caught
     layout = monitor.layers[0].layout
     assert (layout.packing, layout.groups, layout.order) == ("fused_per_group", 4, "qvk"), layout.describe()
-    scalars = sink.records[0].scalars
     e, local = nh * d, nh * d // 4
     for layer, block in zip(monitor.layers, model.h):
-        w = block.attn.qkv_proj.weight.detach().double().reshape(4, 3 * local, e)  # by hand: per group q, v, k
-        wq = w[:, :local].reshape(nh, d, e)
-        wk = w[:, 2 * local:].reshape(nh, d, e)
-        for h in range(nh):
-            sigma = torch.linalg.svdvals(wq[h].T @ wk[h])[0].item()
-            assert scalars[f"qk_sigma1/{layer.label}/H{h:02d}"] == pytest.approx(sigma, rel=REL)
+        w = block.attn.qkv_proj.weight.reshape(4, 3 * local, e)  # by hand: per group q, v, k
+        assert_sigma1_by_hand(record.scalars, layer.label, w[:, :local].reshape(nh, d, e),
+                              w[:, 2 * local:].reshape(nh, d, e), rel=REL)

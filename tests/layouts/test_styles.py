@@ -3,30 +3,19 @@ sigma_1 equals the float64 full SVD of its true W_q^T W_k (read through the mode
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
+from harness import assert_sigma1_by_hand, one_step
 from styles import STYLES, E, Net, per_head_weights
 
-from diag.outputs.sinks import MemorySink
 from hooks import Monitor
 
 REL = 1e-5
 
 
 def run(model, spec=None, seed: int = 1):
-    sink = MemorySink()
     x = torch.randn(3, 10, E, generator=torch.Generator().manual_seed(seed))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        monitor = Monitor(model, every=1, sinks=[sink], spec=spec)
-        loss = model(x).square().mean()
-        loss.backward()
-        checked = dict(monitor.capture.checked)
-        monitor.step(0, loss=loss)
-        monitor.close()
-    return monitor, sink.records[0], checked, [str(w.message) for w in caught]
+    return one_step(model, lambda: model(x).square().mean(), spec=spec)
 
 
 def assert_exact(monitor, record) -> None:
@@ -132,11 +121,8 @@ def test_class_token_queries_are_read_from_the_first_tokens():
     monitor, record, checked, caught = run(model)
     assert not monitor.refused and checked == {0: "q,k"}, caught
     attn = model[0]
-    wq = attn.q.weight.detach().double().reshape(4, E // 4, E)
-    wk = attn.kv.weight.detach().double()[:E].reshape(4, E // 4, E)
-    for h in range(4):
-        sigma = torch.linalg.svdvals(wq[h].T @ wk[h])[0].item()
-        assert record.scalars[f"qk_sigma1/L00/H{h:02d}"] == pytest.approx(sigma, rel=REL)
+    assert_sigma1_by_hand(record.scalars, "L00", attn.q.weight.reshape(4, E // 4, E),
+                          attn.kv.weight[:E].reshape(4, E // 4, E), rel=REL)
     torch.manual_seed(0)
     monitor, _, _, caught = run(torch.nn.Sequential(_ClassAttention(last=True)))
     assert monitor.refused, caught

@@ -5,14 +5,10 @@ heads (``repeat(k, 'b h ... -> b (r h) ...')``), so query head h reads key head 
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 import x_transformers  # in the test extra: a missing install is an error here, never a skip
-
-from diag.outputs.sinks import MemorySink
-from hooks import Monitor
+from harness import one_step
 
 V, E, NH, D = 50, 32, 4, 8
 
@@ -31,16 +27,7 @@ def _run(variant: str):
         dim=E, depth=2, heads=NH, attn_dim_head=D, **VARIANTS[variant]))
     model.train()
     ids = torch.randint(0, V, (3, 10), generator=torch.Generator().manual_seed(1))
-    sink = MemorySink()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        monitor = Monitor(model, every=1, sinks=[sink])
-        loss = model(ids).logsumexp(-1).mean()
-        loss.backward()
-        checked = dict(monitor.capture.checked)
-        monitor.step(0, loss=loss)
-        monitor.close()
-    return monitor, sink.records[0], checked, [str(w.message) for w in caught]
+    return one_step(model, lambda: model(ids).logsumexp(-1).mean())
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
