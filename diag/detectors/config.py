@@ -57,7 +57,7 @@ class AlertConfig:
     plateau_uniformity: float = 0.72  # ... and attention entropy is at least this fraction of uniform's (0: off)
     eureka_depth: float = 0.425  # the loss at most 1 - this of the plateau's level (when it was flagged) ...
     eureka_drop: float = 0.25  # ... and this far (relative) below the plateau's own trend ...
-    eureka_noise: float = 2.0  # ... and this many noise deviations of the plateau below it, for 2 samples
+    eureka_noise: float = 2.0  # ... and this many noise deviations of the plateau below it, at 2 samples
     eureka_span: int = 20  # ... the median loss of the samples of the last this many steps (one batch is noise)
     # loss spikes (spike.py)
     spike_sigma: float = 6.0  # loss above EMA + spike_sigma * EMA std is a spike

@@ -8,13 +8,13 @@ window holds them, ``sigma_1(Wq^T Wk)`` grew by at most ``plateau_qk_growth`` (t
 the attention entropy is at least ``plateau_uniformity`` of uniform's: attention is what stopped learning (a
 flat loss while the query/key product still grows, or with attention already focused, is another state). The
 plateau is an episode, ``since`` the first sample of the window inside its band (at most ``1 + plateau_rel``
-times the level); while it lasts its trend is refitted. The Eureka-moment: the loss,
-the median of the samples of the last ``eureka_span`` steps, is for two samples in a row at most
-``1 - eureka_depth`` of the plateau's level (its trend at the step it was flagged: how deep the drop is) and
-below the plateau's own extrapolated trend by ``eureka_drop`` of it and by ``eureka_noise`` times the
-plateau's noise (it leaves the plateau against the plateau's own trend: a slow sink that the trend follows
-down to the depth line is no moment), while the Q/K gradient share rises above its plateau mean or the attention entropy
-falls below it (when those signals are there). The moment closes the plateau (one ``resolved`` record).
+times the level); while it lasts its trend is refitted. The Eureka-moment: the loss, the median of the samples
+of the last ``eureka_span`` steps, is at two samples (in a row, or with one sample over the line between them)
+at most ``1 - eureka_depth`` of the plateau's level (its trend at the step it was flagged: how deep the drop is)
+and below the plateau's own extrapolated trend by ``eureka_drop`` of it and by ``eureka_noise`` times the
+plateau's noise (it leaves the plateau against the plateau's own trend: a slow sink that the trend follows down
+to the depth line is no moment), while the Q/K gradient share rises above its plateau mean or the attention
+entropy falls below it (when those signals are there). The moment closes the plateau (one ``resolved`` record).
 """
 
 from __future__ import annotations
@@ -112,7 +112,8 @@ class Plateau:
         self.first_loss: float | None = None
         # while one lasts: {"since", "a", "b", "noise", "ratio", "entropy", "level"}
         self.plateau: dict | None = None
-        self.below: list[list[float]] = []  # consecutive samples whose smoothed loss is under the trend line
+        self.below: list[list[float]] = []  # the samples whose smoothed loss is under the moment's line ...
+        self.gap = 0  # ... with this many samples over it since the last one under (0 or 1)
         self.recent: list[list[float]] = []  # the samples of the last eureka_span steps (the smoothed loss)
         self.start: int | None = None  # the first step of the current watch (the run's, or after a moment)
 
@@ -184,14 +185,19 @@ class Plateau:
         self.recent = [q for q in self.recent if q[0] > step - self.cfg.eureka_span] + [point[:4]]
         smoothed = float(np.median([q[1] for q in self.recent]))  # the same steps at any interval
         if smoothed > expected - drop:
-            self.below = []
+            # one sample back over the line between two under it does not reset the count (at a coarse cadence one
+            # noisy batch would otherwise push the moment a whole interval or more later); a second one does
+            self.gap = 0 if not self.below or self.gap else 1
+            self.below = self.below if self.gap else []
             # the smoothed loss's own standard error: a median of n samples scatters ~1.25 sigma / sqrt(n)
             margin = REFIT_SE * 1.25 * p["noise"] / math.sqrt(len(self.recent))
             # on the plateau, not on its way down: neither the smoothed loss nor this sample (3 noise deviations:
             # the first samples of a drop, which the median still hides) is under the trend
             if smoothed >= expected - min(margin, 0.5 * trend_drop) and point[1] >= expected - 3.0 * p["noise"]:
+                self.below, self.gap = [], 0  # back on the plateau
                 self._refit(point)
             return []
+        self.gap = 0
         self.below.append(point[:4])
         rising = math.isfinite(point[2]) and point[2] > p["ratio"]
         sharper = math.isfinite(point[3]) and point[3] < p["entropy"]
@@ -200,7 +206,7 @@ class Plateau:
             return []
         since = int(self.below[0][0])
         duration = since - p["since"]
-        self.plateau, self.below, self.losses, self.start = None, [], [], None
+        self.plateau, self.below, self.gap, self.losses, self.start = None, [], 0, [], None
         self.recent = []
         deep = f", {1 - smoothed / level:.0%} under its level {level:.4g} when flagged" if level > 0 else ""
         values = {"loss": smoothed, "plateau": expected, "plateau_level": level,
@@ -230,7 +236,8 @@ class Plateau:
         # the plateau's entry tests have a key of their own
         return {"losses": [p[1] for p in self.losses], "loss_points": [[p[0], p[2], p[3]] for p in self.losses],
                 "loss_signals": [[p[4], p[5]] for p in self.losses],
-                "first_loss": self.first_loss, "plateau": self.plateau, "below": self.below, "loss_start": self.start,
+                "first_loss": self.first_loss, "plateau": self.plateau, "below": self.below, "below_gap": self.gap,
+                "loss_start": self.start,
                 "recent": self.recent}
 
     def load_state_dict(self, state: dict) -> None:
@@ -244,5 +251,6 @@ class Plateau:
         self.first_loss = state.get("first_loss")
         self.plateau = state.get("plateau") if isinstance(state.get("plateau"), dict) else None
         self.below = [list(p) for p in state.get("below", [])]
+        self.gap = 1 if state.get("below_gap") == 1 and self.below else 0
         self.recent = [list(p) for p in state.get("recent", [])]
         self.start = state.get("loss_start", self.losses[0][0] if self.losses else None)

@@ -199,6 +199,37 @@ def test_the_moment_is_marked_where_the_loss_is_deep_under_the_plateaus_level():
     assert early.since < cross - 20
 
 
+def test_one_noisy_sample_back_over_the_line_does_not_delay_the_moment_but_two_do():
+    """Sampled every 20 steps, the median of the last 20 steps is one batch: on held-out Eureka seed 22 the loss
+    crossed the depth line at 520, one noisy batch at 540 was back over it, and the moment waited for 560 and 580
+    (3 intervals after the accuracy jump at 500). One sample over the line between two under it no longer resets
+    the count; two in a row still do, and a sample back on the plateau's trend does."""
+    plateau = [1.4] * 25  # steps 0-480, sampled every 20
+    level_line = 0.575 * 1.4  # 0.805
+    moments, _ = _moments(np.repeat(plateau + [0.78, 0.83, 0.76, 0.70, 0.6, 0.5], 20), every=20)
+    assert [m.since for m in moments] == [500]  # was 540
+    # two samples over the line in a row: the count starts again at 560
+    moments, _ = _moments(np.repeat(plateau + [0.78, 0.83, 0.84, 0.76, 0.70, 0.6], 20), every=20)
+    assert [m.since for m in moments] == [560]
+    # a sample back on the plateau (1.4) between two under the line: no moment from the lone sample before it
+    moments, _ = _moments(np.repeat(plateau + [0.78, 1.4, 0.76, 0.70, 0.6], 20), every=20)
+    assert [m.since for m in moments] == [540]
+    assert 0.76 < level_line < 0.83
+
+
+def test_a_sample_over_the_moments_line_between_two_under_it_survives_a_resume():
+    det = Detectors(AlertConfig())
+    for step, loss in zip(range(0, 560, 20), [1.4] * 25 + [0.78, 0.83]):
+        assert not [a for a in det.observe(Observation(step, loss, {"L00": {"grad_ratio_qk_v": np.array(
+            [0.3 if step < 500 else 0.6])}})) if a.kind == "eureka_moment"]
+    state = json.loads(json.dumps(det.state_dict()))
+    assert state["below_gap"] == 1 and len(state["below"]) == 1
+    resumed = Detectors(AlertConfig())
+    resumed.load_state_dict(state)
+    out = resumed.observe(Observation(540, 0.76, {"L00": {"grad_ratio_qk_v": np.array([0.6])}}))
+    assert [a.since for a in out if a.kind == "eureka_moment"] == [500]
+
+
 def test_a_plateau_that_sinks_slowly_to_the_depth_line_is_no_moment():
     """A loss that keeps sinking slowly and smoothly past the depth line (1.4 falling 0.3% per 10 steps crosses
     0.575 x its level near step 2000) is no moment: the plateau's trend follows it (the refit), and the loss must
