@@ -32,6 +32,7 @@ from __future__ import annotations
 import inspect
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
@@ -39,7 +40,7 @@ from torch.utils.hooks import RemovableHandle
 from diag.math.attention import AttentionStats, stats_from_logits, valid_query_rows
 from hooks.discovery import AttentionLayer
 from hooks.kernels import Product, Seen, Unsupported, excluded_keys, is_attention_call, product_operands, read_call
-from hooks.verify import Inputs, Verdict, check_call, module_inputs
+from hooks.verify import Inputs, Verdict, check_call, module_inputs, with_keys_from
 
 __all__ = ["AttentionCapture", "Seen"]
 
@@ -62,23 +63,41 @@ class _Mode(TorchFunctionMode):
 
     ``products`` keeps the operands of the latest few 3-D to 5-D products (``q @ k^T``, ``bmm``,
     ``baddbmm``, ``einsum``; DeBERTa makes two relative-position products after ``q @ k^T``), so
-    that the softmax after them knows its q and k.
+    that the softmax after them knows its q and k. ``key_weight``: the key projection's own weight
+    where it is a module of its own (``separate`` and ``q_kv`` packings), to keep what the latest
+    ``F.linear`` with it read (``key_input``): keys computed from something other than the module's
+    input (Twins', PVT's and SegFormer's keys come from a strided convolution of it) are then
+    checked against what they were really projected from.
     """
 
-    def __init__(self, capture: AttentionCapture) -> None:
+    def __init__(self, capture: AttentionCapture, key_weight: Tensor | None = None) -> None:
         super().__init__()
         self.capture = capture
         self.products: tuple[Product, ...] = ()
+        self.key_weight = key_weight
+        self.key_input: Tensor | None = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self.key_weight is not None and func is F.linear:
+            weight = args[1] if len(args) > 1 else kwargs.get("weight")
+            if weight is self.key_weight and args and isinstance(args[0], Tensor):
+                self.key_input = args[0]  # a reference, dropped when the module's forward ends
         product = product_operands(func, args, kwargs, out)
         if product is not None:
             self.products = self.products[-(_PRODUCTS - 1):] + (product,)
         elif is_attention_call(func, args, kwargs):
             self.capture._record(func, args, kwargs, self.products)
         return out
+
+
+def _key_weight(layer: AttentionLayer) -> Tensor | None:
+    """The key projection's weight where it is a parameter of its own (separate, q_kv)."""
+    lay = layer.layout
+    if lay.packing not in ("separate", "q_kv") or lay.k is None:
+        return None
+    return dict(layer.module.named_parameters()).get(lay.k)
 
 
 def _attention_mask(module: nn.Module, args: tuple, kwargs: dict) -> Tensor | None:
@@ -190,7 +209,9 @@ class AttentionCapture:
             self._active = layer
             self._calls[layer.index] = 0
             self._inputs = (module_inputs(args, kwargs, self.n_seqs), _time_first(args, kwargs, self.n_seqs))
-            self._mode = _Mode(self)
+            # the key projection's input matters only until the layout is confirmed
+            key_weight = None if layer.index in self._confirmed else _key_weight(layer)
+            self._mode = _Mode(self, key_weight)
             self._mode.__enter__()
 
         return hook
@@ -257,6 +278,9 @@ class AttentionCapture:
         if confirmed is not None:
             return Verdict(checked=confirmed)
         batch_first, time_first = self._inputs or (None, None)
+        key_input = None if self._mode is None else self._mode.key_input
+        batch_first = with_keys_from(batch_first, key_input, self.n_seqs)
+        time_first = with_keys_from(time_first, key_input, self.n_seqs, time_first=True)
         length = None if seen.q is None else seen.q.shape[2]
 
         def fits(inputs: Inputs | None) -> bool:  # the input's second dim is the query length

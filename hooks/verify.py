@@ -13,7 +13,9 @@ where the model shows how it really splits its heads, so it is checked there:
   those of ``x @ Wq_h^T + bq_h`` sliced with the layout, up to one common factor
   (a model may scale q before the kernel); RoPE rotates within a head and keeps
   norms. Likewise for k, from ``x`` (self-attention) or from the keyword
-  ``key_value_states`` / ``encoder_hidden_states`` (cross-attention), with key
+  ``key_value_states`` / ``encoder_hidden_states`` (cross-attention), or, when k
+  has another number of tokens and the key projection is a module of its own, from
+  what its ``F.linear`` read (keys from a strided convolution: PVT, Twins), with key
   head ``h // (n_heads / n_kv_heads)`` for query head h when the model repeated
   them. Eager attention: the operands of the 4-D matmul that produced the softmax
   input (``q @ k^T``) are checked the same way; when the logits come from
@@ -41,7 +43,7 @@ from diag.layouts.vocab import QKVLayout, bias_names, split_qkv, split_qkv_bias
 from hooks.discovery import AttentionLayer
 from hooks.infer import adopt, query_source, read_layout
 
-__all__ = ["Inputs", "Verdict", "module_inputs", "check_call", "spec_hint"]
+__all__ = ["Inputs", "Verdict", "module_inputs", "with_keys_from", "check_call", "spec_hint"]
 
 log = logging.getLogger("diag")
 
@@ -51,10 +53,12 @@ _KV_KEYS = ("key_value_states", "encoder_hidden_states")
 
 @dataclass
 class Inputs:
-    """The module's input (n, T, E) and, for cross-attention, its key/value source (n, S, E)."""
+    """The module's input (n, T, E) and, for cross-attention, its key/value source (n, S, E); ``keys_from``:
+    what the key projection itself read (n, S, E), where it is a module of its own and the capture saw it."""
 
     x: Tensor | None = None
     kv: Tensor | None = None
+    keys_from: Tensor | None = None
 
 
 @dataclass
@@ -74,6 +78,15 @@ def _first_3d(values, n: int) -> Tensor | None:
                 return None
             return v[:n] if v.dim() == 3 else v[:n].flatten(1, 2)
     return None
+
+
+def with_keys_from(inputs: Inputs | None, key_input: Tensor | None, n: int, time_first: bool = False) -> Inputs | None:
+    """``inputs`` with the key projection's own input added (read (T, B, E) when ``time_first``)."""
+    if inputs is None or key_input is None or key_input.dim() not in (3, 4):
+        return inputs
+    if time_first and key_input.dim() == 3:
+        key_input = key_input.transpose(0, 1)
+    return Inputs(inputs.x, inputs.kv, _first_3d([key_input], n))
 
 
 def module_inputs(args: tuple, kwargs: dict, n: int) -> Inputs:
@@ -206,7 +219,8 @@ def check_call(layer: AttentionLayer, seen, inputs: Inputs | None, n: int) -> Ve
     x = None if inputs is None else inputs.x
     visible = seen.q is not None and seen.k is not None and x is not None
     if problem is None:
-        verdict = _check_norms(layer, seen.q[:n], seen.k[:n], x, inputs.kv) if visible and lay.verify else None
+        verdict = (_check_norms(layer, seen.q[:n], seen.k[:n], x, inputs.kv, inputs.keys_from)
+                   if visible and lay.verify else None)
         if verdict is None or verdict.problem is None:
             checked = verdict.checked if verdict else ("heads" if seen.logits is not None and seen.q is None
                                                        else "shapes")
@@ -261,7 +275,8 @@ def _projected_norms(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
     return y.norm(dim=-1)
 
 
-def _check_norms(layer: AttentionLayer, q: Tensor, k: Tensor, x: Tensor, kv: Tensor | None) -> Verdict:
+def _check_norms(layer: AttentionLayer, q: Tensor, k: Tensor, x: Tensor, kv: Tensor | None,
+                 keys_from: Tensor | None = None) -> Verdict:
     lay = layer.layout
     params = dict(layer.module.named_parameters())
     wq, wk, _ = split_qkv({name: params[name].detach() for name in lay.param_names}, lay)  # K unpaired (G)
@@ -284,6 +299,8 @@ def _check_norms(layer: AttentionLayer, q: Tensor, k: Tensor, x: Tensor, kv: Ten
                        "(or the q bias is not named like its weight, or the module transforms its input "
                        "before projecting: then QKVLayout(..., verify=False))")
     source = kv if lay.cross else x
+    if (source is None or source.shape[1] != k.shape[2]) and keys_from is not None:
+        source = keys_from  # keys projected from another sequence than the input (a strided convolution of it)
     if source is None or source.shape[-1] != wk.shape[-1] or source.shape[0] != k.shape[0]:
         return Verdict(checked="q")
     if source.shape[1] != k.shape[2]:

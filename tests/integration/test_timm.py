@@ -447,3 +447,47 @@ def test_tiny_vit_norm_inside_the_attention_module_with_no_spec():
         assert attn.key_dim == attn.val_dim
         w = attn.qkv.weight.reshape(attn.num_heads, 3, attn.key_dim, -1)  # by hand: per head q, k, v
         assert_sigma1_by_hand(scalars, layer.label, w[:, 0], w[:, 1], rel=REL)
+
+
+@pytest.mark.parametrize("name", ["pvt_v2_b0", "twins_pcpvt_small"])
+def test_keys_from_a_sub_sampled_grid_with_no_spec(name):
+    """PVT-v2's Attention and Twins' GlobalSubSampleAttn project queries from every token and keys and values
+    (``kv``, rows [all K | all V]) from ``norm(sr(x))``, a strided convolution of the token grid: the kernel's
+    k has fewer tokens than the module's input. The capture checks k against what ``kv`` itself read (before:
+    only q could be compared, the names' proposal was not confirmed and every sub-sampled layer was refused:
+    6 of 8 and 13 of 16). sigma_1 against the full SVD of the hand-sliced product; attention entropy against
+    float64 per-head probabilities from the inputs ``q`` and ``kv`` really got."""
+    torch.manual_seed(0)
+    kwargs = {} if name.startswith("pvt") else {"img_size": 64}
+    model = timm.create_model(name, pretrained=False, num_classes=10, **kwargs).train()
+    seen: dict[str, dict[str, torch.Tensor]] = {}
+    attns = {n: m for n, m in model.named_modules() if hasattr(m, "kv") and hasattr(m, "q")}
+    handles = [getattr(m, part).register_forward_pre_hook(
+        lambda mod, args, n=n, part=part: seen.setdefault(n, {}).setdefault(part, args[0].detach()))
+        for n, m in attns.items() for part in ("q", "kv")]
+    try:
+        monitor, record, checked, caught = _one_image_step(model, 64)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert len(monitor.layers) == len(attns) and not monitor.refused, [m[:300] for m in caught]
+    assert set(checked.values()) == {"q,k"}, checked
+    scalars = record.scalars
+    for layer in monitor.layers:
+        attn = attns[layer.name]
+        heads, width = attn.num_heads, attn.q.weight.shape[0]
+        d = width // heads
+        wk = attn.kv.weight[:width]  # by hand: [all K | all V]
+        assert_sigma1_by_hand(scalars, layer.label, attn.q.weight.reshape(heads, d, -1), wk.reshape(heads, d, -1),
+                              rel=REL)
+        with torch.no_grad():
+            x, src = seen[layer.name]["q"][:N_SEQ].double(), seen[layer.name]["kv"][:N_SEQ].double()
+            q = x @ attn.q.weight.double().T + attn.q.bias.double()
+            k = src @ wk.double().T + attn.kv.bias[:width].double()
+            logits = torch.stack([q[..., h * d:(h + 1) * d] @ k[..., h * d:(h + 1) * d].transpose(-1, -2)
+                                  for h in range(heads)], dim=1) * attn.scale
+            allowed = torch.ones(N_SEQ, q.shape[1], k.shape[1], dtype=torch.bool)
+            entropy, rank = stats_from_probabilities_reference(logits.softmax(-1), allowed, 256)
+        for h in range(heads):
+            assert scalars[f"attn_entropy/{layer.label}/H{h:02d}"] == pytest.approx(float(entropy[h]), rel=REL)
+            assert scalars[f"attn_rank/{layer.label}/H{h:02d}"] == pytest.approx(float(rank[h]), rel=REL)

@@ -137,3 +137,30 @@ def test_codegen_groups_of_query_value_key_with_no_spec(impl):
         w = block.attn.qkv_proj.weight.reshape(4, 3 * local, e)  # by hand: per group q, v, k
         assert_sigma1_by_hand(record.scalars, layer.label, w[:, :local].reshape(nh, d, e),
                               w[:, 2 * local:].reshape(nh, d, e), rel=REL)
+
+
+@pytest.mark.parametrize("family", ["segformer", "pvt_v2"])
+def test_keys_from_a_sub_sampled_grid_are_checked_with_no_spec(family):
+    """SegFormer's and PVT-v2's efficient self-attention project keys from ``layer_norm(sr(x))``, a strided
+    convolution of the token grid, so the kernel's k has fewer tokens than the module's input: it is checked
+    against what the key projection itself read (before: q alone, "q"). sigma_1 from the query and key weights
+    sliced by hand."""
+    kwargs = {"num_encoder_blocks": 2, "depths": [1, 1], "sr_ratios": [4, 2], "hidden_sizes": [32, 64],
+              "num_attention_heads": [1, 2], "patch_sizes": [7, 3], "strides": [4, 2], "mlp_ratios": [2, 2]}
+    if family == "segformer":
+        model = transformers.SegformerModel(transformers.SegformerConfig(decoder_hidden_size=32, **kwargs))
+    else:
+        model = transformers.PvtV2Model(transformers.PvtV2Config(**kwargs))
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 64, 64)
+    monitor, record, checked, caught = one_step(model.train(), lambda: model(x).last_hidden_state.pow(2).mean())
+    assert len(monitor.layers) == 2 and not monitor.refused and checked == {0: "q,k", 1: "q,k"}, (checked, caught)
+    for layer in monitor.layers:
+        heads, attn = layer.layout.n_heads, layer.module
+        # transformers 5's SegFormer names them q_proj/k_proj, PVT-v2 query/key
+        wq, wk = (attn.q_proj.weight, attn.k_proj.weight) if family == "segformer" else (attn.query.weight,
+                                                                                         attn.key.weight)
+        d = wq.shape[0] // heads
+        assert_sigma1_by_hand(record.scalars, layer.label, wq.reshape(heads, d, -1), wk.reshape(heads, d, -1),
+                              rel=REL)
+        assert f"attn_entropy/{layer.label}/H00" in record.scalars

@@ -1,0 +1,113 @@
+"""Keys projected from another sequence than the module's input, as in Twins' global sub-sampled attention,
+PVT-v2 and SegFormer: ``k, v = kv(norm(conv_stride_r(x)))`` while ``q = q(x)``. The key projection is a module
+of its own, so the capture keeps what its ``F.linear`` read and checks the kernel's k against it: with zero
+configuration such a layer is confirmed on q and k (before, k could not be compared and a layout proposed from
+the names was refused), its metrics equal a float64 per-head reference, and a key split that disagrees with the
+model is refused instead of being measured on q alone.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from harness import assert_sigma1_by_hand, one_step
+from torch import nn
+
+from diag.layouts.vocab import QKVLayout
+from diag.math.attention import stats_from_probabilities_reference
+
+E, H, SIDE, B = 32, 4, 4, 3
+D = E // H
+REL = 1e-6
+
+
+class SubSampled(nn.Module):
+    """Queries from every token, keys and values from a ``ratio`` x ``ratio`` strided convolution of the token
+    grid. ``interleaved``: the kv projection's rows are [K_h | V_h] per head, not [K | V]."""
+
+    def __init__(self, ratio: int, interleaved: bool = False) -> None:
+        super().__init__()
+        self.num_heads, self.ratio, self.interleaved = H, ratio, interleaved
+        self.q = nn.Linear(E, E)
+        self.kv = nn.Linear(E, 2 * E)
+        self.sr = nn.Conv2d(E, E, ratio, stride=ratio)
+        self.norm = nn.LayerNorm(E)
+        self.proj = nn.Linear(E, E)
+
+    def keys_from(self, x: torch.Tensor) -> torch.Tensor:
+        grid = x.transpose(1, 2).reshape(x.shape[0], E, SIDE, SIDE)
+        return self.norm(self.sr(grid).flatten(2).transpose(1, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q = self.q(x).reshape(b, n, H, D).transpose(1, 2)
+        kv = self.kv(self.keys_from(x))
+        if self.interleaved:
+            k, v = kv.reshape(b, -1, H, 2, D).unbind(3)
+        else:
+            k, v = kv.reshape(b, -1, 2, H, D).unbind(2)
+        out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2))
+        return self.proj(out.transpose(1, 2).reshape(b, n, E))
+
+
+class Pyramid(nn.Module):
+    def __init__(self, interleaved: bool = False) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([SubSampled(2, interleaved), SubSampled(4, interleaved)])
+        self.inputs: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.inputs = []
+        for block in self.blocks:
+            self.inputs.append(x)
+            x = x + block(x)
+        return x
+
+
+def _batch() -> torch.Tensor:
+    return torch.randn(B, SIDE * SIDE, E, generator=torch.Generator().manual_seed(3))
+
+
+def test_keys_from_a_strided_convolution_are_checked_against_what_the_key_projection_read():
+    torch.manual_seed(0)
+    model = Pyramid().train()
+    x = _batch()
+    monitor, record, checked, caught = one_step(model, lambda: model(x).pow(2).mean())
+    assert monitor.refused == {} and checked == {0: "q,k", 1: "q,k"}, (monitor.refused, checked, caught)
+    scalars = record.scalars
+    for i, block in enumerate(model.blocks):
+        label = f"L{i:02d}"
+        assert_sigma1_by_hand(scalars, label, block.q.weight.reshape(H, D, E), block.kv.weight[:E].reshape(H, D, E),
+                              rel=1e-5)
+        with torch.no_grad():  # float64, per head, keys from the block's own sub-sampled grid
+            inp = model.inputs[i][:2].double()  # the capture reads the first 2 sequences
+            q = inp @ block.q.weight.double().T + block.q.bias.double()
+            grid = inp.transpose(1, 2).reshape(2, E, SIDE, SIDE)
+            sub = F.conv2d(grid, block.sr.weight.double(), block.sr.bias.double(), stride=block.ratio)
+            src = F.layer_norm(sub.flatten(2).transpose(1, 2), (E,), block.norm.weight.double(),
+                               block.norm.bias.double(), block.norm.eps)
+            k = src @ block.kv.weight[:E].double().T + block.kv.bias[:E].double()
+            logits = torch.stack([q[..., h * D:(h + 1) * D] @ k[..., h * D:(h + 1) * D].transpose(-1, -2)
+                                  for h in range(H)], dim=1) / math.sqrt(D)
+            allowed = torch.ones(2, SIDE * SIDE, k.shape[1], dtype=torch.bool)
+            entropy, _ = stats_from_probabilities_reference(logits.softmax(-1), allowed, 256)
+        got = [scalars[f"attn_entropy/{label}/H{h:02d}"] for h in range(H)]
+        assert got == pytest.approx(entropy.tolist(), rel=REL), label
+
+
+def test_a_key_split_that_disagrees_with_the_model_is_refused_not_measured_on_q_alone():
+    """The model packs kv per head [K_h | V_h]; a spec reading it as [K | V] splits keys wrongly. Only k shows
+    it, and k is projected from the sub-sampled grid: before, the check compared q alone and measured the
+    wrong keys."""
+    torch.manual_seed(0)
+    model = Pyramid(interleaved=True).train()
+    x = _batch()
+    spec = {"blocks.*": QKVLayout(n_heads=H, head_dim=D, packing="q_kv", q="q.weight", k="kv.weight")}
+    monitor, record, checked, caught = one_step(model, lambda: model(x).pow(2).mean(), spec=spec)
+    assert sorted(monitor.refused) == [0, 1], (monitor.refused, checked)
+    assert not any(t.startswith(("qk_sigma1/", "attn_entropy/")) for t in record.scalars)
+    said = " ".join(caught)
+    assert "kernel's k" in said and "blocks.0" in said, said
