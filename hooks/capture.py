@@ -64,10 +64,10 @@ class _Mode(TorchFunctionMode):
     ``products`` keeps the operands of the latest few 3-D to 5-D products (``q @ k^T``, ``bmm``,
     ``baddbmm``, ``einsum``; DeBERTa makes two relative-position products after ``q @ k^T``), so
     that the softmax after them knows its q and k. ``key_weight``: the key projection's own weight
-    where it is a module of its own (``separate`` and ``q_kv`` packings), to keep what the latest
-    ``F.linear`` with it read (``key_input``): keys computed from something other than the module's
-    input (Twins', PVT's and SegFormer's keys come from a strided convolution of it) are then
-    checked against what they were really projected from.
+    where it is a module of its own (``separate`` and ``q_kv`` packings), to keep what the
+    ``F.linear`` calls with it read (``key_inputs``, the last few): keys computed from something other
+    than the module's input (Twins', PVT's and SegFormer's keys come from a strided convolution of
+    it) are then checked against what they were really projected from.
     """
 
     def __init__(self, capture: AttentionCapture, key_weight: Tensor | None = None) -> None:
@@ -75,7 +75,7 @@ class _Mode(TorchFunctionMode):
         self.capture = capture
         self.products: tuple[Product, ...] = ()
         self.key_weight = key_weight
-        self.key_input: Tensor | None = None
+        self.key_inputs: list[Tensor] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -83,7 +83,8 @@ class _Mode(TorchFunctionMode):
         if self.key_weight is not None and func is F.linear:
             weight = args[1] if len(args) > 1 else kwargs.get("weight")
             if weight is self.key_weight and args and isinstance(args[0], Tensor):
-                self.key_input = args[0]  # a reference, dropped when the module's forward ends
+                # references, dropped when the module's forward ends
+                self.key_inputs = self.key_inputs[-(_PRODUCTS - 1):] + [args[0]]
         product = product_operands(func, args, kwargs, out)
         if product is not None:
             self.products = self.products[-(_PRODUCTS - 1):] + (product,)
@@ -278,9 +279,10 @@ class AttentionCapture:
         if confirmed is not None:
             return Verdict(checked=confirmed)
         batch_first, time_first = self._inputs or (None, None)
-        key_input = None if self._mode is None else self._mode.key_input
-        batch_first = with_keys_from(batch_first, key_input, self.n_seqs)
-        time_first = with_keys_from(time_first, key_input, self.n_seqs, time_first=True)
+        key_inputs = [] if self._mode is None else self._mode.key_inputs
+        batch = None if seen.k is None else seen.k.shape[0]
+        batch_first = with_keys_from(batch_first, key_inputs, batch, self.n_seqs)
+        time_first = with_keys_from(time_first, key_inputs, batch, self.n_seqs, time_first=True)
         length = None if seen.q is None else seen.q.shape[2]
 
         def fits(inputs: Inputs | None) -> bool:  # the input's second dim is the query length

@@ -15,7 +15,8 @@ where the model shows how it really splits its heads, so it is checked there:
   norms. Likewise for k, from ``x`` (self-attention) or from the keyword
   ``key_value_states`` / ``encoder_hidden_states`` (cross-attention), or, when k
   has another number of tokens and the key projection is a module of its own, from
-  what its ``F.linear`` read (keys from a strided convolution: PVT, Twins), with key
+  what its ``F.linear`` read at any of its calls whose batch is the kernel's (keys
+  from a strided convolution: PVT, Twins), with key
   head ``h // (n_heads / n_kv_heads)`` for query head h when the model repeated
   them. Eager attention: the operands of the 4-D matmul that produced the softmax
   input (``q @ k^T``) are checked the same way; when the logits come from
@@ -54,11 +55,12 @@ _KV_KEYS = ("key_value_states", "encoder_hidden_states")
 @dataclass
 class Inputs:
     """The module's input (n, T, E) and, for cross-attention, its key/value source (n, S, E); ``keys_from``:
-    what the key projection itself read (n, S, E), where it is a module of its own and the capture saw it."""
+    what the key projection itself read (n, S, E) at each of its calls in the forward, where it is a module of
+    its own and the capture saw it."""
 
     x: Tensor | None = None
     kv: Tensor | None = None
-    keys_from: Tensor | None = None
+    keys_from: tuple[Tensor, ...] = ()
 
 
 @dataclass
@@ -80,13 +82,19 @@ def _first_3d(values, n: int) -> Tensor | None:
     return None
 
 
-def with_keys_from(inputs: Inputs | None, key_input: Tensor | None, n: int, time_first: bool = False) -> Inputs | None:
-    """``inputs`` with the key projection's own input added (read (T, B, E) when ``time_first``)."""
-    if inputs is None or key_input is None or key_input.dim() not in (3, 4):
+def with_keys_from(inputs: Inputs | None, key_inputs: list[Tensor], batch: int | None, n: int,
+                   time_first: bool = False) -> Inputs | None:
+    """``inputs`` with what the key projection read at each call added, those whose batch is the kernel's
+    ``batch`` (read (T, B, E) when ``time_first``): keys projected per image and shared by its windows are
+    not the kernel's sequences, and are left out."""
+    if inputs is None or not key_inputs or batch is None:
         return inputs
-    if time_first and key_input.dim() == 3:
-        key_input = key_input.transpose(0, 1)
-    return Inputs(inputs.x, inputs.kv, _first_3d([key_input], n))
+    found = []
+    for t in key_inputs:
+        t = t.transpose(0, 1) if time_first and t.dim() == 3 else t
+        if t.dim() in (3, 4) and t.shape[0] == batch:
+            found.append(_first_3d([t], n))
+    return Inputs(inputs.x, inputs.kv, tuple(t for t in found if t is not None))
 
 
 def module_inputs(args: tuple, kwargs: dict, n: int) -> Inputs:
@@ -276,7 +284,7 @@ def _projected_norms(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
 
 
 def _check_norms(layer: AttentionLayer, q: Tensor, k: Tensor, x: Tensor, kv: Tensor | None,
-                 keys_from: Tensor | None = None) -> Verdict:
+                 keys_from: tuple[Tensor, ...] = ()) -> Verdict:
     lay = layer.layout
     params = dict(layer.module.named_parameters())
     wq, wk, _ = split_qkv({name: params[name].detach() for name in lay.param_names}, lay)  # K unpaired (G)
@@ -299,22 +307,35 @@ def _check_norms(layer: AttentionLayer, q: Tensor, k: Tensor, x: Tensor, kv: Ten
                        "(or the q bias is not named like its weight, or the module transforms its input "
                        "before projecting: then QKVLayout(..., verify=False))")
     source = kv if lay.cross else x
-    if (source is None or source.shape[1] != k.shape[2]) and keys_from is not None:
-        source = keys_from  # keys projected from another sequence than the input (a strided convolution of it)
-    if source is None or source.shape[-1] != wk.shape[-1] or source.shape[0] != k.shape[0]:
-        return Verdict(checked="q")
-    if source.shape[1] != k.shape[2]:
+
+    def fits(t: Tensor | None) -> bool:
+        return t is not None and t.shape[-1] == wk.shape[-1] and t.shape[:2] == (k.shape[0], k.shape[2])
+
+    read = False  # the sources are what the key projection itself read, not the module's input
+    if fits(source):
+        sources = [source]
+    else:  # keys projected from another sequence (a strided convolution of the input), when the capture saw it
+        sources, read = [t for t in keys_from if fits(t)], True
+    if not sources:
         return Verdict(checked="q")  # keys from another sequence (cross-attention not named as such)
-    want = _projected_norms(source, wk, bk)  # (n, G, S)
-    if k.shape[1] != want.shape[1]:
-        want = want[:, list(lay.kv_index)]  # the model repeated key heads: query head h <- key head kv_map[h]
-    elif not lay.default_pairing:
+    if k.shape[1] == wk.shape[0] and not lay.default_pairing:  # the kernel got G key heads: it pairs h // (H / G)
         return Verdict(problem=f"the kernel got {k.shape[1]} key heads and pairs query head h with key head "
                        f"h // {lay.n_heads // lay.kv_heads}, but the layout says kv_map={lay.kv_map}")
-    dev = _deviation(k.norm(dim=-1), want)
-    if not dev <= tol:
-        hint = "" if lay.cross else " (or keys come from another sequence: cross-attention?)"
-        return Verdict(problem=f"the per-head norms of the kernel's k differ from the module input projected "
-                       f"with the layout (deviation {dev:.3g} > {tol:.3g}): key heads are split or paired with "
-                       f"query heads differently{hint}")
-    return Verdict(checked="q,k")
+    devs = []
+    for src in sources:  # any of them: a key projection may run more than once in one forward
+        want = _projected_norms(src, wk, bk)  # (n, G, S)
+        if k.shape[1] != wk.shape[0]:
+            want = want[:, list(lay.kv_index)]  # the model repeated key heads: query head h <- key head kv_map[h]
+        devs.append(_deviation(k.norm(dim=-1), want))
+        if devs[-1] <= tol:
+            return Verdict(checked="q,k")
+    dev = min(devs)
+    if read:
+        return Verdict(problem=f"the per-head norms of the kernel's k differ from what its key projection read, "
+                       f"projected with the layout (deviation {dev:.3g} > {tol:.3g}): key heads are split or "
+                       "paired with query heads differently (or the model normalises k after projecting it: then "
+                       "QKVLayout(..., verify=False))")
+    hint = "" if lay.cross else " (or keys come from another sequence: cross-attention?)"
+    return Verdict(problem=f"the per-head norms of the kernel's k differ from the module input projected "
+                   f"with the layout (deviation {dev:.3g} > {tol:.3g}): key heads are split or paired with "
+                   f"query heads differently{hint}")

@@ -185,9 +185,11 @@ class Plateau:
         self.recent = [q for q in self.recent if q[0] > step - self.cfg.eureka_span] + [point[:4]]
         smoothed = float(np.median([q[1] for q in self.recent]))  # the same steps at any interval
         if smoothed > expected - drop:
-            # one sample back over the line between two under it does not reset the count (at a coarse cadence one
-            # noisy batch would otherwise push the moment a whole interval or more later); a second one does
-            self.gap = 0 if not self.below or self.gap else 1
+            # one sample just over the line (nearer to it than to the trend) between two under it does not reset
+            # the count (at a coarse cadence one noisy batch would otherwise push the moment a whole interval or
+            # more later); a second one, or one back near the trend, does
+            near = smoothed <= expected - 0.5 * drop
+            self.gap = 1 if self.below and not self.gap and near else 0
             self.below = self.below if self.gap else []
             # the smoothed loss's own standard error: a median of n samples scatters ~1.25 sigma / sqrt(n)
             margin = REFIT_SE * 1.25 * p["noise"] / math.sqrt(len(self.recent))
@@ -197,6 +199,8 @@ class Plateau:
                 self.below, self.gap = [], 0  # back on the plateau
                 self._refit(point)
             return []
+        if self.gap:  # the pair across the gap: the sample before it and this one
+            self.below = self.below[-1:]
         self.gap = 0
         self.below.append(point[:4])
         rising = math.isfinite(point[2]) and point[2] > p["ratio"]

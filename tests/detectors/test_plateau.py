@@ -202,19 +202,34 @@ def test_the_moment_is_marked_where_the_loss_is_deep_under_the_plateaus_level():
 def test_one_noisy_sample_back_over_the_line_does_not_delay_the_moment_but_two_do():
     """Sampled every 20 steps, the median of the last 20 steps is one batch: on held-out Eureka seed 22 the loss
     crossed the depth line at 520, one noisy batch at 540 was back over it, and the moment waited for 560 and 580
-    (3 intervals after the accuracy jump at 500). One sample over the line between two under it no longer resets
-    the count; two in a row still do, and a sample back on the plateau's trend does."""
-    plateau = [1.4] * 25  # steps 0-480, sampled every 20
-    level_line = 0.575 * 1.4  # 0.805
+    (3 intervals after the accuracy jump at 500). One sample just over the line (nearer to it than to the
+    plateau's trend) between two under it no longer resets the count; two in a row still do, and so does one
+    back near the trend."""
+    plateau = [1.4] * 25  # steps 0-480, sampled every 20; the line is 0.575 x 1.4 = 0.805, halfway to it 1.10
     moments, _ = _moments(np.repeat(plateau + [0.78, 0.83, 0.76, 0.70, 0.6, 0.5], 20), every=20)
     assert [m.since for m in moments] == [500]  # was 540
     # two samples over the line in a row: the count starts again at 560
     moments, _ = _moments(np.repeat(plateau + [0.78, 0.83, 0.84, 0.76, 0.70, 0.6], 20), every=20)
     assert [m.since for m in moments] == [560]
-    # a sample back on the plateau (1.4) between two under the line: no moment from the lone sample before it
-    moments, _ = _moments(np.repeat(plateau + [0.78, 1.4, 0.76, 0.70, 0.6], 20), every=20)
-    assert [m.since for m in moments] == [540]
-    assert 0.76 < level_line < 0.83
+    # one sample back near the trend (1.2: over halfway from the line to 1.4), or on it: the count starts again
+    for back in (1.2, 1.4):
+        moments, _ = _moments(np.repeat(plateau + [0.78, back, 0.76, 0.70, 0.6], 20), every=20)
+        assert [m.since for m in moments] == [540], back
+
+
+def test_samples_alternating_around_the_line_never_reach_far_back():
+    """Under, over, under, over, ... while neither the Q/K share rises nor entropy falls: each pair across a gap
+    is the sample before it and the one after, so when the share finally rises (at 680, after 660 and 680
+    under the line) the moment is marked at the last pair across a gap, 620 and 660, not at the first sample
+    under the line, 500, 9 intervals before the alert."""
+    det, out = Detectors(AlertConfig()), []
+    losses = [1.4] * 25 + [0.78, 0.83] * 4 + [0.78, 0.76]  # steps 0-480, then 500-660, then 680
+    for i, loss in enumerate(losses):
+        step = 20 * i
+        ratio = np.array([0.25 if step < 680 else 0.5])  # the share rises only at 680 (0.25: exact means)
+        out += det.observe(Observation(step, loss, {"L00": {"grad_ratio_qk_v": ratio}}))
+    (moment,) = [a for a in out if a.kind == "eureka_moment"]
+    assert moment.step == 680 and moment.since == 620
 
 
 def test_a_sample_over_the_moments_line_between_two_under_it_survives_a_resume():

@@ -3,7 +3,9 @@ PVT-v2 and SegFormer: ``k, v = kv(norm(conv_stride_r(x)))`` while ``q = q(x)``. 
 of its own, so the capture keeps what its ``F.linear`` read and checks the kernel's k against it: with zero
 configuration such a layer is confirmed on q and k (before, k could not be compared and a layout proposed from
 the names was refused), its metrics equal a float64 per-head reference, and a key split that disagrees with the
-model is refused instead of being measured on q alone.
+model is refused instead of being measured on q alone. What the key projection read counts only where its batch
+is the kernel's (keys projected per image and shared by its windows are not), and any of its calls in one
+forward may be the one the kernel used.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from torch import nn
 from diag.layouts.vocab import QKVLayout
 from diag.math.attention import stats_from_probabilities_reference
 
-E, H, SIDE, B = 32, 4, 4, 3
+E, H, SIDE, B = 32, 4, 8, 3  # 64 tokens; keys 16 (ratio 2) and 4 (ratio 4)
 D = E // H
 REL = 1e-6
 
@@ -111,3 +113,61 @@ def test_a_key_split_that_disagrees_with_the_model_is_refused_not_measured_on_q_
     assert not any(t.startswith(("qk_sigma1/", "attn_entropy/")) for t in record.scalars)
     said = " ".join(caught)
     assert "kernel's k" in said and "blocks.0" in said, said
+
+
+class TwoKeyCalls(nn.Module):
+    """The key projection runs twice (on the even and on the odd tokens); the kernel uses the first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_heads = H
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(E, E) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        k_even, k_odd = self.k_proj(x[:, ::2]), self.k_proj(x[:, 1::2])
+        q = self.q_proj(x).reshape(b, n, H, D).transpose(1, 2)
+        k = k_even.reshape(b, -1, H, D).transpose(1, 2)
+        v = self.v_proj(x[:, ::2]).reshape(b, -1, H, D).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, E)
+        return self.o_proj(out) + 0.0 * k_odd.sum()
+
+
+class WindowsWithSharedKeys(nn.Module):
+    """Queries from windows (batch x windows sequences); keys projected once per image from a context map and
+    repeated for each of its windows: what the key projection read has the images' batch, not the kernel's."""
+
+    def __init__(self, windows: int = 4) -> None:
+        super().__init__()
+        self.num_heads, self.windows = H, windows
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(E, E) for _ in range(4))
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        bw, n, _ = x.shape
+        q = self.q_proj(x).reshape(bw, n, H, D).transpose(1, 2)
+        k = self.k_proj(context).repeat_interleave(self.windows, 0).reshape(bw, -1, H, D).transpose(1, 2)
+        v = self.v_proj(context).repeat_interleave(self.windows, 0).reshape(bw, -1, H, D).transpose(1, 2)
+        return self.o_proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(bw, n, E))
+
+
+def test_the_key_projection_called_twice_is_confirmed_by_the_call_the_kernel_used():
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"attn": TwoKeyCalls()}).train()
+    x = _batch()
+    monitor, record, checked, caught = one_step(model, lambda: model["attn"](x).pow(2).mean())
+    assert monitor.refused == {} and checked == {0: "q,k"}, (monitor.refused, checked, caught)
+    assert_sigma1_by_hand(record.scalars, "L00", model["attn"].q_proj.weight.reshape(H, D, E),
+                          model["attn"].k_proj.weight.reshape(H, D, E), rel=1e-5)
+
+
+def test_keys_shared_by_windows_are_not_compared_with_the_wrong_sequences():
+    """The context has 3 images, the kernel 12 windows: the kernel's k is not compared with the context (its
+    first sequences are not the kernel's first windows), so the correct layout is kept on q alone, as before,
+    instead of being refused."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"attn": WindowsWithSharedKeys()}).train()
+    x = torch.randn(4 * B, 9, E, generator=torch.Generator().manual_seed(4))
+    context = torch.randn(B, 5, E, generator=torch.Generator().manual_seed(5))
+    monitor, record, checked, caught = one_step(model, lambda: model["attn"](x, context).pow(2).mean())
+    assert monitor.refused == {} and checked == {0: "q"}, (monitor.refused, checked, caught)
+    assert "attn_entropy/L00/H00" in record.scalars

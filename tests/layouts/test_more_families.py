@@ -146,7 +146,7 @@ def test_keys_from_a_sub_sampled_grid_are_checked_with_no_spec(family):
     against what the key projection itself read (before: q alone, "q"). sigma_1 from the query and key weights
     sliced by hand."""
     kwargs = {"num_encoder_blocks": 2, "depths": [1, 1], "sr_ratios": [4, 2], "hidden_sizes": [32, 64],
-              "num_attention_heads": [1, 2], "patch_sizes": [7, 3], "strides": [4, 2], "mlp_ratios": [2, 2]}
+              "num_attention_heads": [2, 2], "patch_sizes": [7, 3], "strides": [4, 2], "mlp_ratios": [2, 2]}
     if family == "segformer":
         model = transformers.SegformerModel(transformers.SegformerConfig(decoder_hidden_size=32, **kwargs))
     else:
