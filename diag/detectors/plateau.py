@@ -9,8 +9,8 @@ the attention entropy is at least ``plateau_uniformity`` of uniform's: attention
 flat loss while the query/key product still grows, or with attention already focused, is another state). The
 plateau is an episode, ``since`` the first sample of the window inside its band (at most ``1 + plateau_rel``
 times the level); while it lasts its trend is refitted. The Eureka-moment: the loss, the median of the samples
-of the last ``eureka_span`` steps, is at two samples (in a row, or with one sample over the line between them)
-at most ``1 - eureka_depth`` of the plateau's level (its trend at the step it was flagged: how deep the drop is)
+of the last ``eureka_span`` steps, is at two samples (in a row, or with one sample just over the line between
+them) at most ``1 - eureka_depth`` of the plateau's level (its trend at the step it was flagged: how deep the drop is)
 and below the plateau's own extrapolated trend by ``eureka_drop`` of it and by ``eureka_noise`` times the
 plateau's noise (it leaves the plateau against the plateau's own trend: a slow sink that the trend follows down
 to the depth line is no moment), while the Q/K gradient share rises above its plateau mean or the attention
