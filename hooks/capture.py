@@ -37,10 +37,11 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
+from diag.layouts.generic import is_provisional
 from diag.math.attention import AttentionStats, stats_from_logits, valid_query_rows
 from hooks.discovery import AttentionLayer
 from hooks.kernels import Product, Seen, Unsupported, excluded_keys, is_attention_call, product_operands, read_call
-from hooks.verify import Inputs, Verdict, check_call, module_inputs, with_keys_from
+from hooks.verify import Inputs, Verdict, check_call, module_inputs, unconfirmed, with_keys_from
 
 __all__ = ["AttentionCapture", "Seen"]
 
@@ -270,6 +271,11 @@ class AttentionCapture:
                         "projections' width), so only shapes were checked against the layout")
         except Unsupported as err:
             self.problems[layer.index] = str(err)
+            if is_provisional(layer.layout) and layer.index not in self._confirmed:
+                # nothing confirms the names' proposal: refused with it offered as a spec, never guessed
+                self.layout_refused[layer.index] = unconfirmed(layer, "shapes", why=(
+                    f"its attention call is one the capture does not read ({err}), so the computation cannot "
+                    "confirm a split"))
         except Exception as err:  # noqa: BLE001 - a fault here must never reach the forward pass
             self.problems[layer.index] = f"capture failed: {err!r}"
 
@@ -288,9 +294,15 @@ class AttentionCapture:
         def fits(inputs: Inputs | None) -> bool:  # the input's second dim is the query length
             return inputs is not None and inputs.x is not None and inputs.x.shape[1] == length
 
-        if fits(time_first) and not fits(batch_first):  # (T, B, E): fairseq, MHA without batch_first
+        def fits_time_first(inputs: Inputs | None) -> bool:
+            # ... and, read (T, B, E), its first dim holds the kernel's sequences: at batch 1 a class token's
+            # single query (CaiT, VOLO) would otherwise match a (1, N, E) input read as N sequences of 1 token
+            rows = None if seen.q is None else min(seen.q.shape[0], self.n_seqs)
+            return fits(inputs) and (rows is None or inputs.x.shape[0] == rows)
+
+        if fits_time_first(time_first) and not fits(batch_first):  # (T, B, E): fairseq, MHA without batch_first
             batch_first, time_first = time_first, None
-        elif not fits(time_first):
+        elif not fits_time_first(time_first):
             time_first = None
         verdict = check_call(layer, seen, batch_first, self.n_seqs)
         if (verdict.problem is not None or verdict.checked in ("shapes", "q")) and time_first is not None:

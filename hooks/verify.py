@@ -44,7 +44,7 @@ from diag.layouts.vocab import QKVLayout, bias_names, split_qkv, split_qkv_bias
 from hooks.discovery import AttentionLayer
 from hooks.infer import adopt, query_source, read_layout
 
-__all__ = ["Inputs", "Verdict", "module_inputs", "with_keys_from", "check_call", "spec_hint"]
+__all__ = ["Inputs", "Verdict", "module_inputs", "with_keys_from", "check_call", "spec_hint", "unconfirmed"]
 
 log = logging.getLogger("diag")
 
@@ -125,6 +125,11 @@ def _refuse(layer: AttentionLayer, what: str, inferred: QKVLayout | None = None,
     observed = f" (observed: {seen})" if seen else ""
     return Verdict(problem=f"{layer.name} ({type(layer.module).__name__}): {what}{observed}; "
                    f"{spec_hint(layer, inferred)}")
+
+
+def unconfirmed(layer: AttentionLayer, checked: str, heads: int | None = None, why: str | None = None) -> str:
+    """Why a generic adapter's proposal is refused, with the proposal offered as a spec (:func:`_unconfirmed`)."""
+    return _unconfirmed(layer, checked, heads, why).problem or ""
 
 
 def _unconfirmed(layer: AttentionLayer, checked: str, heads: int | None = None, why: str | None = None) -> Verdict:

@@ -491,3 +491,26 @@ def test_keys_from_a_sub_sampled_grid_with_no_spec(name):
         for h in range(heads):
             assert scalars[f"attn_entropy/{layer.label}/H{h:02d}"] == pytest.approx(float(entropy[h]), rel=REL)
             assert scalars[f"attn_rank/{layer.label}/H{h:02d}"] == pytest.approx(float(rank[h]), rel=REL)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("name", ["cait_xxs24_224", "volo_d1_224"])
+def test_class_attention_is_checked_on_q_and_k_at_any_batch(name, batch):
+    """CaiT's ClassAttn (``q``, ``k``, ``v``) and VOLO's ClassAttention (``q``, ``kv`` = [all K | all V]) take
+    their single query from the class token. At batch 1 that query also fits the (1, T, E) input read
+    time-first (T sequences of one token): that reading was taken, so CaiT's class attention was checked on
+    shapes only and VOLO's, a proposal from names, was refused. sigma_1 of the class-attention heads against
+    the full SVD of the hand-sliced product."""
+    torch.manual_seed(0)
+    model = timm.create_model(name, pretrained=False, num_classes=10, img_size=64).train()
+    monitor, record, checked, caught = _one_image_step(model, 64, batch=batch)
+    assert not monitor.refused and set(checked.values()) == {"q,k"}, (checked, [m[:300] for m in caught])
+    classes = [layer for layer in monitor.layers if type(layer.module).__name__ in ("ClassAttn", "ClassAttention")]
+    assert len(classes) == 2
+    for layer in classes:
+        attn = layer.module
+        heads, width = attn.num_heads, attn.q.weight.shape[0]
+        wk = attn.k.weight if hasattr(attn, "k") else attn.kv.weight[:width]  # by hand: kv rows [all K | all V]
+        assert_sigma1_by_hand(record.scalars, layer.label, attn.q.weight.reshape(heads, width // heads, -1),
+                              wk.reshape(heads, width // heads, -1), rel=REL)
+        assert f"attn_entropy/{layer.label}/H00" in record.scalars

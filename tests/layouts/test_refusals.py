@@ -4,6 +4,7 @@ run: the one that fits the model is exact, a candidate that does not is refused 
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from test_styles import assert_exact, run
 from torch import nn
 
 from diag.errors import SpecError
+from diag.outputs.sinks import MemorySink
 from hooks import Monitor, QKVLayout
 
 H, D = 4, 8
@@ -178,3 +180,54 @@ def test_grouped_heads_whose_product_is_invisible_are_refused_with_both_pairings
     monitor, record, checked, caught = run(Net(TileBroadcast), tiled)
     assert checked == {0: "heads", 1: "heads"} and not monitor.refused
     assert_exact(monitor, record)
+
+
+class GroupedWindows(nn.Module):
+    """Twins-SVT's locally grouped attention in small: tokens in 2 groups, one 5-D SDPA call (batch, groups,
+    heads, tokens, head size) that the capture does not read; generic names, so only a proposal from them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_heads = H
+        self.qkv = nn.Linear(E, 3 * H * D)
+        self.proj = nn.Linear(H * D, E)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        qkv = self.qkv(x).reshape(b, 2, n // 2, 3, H, D).permute(3, 0, 1, 4, 2, 5)
+        out = F.scaled_dot_product_attention(*qkv.unbind(0))  # (b, groups, H, n/2, D)
+        return self.proj(out.transpose(2, 3).reshape(b, n, H * D))
+
+
+def test_an_unread_attention_call_leaves_a_proposal_from_names_refused_and_its_spec_measures_the_weight_side():
+    """Before, a 5-D SDPA call dropped only the attention statistics and the spectra were logged under the names'
+    unconfirmed proposal (with eager attention the same layer was refused): a guess. Now it is refused with the
+    proposal offered as a spec; with that spec the weight side is measured, exact against the hand-sliced
+    [all Q | all K | all V] rows, and the attention statistics are left out."""
+    model = nn.Sequential(GroupedWindows())
+    x = torch.randn(3, 8, E)
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        monitor = Monitor(model, every=1, images=False, sinks=[MemorySink()])
+        model(x).square().mean().backward()
+        monitor.step(0)
+        monitor.close()
+    caught = [str(w.message) for w in record]
+    assert set(monitor.refused) == {0}
+    message = next(m for m in caught if "not measured at all" in m)
+    assert "5-D query" in message
+    (offered,) = specs_in(message)
+    sink = MemorySink()
+    monitor = Monitor(model, every=1, spec=offered, images=False, sinks=[sink])
+    model.zero_grad()
+    model(x).square().mean().backward()
+    with pytest.warns(RuntimeWarning, match="5-D query"):  # the attention statistics, and only they, are left out
+        monitor.step(0)
+    monitor.close()
+    scalars = sink.records[0].scalars
+    assert not monitor.refused and "attn_entropy/L00/H00" not in scalars
+    w = model[0].qkv.weight.detach().double()
+    for h in range(H):
+        sigma = torch.linalg.svdvals(w[h * D:(h + 1) * D].T @ w[H * D + h * D:H * D + (h + 1) * D])[0].item()
+        assert scalars[f"qk_sigma1/L00/H{h:02d}"] == pytest.approx(sigma, rel=1e-5)

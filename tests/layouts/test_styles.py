@@ -126,3 +126,18 @@ def test_class_token_queries_are_read_from_the_first_tokens():
     torch.manual_seed(0)
     monitor, _, _, caught = run(torch.nn.Sequential(_ClassAttention(last=True)))
     assert monitor.refused, caught
+
+
+def test_class_token_queries_at_batch_one_are_not_read_time_first():
+    """At batch 1 the class token's single query also fits the (1, T, E) input read time-first, as T sequences
+    of one token; that reading was taken, the check compared nothing ('shapes') and a names-only layout was
+    refused (timm VOLO's class attention, and CaiT's measured unchecked, at batch 1). A time-first reading
+    must hold the kernel's sequences in its first dim."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_ClassAttention())
+    x = torch.randn(1, 10, E, generator=torch.Generator().manual_seed(2))
+    monitor, record, checked, caught = one_step(model, lambda: model(x).square().mean())
+    assert not monitor.refused and checked == {0: "q,k"}, caught
+    attn = model[0]
+    assert_sigma1_by_hand(record.scalars, "L00", attn.q.weight.reshape(4, E // 4, E),
+                          attn.kv.weight[:E].reshape(4, E // 4, E), rel=REL)
