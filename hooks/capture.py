@@ -57,6 +57,7 @@ def _attn_implementation(module) -> str | None:
 
 
 _PRODUCTS = 4  # products remembered per module forward
+_KEY_CALLS = 4  # calls of the key projection remembered per module forward
 
 
 class _Mode(TorchFunctionMode):
@@ -85,7 +86,7 @@ class _Mode(TorchFunctionMode):
             weight = args[1] if len(args) > 1 else kwargs.get("weight")
             if weight is self.key_weight and args and isinstance(args[0], Tensor):
                 # references, dropped when the module's forward ends
-                self.key_inputs = self.key_inputs[-(_PRODUCTS - 1):] + [args[0]]
+                self.key_inputs = self.key_inputs[-(_KEY_CALLS - 1):] + [args[0]]
         product = product_operands(func, args, kwargs, out)
         if product is not None:
             self.products = self.products[-(_PRODUCTS - 1):] + (product,)
@@ -275,7 +276,7 @@ class AttentionCapture:
                 # nothing confirms the names' proposal: refused with it offered as a spec, never guessed
                 self.layout_refused[layer.index] = unconfirmed(layer, "shapes", why=(
                     f"its attention call is one the capture does not read ({err}), so the computation cannot "
-                    "confirm a split"))
+                    "confirm a split")).problem
         except Exception as err:  # noqa: BLE001 - a fault here must never reach the forward pass
             self.problems[layer.index] = f"capture failed: {err!r}"
 

@@ -127,12 +127,7 @@ def _refuse(layer: AttentionLayer, what: str, inferred: QKVLayout | None = None,
                    f"{spec_hint(layer, inferred)}")
 
 
-def unconfirmed(layer: AttentionLayer, checked: str, heads: int | None = None, why: str | None = None) -> str:
-    """Why a generic adapter's proposal is refused, with the proposal offered as a spec (:func:`_unconfirmed`)."""
-    return _unconfirmed(layer, checked, heads, why).problem or ""
-
-
-def _unconfirmed(layer: AttentionLayer, checked: str, heads: int | None = None, why: str | None = None) -> Verdict:
+def unconfirmed(layer: AttentionLayer, checked: str, heads: int | None = None, why: str | None = None) -> Verdict:
     """A generic adapter's proposal that the computation could not confirm: refused, never guessed; the
     message offers the proposal (with the kernel's head count) as a spec, to pass only if it is right."""
     lay = layer.layout
@@ -221,7 +216,7 @@ def check_call(layer: AttentionLayer, seen, inputs: Inputs | None, n: int) -> Ve
     problem = _shape_problem(lay, seen)
     if problem is not None and _not_token_attention(lay, seen):
         if is_provisional(lay):  # nothing to confirm the names' proposal with: offered as a spec, not guessed
-            return _unconfirmed(layer, "shapes", why=(
+            return unconfirmed(layer, "shapes", why=(
                 "its attention call is not (batch, heads, queries, keys) over tokens (a head count or head size "
                 "no split of its projections gives, e.g. attention across channels), so the computation cannot "
                 "confirm a split; with the layout passed as a spec, the weight-side signals are measured and "
@@ -241,11 +236,11 @@ def check_call(layer: AttentionLayer, seen, inputs: Inputs | None, n: int) -> Ve
                 return _unpaired(layer)
             if checked == "q,k" or not is_provisional(lay):
                 return Verdict(checked=checked)
-            return _unconfirmed(layer, checked)
+            return unconfirmed(layer, checked)
         else:
             problem = verdict.problem
     if not visible:
-        return _unconfirmed(layer, "heads", seen.heads) if is_provisional(lay) else _refuse(layer, problem)
+        return unconfirmed(layer, "heads", seen.heads) if is_provisional(lay) else _refuse(layer, problem)
     try:
         return _from_computation(layer, problem, seen, inputs, n)
     except Exception as err:  # noqa: BLE001 - e.g. sharded weights: the layer is refused, never left unchecked
