@@ -22,7 +22,7 @@ import torch
 from overhead import SHAPES, build  # the same GPT-2 shapes as the overhead benchmark (this folder)
 
 from diag import SpectralStepLimit
-from hooks.discovery import discover
+from hooks.layout.discover import discover
 
 
 def window(model, opt, batch, steps: int) -> tuple[float, float]:

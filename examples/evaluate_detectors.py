@@ -8,7 +8,7 @@
 replayed at ``every`` 2, 5, 10 and 20 by keeping the observations whose step is a multiple of
 ``every``: what a Monitor at that interval would have passed the detectors; and at the Monitor's
 default per-family cadence (``"default"``: each family's metrics at the steps its period names,
-plus the closer look the detectors ask for, as ``hooks.cadence.CloserLook`` adds it). Seeds below
+plus the closer look the detectors ask for, as ``hooks.monitor.cadence.CloserLook`` adds it). Seeds below
 20 tune, seeds 20 and up are held out (until the late-phase collapse warning, odd seeds below 20
 were held out; they were consulted to design it, docs/alerts.md#evaluation). Ground truth never
 looks at the detectors:
@@ -52,7 +52,7 @@ from evaluate_record import load_observations  # noqa: E402
 
 from diag.detectors import AlertConfig, Detectors, Observation  # noqa: E402
 from hooks import SIGNALS  # noqa: E402
-from hooks.cadence import CloserLook, resolve_cadence  # noqa: E402
+from hooks.monitor.cadence import CloserLook, resolve_cadence  # noqa: E402
 
 EVERYS = ("default", 2, 5, 10, 20)  # "default": the Monitor's per-family cadence
 ESTABLISHED_STEPS, ESTABLISHED_SHARE = 50, 0.8

@@ -6,7 +6,7 @@
 
 from diag.detectors.core import Alert, AlertConfig, TrainingHalted
 from diag.layouts.vocab import QKVLayout
-from hooks.discovery import AttentionLayer, discover
-from hooks.monitor import SIGNALS, Monitor
+from hooks.layout.discover import AttentionLayer, discover
+from hooks.monitor.monitor import SIGNALS, Monitor
 
 __all__ = ["Alert", "AlertConfig", "AttentionLayer", "Monitor", "QKVLayout", "SIGNALS", "TrainingHalted", "discover"]

@@ -73,7 +73,7 @@ class StepReporter(Protocol):
     """What the step limit needs from a ``hooks.Monitor``: its attention layers (whose fused Q/K/V weights
     are bounded per slice and whose blocks name the tags), when to report, and where."""
 
-    layers: Sequence  # hooks.discovery.AttentionLayer
+    layers: Sequence  # hooks.layout.discover.AttentionLayer
 
     def should_sample(self, step: int) -> bool: ...
 
@@ -91,7 +91,7 @@ class SpectralStepLimit(torch.optim.Optimizer):
         select: ``(name, param) -> bool`` replacing the default rule (2-D, not owned by an
             ``nn.Embedding``/``EmbeddingBag``).
         include / exclude: fnmatch patterns on parameter names, applied after ``select``.
-        attention: attention layers (``monitor.layers`` or ``hooks.discovery.discover(model)``)
+        attention: attention layers (``monitor.layers`` or ``hooks.layout.discover.discover(model)``)
             whose fused Q/K/V weights are bounded per slice and whose blocks name the tags;
             default: the monitor's layers, else none (fused weights bounded whole).
         split_qkv: bound Q, K, V slices separately (the paper's Wq, Wk, Wv); else whole.
@@ -378,7 +378,7 @@ def _blocks(layers: list, model: nn.Module | None) -> list[tuple[str, str, Calla
     """(block prefix, label, the layer's current layout, {param id: name in layout}) per attention layer.
 
     The layout is read when a step is bounded, not now: a layout discovered from names is provisional until the
-    first forward reads it from the computation and may replace it (hooks/infer.py ``adopt``)."""
+    first forward reads it from the computation and may replace it (hooks/layout/read.py ``adopt``)."""
     names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
     out = []
     for layer in layers:

@@ -26,7 +26,7 @@ MODULE_WALKING = frozenset({
 @dataclass(frozen=True)
 class Import:
     module: str  # the importing module, e.g. "diag.math.spectral"
-    target: str  # the imported module, e.g. "hooks.monitor" (for ``from a import b``: "a.b" and "a")
+    target: str  # the imported module, e.g. "hooks.monitor.monitor" (for ``from a import b``: "a.b" and "a")
     function: str | None  # the enclosing function, None at module level
     line: int
 
@@ -135,7 +135,7 @@ def test_the_math_walks_no_module():
 def test_the_checker_sees_every_kind_of_forbidden_import():
     """A forbidden import added anywhere (module level, inside a function, relative) is caught."""
     samples = {
-        "from hooks.monitor import Monitor\n": "hooks.monitor",
+        "from hooks.monitor.monitor import Monitor\n": "hooks.monitor.monitor",
         "def f():\n    import hooks\n": "hooks",
         "class A:\n    def g(self):\n        from ..outputs import sinks\n": "diag.outputs.sinks",
         "import torch.nn as nn\n": "torch.nn",

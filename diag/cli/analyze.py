@@ -43,14 +43,14 @@ def _probe(inputs: str | None):
     """The ``--probe`` callable; it runs a live model, so it lives in ``hooks`` (imported only here)."""
     if inputs is None:
         return None
-    from hooks.probe import Probe
+    from hooks.checkpoint.probe import Probe
 
     return Probe(inputs)
 
 
 def _model_layout():
     """Layouts of a Hugging Face folder's model, built from config.json by ``hooks`` (imported only here)."""
-    from hooks.hf_layout import ModelLayouts
+    from hooks.checkpoint.search import ModelLayouts
 
     return ModelLayouts()
 

@@ -149,7 +149,7 @@ class CollapseWarning:
         covered = s1 - s0 >= 0.5 * self.cfg.warn_window
         falling = values["entropy_drop"] >= self.cfg.entropy_drop and values["rank_drop"] >= self.cfg.rank_drop
         # a trend of three samples counts before the window is half covered: a run's first steps can collapse
-        # a head within ten steps (the closer look samples them every 2 steps, hooks.cadence.CloserLook)
+        # a head within ten steps (the closer look samples them every 2 steps, hooks.monitor.cadence.CloserLook)
         fast = (covered or len(history) >= 3) and falling and values["sigma1_growth"] >= self.cfg.sigma_growth
         # the loop's late phase: a head already near the sparse line whose sigma_1 still grows
         near = covered and e1 <= self.cfg.near_entropy and values["sigma1_growth"] >= self.cfg.near_growth

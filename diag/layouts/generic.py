@@ -6,7 +6,7 @@ A research model keeps its fused projection in ``qkv``/``to_qkv``/``Wqkv`` (or t
 layout from that; the proposal is **provisional**: names and shapes cannot tell a fused ``[Q | K | V]`` from
 one interleaved per head or per key/value group, nor the query-to-key-head pairing, so the first captured
 forward confirms it against the q and k the attention kernel received, or replaces it with the layout read
-from them (``hooks.verify``), and a layer whose proposal nothing confirms is refused, never guessed.
+from them (``hooks.layout.confirm``), and a layer whose proposal nothing confirms is refused, never guessed.
 Without a head-count attribute a provisional layout carries a placeholder count that the kernel's shapes
 replace.
 """

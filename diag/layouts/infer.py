@@ -11,7 +11,7 @@ matched by applying the module's own norm-like children to the blocks.
 
 The matched blocks give the head count and size, the packing, the storage orientation and the query -> key
 head pairing; :func:`layout_from_blocks` turns them into the :class:`QKVLayout` whose split reproduces them.
-Pure tensor functions: the live module is read by ``hooks.verify``.
+Pure tensor functions: the live module is read by ``hooks.layout.confirm``.
 """
 
 from __future__ import annotations

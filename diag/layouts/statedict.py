@@ -5,7 +5,7 @@ holding, like a live module's view, the module's own parameters and its direct
 children's (``c_attn.weight``, ``q_proj.weight``), with the head counts of the
 config (``config.json``, nanoGPT's ``model_args``) or of ``--heads`` as
 attributes. :func:`~diag.layouts.find_layout` then picks the layout, exactly as
-:func:`hooks.discovery.discover` does for a live model.
+:func:`hooks.layout.discover.discover` does for a live model.
 
 Layers are numbered in a canonical order, not in file order: safetensors stores
 keys sorted as strings (``h.10`` before ``h.2``, ``decoder`` before ``encoder``).

@@ -27,7 +27,7 @@ from diag.offline.layoutfile import LayoutFile
 
 __all__ = ["ModelLayoutFn", "choose_layers", "assumptions"]
 
-# A Hugging Face folder -> the layouts of the model built from its config (hooks.hf_layout), or None when
+# A Hugging Face folder -> the layouts of the model built from its config (hooks.checkpoint.search), or None when
 # transformers cannot build it; raises SpecError where the config and the weights contradict each other.
 ModelLayoutFn = Callable[[Checkpoint], "LayoutFile | None"]
 

@@ -43,7 +43,7 @@ from diag.outputs.sinks import FanOut, Record, Sink
 __all__ = ["Analysis", "analyze_checkpoints", "order_checkpoints"]
 
 Projections = dict[str, Tensor]  # a layer's matrices: "q", "k", "v" per head, "o" (see split_projections)
-# ``--probe``: attention arrays per layer label of a checkpoint (see hooks/probe.py).
+# ``--probe``: attention arrays per layer label of a checkpoint (see hooks/checkpoint/probe.py).
 ProbeFn = Callable[[Checkpoint, list[StateDictLayer]], LayerArrays]
 
 
@@ -239,11 +239,11 @@ def analyze_checkpoints(
     Failures (a missing path, a corrupt or refused file, an unknown layout) are
     collected in ``Analysis.failures`` with one line each; the others go on.
     ``progress`` wraps the ordered checkpoints (e.g. ``tqdm``). ``probe`` adds attention
-    arrays per checkpoint (``hooks.probe.Probe``); its failures are collected too.
+    arrays per checkpoint (``hooks.checkpoint.probe.Probe``); its failures are collected too.
     ``layout``: a layout file (path or :class:`LayoutFile`) or a Monitor-style spec
     ``{module pattern: QKVLayout}`` for every checkpoint; else each checkpoint's own
     (see :mod:`diag.offline.layers`). ``model_layout`` finds the layouts of a Hugging
-    Face folder's model (``hooks.hf_layout.ModelLayouts``).
+    Face folder's model (``hooks.checkpoint.search.ModelLayouts``).
     """
     if layout is not None and (heads is not None or kv_heads is not None):
         raise ConfigError("analyze_checkpoints: pass either layout= (--layout) or heads=/kv_heads= (--heads, "

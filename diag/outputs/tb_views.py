@@ -68,7 +68,7 @@ class TensorBoardViews:
     def on_sample(self, record: Record, arrays: Mapping[str, Mapping[str, np.ndarray]],
                   maps: Mapping[str, object], alerts: Sequence, complete: bool = True) -> None:
         """maps: layer label -> (heads, queries, keys) attention probabilities of that layer, or None.
-        complete: this step sampled every signal family (hooks.cadence); the layout waits for such a step,
+        complete: this step sampled every signal family (hooks.monitor.cadence); the layout waits for such a step,
         so that its charts are built from every family's tags."""
         extra = Record(record.step, runs=alert_events(alerts))
         if not self._layout_written and complete:

@@ -16,7 +16,7 @@ import torch
 from diag.outputs.tags import parse_tag
 from hooks.demo.data import get_batch, load_text
 from hooks.demo.model import GPT, GPTConfig
-from hooks.monitor import Monitor
+from hooks.monitor.monitor import Monitor
 from hooks.steplimit import SpectralStepLimit
 
 __all__ = ["DEFAULT_LR", "train", "run_demo"]

@@ -18,7 +18,7 @@ import torch
 
 from diag.detectors.core import Alert, TrainingHalted
 from diag.errors import ConfigError
-from hooks.monitor import Monitor
+from hooks.monitor.monitor import Monitor
 
 __all__ = ["CriticalStop", "any_rank", "check_monitor_kwargs", "callback_options"]
 

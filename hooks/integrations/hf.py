@@ -31,7 +31,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from diag.detectors.core import TrainingHalted
 from hooks.integrations import any_rank, callback_options
-from hooks.monitor import Monitor
+from hooks.monitor.monitor import Monitor
 
 __all__ = ["MonitorCallback", "STATE_FILE", "default_logdir"]
 
@@ -60,7 +60,7 @@ class MonitorCallback(TrainerCallback):
     Args:
         logdir: the Monitor's run directory; default :func:`default_logdir`.
         every: as ``Monitor(every=...)``: None (default) for the per-family cadence of
-            :mod:`hooks.cadence`, N for every family at ``global_step % N == 0``.
+            :mod:`hooks.monitor.cadence`, N for every family at ``global_step % N == 0``.
         **monitor_kwargs: passed to ``Monitor`` (``per_head``, ``spec``, ``signals``, ``alerts``,
             ``on_alert``, ``stop_on_critical``, ``sinks``, ...).
 

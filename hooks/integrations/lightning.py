@@ -25,7 +25,7 @@ from torch import Tensor
 
 from diag.offline.checkpoint import LAYOUT_KEY
 from hooks.integrations import callback_options
-from hooks.monitor import Monitor
+from hooks.monitor.monitor import Monitor
 
 __all__ = ["MonitorCallback"]
 
@@ -38,7 +38,7 @@ class MonitorCallback(pl.Callback):
         logdir: the Monitor's run directory; default ``<trainer.log_dir>/attnscope`` (inside the
             logger's version folder, so ``tensorboard --logdir lightning_logs`` shows both).
         every: as ``Monitor(every=...)``: None (default) for the per-family cadence of
-            :mod:`hooks.cadence`, N for every family at ``global_step % N == 0``.
+            :mod:`hooks.monitor.cadence`, N for every family at ``global_step % N == 0``.
         **monitor_kwargs: passed to ``Monitor`` (``per_head``, ``spec``, ``signals``, ``alerts``,
             ``on_alert``, ``stop_on_critical``, ``sinks``, ...).
 

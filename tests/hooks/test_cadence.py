@@ -25,7 +25,7 @@ from diag.detectors import AlertConfig
 from diag.errors import ConfigError
 from diag.outputs.sinks import MemorySink
 from hooks import Monitor
-from hooks.cadence import DEFAULT_CADENCE, FAMILIES, CloserLook, resolve_cadence
+from hooks.monitor.cadence import DEFAULT_CADENCE, FAMILIES, CloserLook, resolve_cadence
 
 FAMILY_OF = {"loss": "loss", "grad_": "grads", "qk_": "spectra", "attn_": "attention", "update_": "updates"}
 

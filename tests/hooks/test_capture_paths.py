@@ -260,7 +260,7 @@ def test_a_second_attention_call_in_one_forward_is_reported():
 
 
 def test_the_capture_sees_every_product_form():
-    from hooks.kernels import product_operands
+    from hooks.capture.kernels import product_operands
 
     a, b = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 6, 4)
     for func, args in [(torch.einsum, ("bhid,bhjd->bhij", a, b)), (torch.einsum, ("bhjd,bhid->bhij", b, a)),

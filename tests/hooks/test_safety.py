@@ -38,7 +38,7 @@ from torch import nn
 from diag.errors import SinkError, SpecError
 from diag.outputs.sinks import MemorySink
 from hooks import Monitor
-from hooks.capture import _Mode
+from hooks.capture.capture import _Mode
 
 CASE_NAMES = list(zoo.CASES)
 

@@ -14,7 +14,7 @@ from torch import nn
 
 from diag import ConfigError, MemorySink, SpectralStepLimit
 from hooks import Monitor
-from hooks.discovery import discover
+from hooks.layout.discover import discover
 from hooks.steplimit import STATE_KEY
 
 

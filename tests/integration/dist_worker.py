@@ -40,7 +40,7 @@ from zoo import NanoGPT  # noqa: E402
 
 from diag.detectors.core import TrainingHalted  # noqa: E402
 from hooks import Monitor  # noqa: E402
-from hooks.weightside import ShardSnapshot  # noqa: E402
+from hooks.monitor.weightside import ShardSnapshot  # noqa: E402
 
 GLOBAL_BATCH, SEQ, VOCAB = 4, 12, 50
 COLLECTIVE_WORDS = ("gather", "reduce", "broadcast", "scatter", "alltoall", "all_to_all", "barrier", "send", "recv")

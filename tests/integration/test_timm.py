@@ -41,7 +41,7 @@ from diag.layouts.adapters import find_layout
 from diag.math.attention import stats_from_probabilities_reference
 from diag.outputs.sinks import MemorySink
 from hooks import Monitor
-from hooks.discovery import module_view
+from hooks.layout.discover import module_view
 
 pytestmark = pytest.mark.timm
 

@@ -37,7 +37,7 @@ from diag.layouts.vocab import QKVLayout
 from diag.math.attention import stats_from_probabilities_reference
 from diag.outputs.sinks import MemorySink
 from hooks import Monitor, discover
-from hooks.capture import AttentionCapture
+from hooks.capture.capture import AttentionCapture
 
 REL = 1e-4
 MATRIX = [f"{fam}-{impl}" for fam in zoo.FAMILY_BUILDERS for impl in ("eager", "sdpa")] + ["torch-seq2seq-mha"]
@@ -490,7 +490,7 @@ def test_an_implementation_the_capture_cannot_read_is_refused_before_the_forward
     """
     from types import SimpleNamespace
 
-    from hooks.capture import _Mode
+    from hooks.capture.capture import _Mode
 
     model = tiny("separate")
     modes = []
@@ -590,7 +590,7 @@ def test_training_is_bit_identical_with_monitor_over_many_steps(name, tmp_path):
 
 def test_layout_check_runs_once_per_layer(monkeypatch):
     """The float64 projection check settles a layer's layout once; later sampled steps skip it."""
-    import hooks.capture as capture_module
+    import hooks.capture.capture as capture_module
 
     calls = []
     real = capture_module.check_call

@@ -344,7 +344,7 @@ def gpt2_folder(tmp_path_factory):
 def test_probe_on_a_hostile_config_fails_the_probe_only(name, gpt2_folder, tmp_path):
     """--probe builds a model from config.json: whatever is in it, the probe fails with a ProbeError
     naming the path, and the weight-side metrics of the checkpoint are still there."""
-    from hooks.probe import Probe
+    from hooks.checkpoint.probe import Probe
 
     folder = tmp_path / "checkpoint-3"
     shutil.copytree(gpt2_folder, folder)

@@ -23,8 +23,8 @@ from diag.layouts.vocab import QKVLayout, split_qkv
 from diag.offline.series import analyze_checkpoints
 from diag.outputs.sinks import MemorySink
 from hooks import Monitor
-from hooks.hf_layout import ModelLayouts
-from hooks.layout_probe import verdicts
+from hooks.checkpoint.search import ModelLayouts
+from hooks.checkpoint.verdicts import verdicts
 
 H, D, E = 4, 8, 32
 TAGS = ("qk_sigma1", "qk_sec", "qk_erank", "qk_stable_rank")
@@ -194,7 +194,7 @@ def test_config_that_contradicts_the_weights_is_refused(tmp_path, capsys):
 
 def test_a_large_model_is_probed_on_a_small_twin_and_every_layer_gets_its_layout(tmp_path, monkeypatch):
     """Above MAX_TWIN_PARAMS the twin has 2 layers and a small vocabulary; the layouts reach all 4 layers."""
-    import hooks.hf_layout as hf_layout
+    import hooks.checkpoint.search as hf_layout
 
     monkeypatch.setattr(hf_layout, "MAX_TWIN_PARAMS", 1000)
     monkeypatch.setattr(hf_layout, "PROBE_VOCAB", 16)

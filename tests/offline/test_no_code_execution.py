@@ -114,7 +114,7 @@ def _problems(path: Path) -> list[str]:
 
 
 def _kwargs_from_config(node: ast.Call) -> bool:
-    """``AutoConfig.for_model(model_type, **config)`` in hooks/probe.py: the config dict's values become
+    """``AutoConfig.for_model(model_type, **config)`` in hooks/checkpoint/probe.py: the config dict's values become
     attributes; auto_map / trust_remote_code entries there are inert (the behaviour test below checks)."""
     return _dotted(node.func).endswith("for_model")
 

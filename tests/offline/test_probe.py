@@ -10,7 +10,7 @@ from diag.cli.main import main
 from diag.offline.series import analyze_checkpoints
 from diag.outputs.sinks import MemorySink
 from hooks import Monitor
-from hooks.probe import Probe
+from hooks.checkpoint.probe import Probe
 
 ATTN_TAGS = ("attn_entropy", "attn_rank", "attn_max_logit", "attn_rows", "attn_entropy_uniform")
 

@@ -23,7 +23,7 @@ where the model shows how it really splits its heads, so it is checked there:
   elsewhere (einsum, bmm), only the head count is checked.
 
 When the layout disagrees (or was only a generic adapter's proposal, or a per-head check fails with a norm
-between projection and kernel), the layout is read from the computation (:mod:`hooks.infer`): a
+between projection and kernel), the layout is read from the computation (:mod:`hooks.layout.read`): a
 discovered layout is replaced by it, a spec's is refused with the inferred spec in the message.
 
 Runs on sampled forwards only, under no_grad, on the first ``n`` sequences.
@@ -41,8 +41,8 @@ from diag.layouts.generic import is_provisional
 from diag.layouts.infer import same_split
 from diag.layouts.patterns import spec_text
 from diag.layouts.vocab import QKVLayout, bias_names, split_qkv, split_qkv_bias
-from hooks.discovery import AttentionLayer
-from hooks.infer import adopt, query_source, read_layout
+from hooks.layout.discover import AttentionLayer
+from hooks.layout.read import adopt, query_source, read_layout
 
 __all__ = ["Inputs", "Verdict", "module_inputs", "with_keys_from", "check_call", "spec_hint", "unconfirmed"]
 

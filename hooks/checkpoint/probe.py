@@ -5,7 +5,7 @@ Only Hugging Face model folders qualify: ``config.json`` names a built-in
 config alone (no code from the checkpoint, no ``trust_remote_code``), every
 dropout set to 0, eager attention. Each checkpoint's weights are loaded into it
 and one forward on the probe inputs runs under the live capture
-(:class:`hooks.capture.AttentionCapture`, training mode and grad enabled as it
+(:class:`hooks.capture.capture.AttentionCapture`, training mode and grad enabled as it
 requires; nothing is backpropagated), so the numbers are those the Monitor would
 log for that batch.
 
@@ -25,8 +25,8 @@ from diag.errors import DiagError
 from diag.layouts.statedict import StateDictLayer
 from diag.offline.checkpoint import Checkpoint
 from diag.outputs.records import LayerArrays, attention_metrics, host_arrays
-from hooks.capture import AttentionCapture
-from hooks.discovery import AttentionLayer, discover
+from hooks.capture.capture import AttentionCapture
+from hooks.layout.discover import AttentionLayer, discover
 
 __all__ = ["Probe", "ProbeError"]
 

@@ -6,7 +6,7 @@ pairing are the model's own, whatever the attention kernel, RoPE or ALiBi), whil
 alone changes it (else the test says nothing: QK-norm). The scaled elements are found by splitting tensors
 of element numbers with the candidate itself, so every packing is tested as the analysis will read it. Each
 module gets the inputs it recorded in an unperturbed forward, so every module is tested on its own, all of
-them in one forward per candidate. Used by :mod:`hooks.hf_layout`.
+them in one forward per candidate. Used by :mod:`hooks.checkpoint.search`.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ backward; ``update_*`` at step t describe the update that optimizer step t appli
 (measured at the next ``step`` call or at ``close``). A non-sampled step costs a
 few attribute reads. A sampled step works under ``no_grad``, draws no random
 numbers and only reads parameters and gradients. Which families a step samples
-is the cadence (:mod:`hooks.cadence`): by default the loss, the gradient norms and
+is the cadence (:mod:`hooks.monitor.cadence`): by default the loss, the gradient norms and
 the spectra every 20, update ratios and attention every 100, with a closer look at attention
 while a head moves fast (docs/cost.md).
 """
@@ -40,11 +40,11 @@ from diag.outputs.records import attention_metrics, build_record, host_arrays, p
 from diag.outputs.sinks import FanOut, JsonlSink, Record, Sink, TensorBoardSink, check_logdir
 from diag.outputs.tags import layer_tag
 from diag.outputs.tb_views import TensorBoardViews
-from hooks.cadence import CloserLook, resolve_cadence
-from hooks.compiled import EagerCapture
-from hooks.discovery import AttentionLayer, discover, unconfirmable
-from hooks.distributed import SharedDetectors, rank, world_size
-from hooks.weightside import WeightSide
+from hooks.monitor.cadence import CloserLook, resolve_cadence
+from hooks.capture.compiled import EagerCapture
+from hooks.layout.discover import AttentionLayer, discover, unconfirmable
+from hooks.monitor.distributed import SharedDetectors, rank, world_size
+from hooks.monitor.weightside import WeightSide
 
 __all__ = ["Monitor", "SIGNALS"]
 
@@ -64,7 +64,7 @@ class Monitor:
             there too. Checked writable now. None: only ``sinks``.
         every: sample every family at steps where ``step % every == 0`` (the uniform cadence
             of earlier versions). Default None: the per-family cadence of
-            :data:`hooks.cadence.DEFAULT_CADENCE` (loss and gradient norms every 10 steps,
+            :data:`hooks.monitor.cadence.DEFAULT_CADENCE` (loss and gradient norms every 10 steps,
             spectra every 20, update ratios and attention every 100, plus ``closer_look``),
             which costs under 1% of training time on GPT-2 shapes (docs/cost.md).
         cadence: ``{family: steps between samples}`` for some of ``"loss"``, ``"grads"``,

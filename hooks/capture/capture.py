@@ -3,7 +3,7 @@
 While armed, each monitored attention module gets a forward pre-hook and a
 forward hook. Around that module's forward (training mode, grad enabled, first
 call since arming) a ``TorchFunctionMode`` watches the attention kernels that
-:mod:`hooks.kernels` reads (SDPA; softmax over 4-D ``(B, H, T, S)`` or 3-D
+:mod:`hooks.capture.kernels` reads (SDPA; softmax over 4-D ``(B, H, T, S)`` or 3-D
 ``(B*H, T, S)`` logits, with the q and k of the ``matmul``/``bmm``/``baddbmm``/``einsum``
 that made them; ``F.multi_head_attention_forward``) and the products before them.
 
@@ -15,7 +15,7 @@ from the model's own ``attention_mask`` (a keyword or positional argument of the
 module's forward, recorded by a pre-hook on it) when it describes the kernel's
 sequence, else from the keys the kernel excludes from every row.
 
-Before a call counts, it is checked against the layer's layout (:mod:`hooks.verify`):
+Before a call counts, it is checked against the layer's layout (:mod:`hooks.layout.confirm`):
 head count and head size, self- versus cross-attention, and, where the kernel's q
 and k are known (SDPA, MHA, and a softmax whose product was seen), their per-head
 norms against the module input projected with the layout (batch-first, or time-first
@@ -39,9 +39,9 @@ from torch.utils.hooks import RemovableHandle
 
 from diag.layouts.generic import is_provisional
 from diag.math.attention import AttentionStats, stats_from_logits, valid_query_rows
-from hooks.discovery import AttentionLayer
-from hooks.kernels import Product, Seen, Unsupported, excluded_keys, is_attention_call, product_operands, read_call
-from hooks.verify import Inputs, Verdict, check_call, module_inputs, unconfirmed, with_keys_from
+from hooks.layout.discover import AttentionLayer
+from hooks.capture.kernels import Product, Seen, Unsupported, excluded_keys, is_attention_call, product_operands, read_call
+from hooks.layout.confirm import Inputs, Verdict, check_call, module_inputs, unconfirmed, with_keys_from
 
 __all__ = ["AttentionCapture", "Seen"]
 

@@ -13,7 +13,7 @@ from diag.layouts.generic import generic_o, head_count, is_provisional
 from diag.layouts.patterns import first_match, generalise, matches, patterns_for
 from diag.layouts.vocab import QKVLayout, shape_problem
 from diag.outputs.tags import layer_labels
-from hooks.suspects import suspects_text
+from hooks.layout.suspects import suspects_text
 
 __all__ = ["AttentionLayer", "discover", "module_view", "unconfirmable"]
 

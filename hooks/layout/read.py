@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from diag.layouts.generic import generic_o
 from diag.layouts.infer import Block, layout_from_blocks, match_heads, profiles
 from diag.layouts.vocab import QKVLayout, bias_names, shape_problem
-from hooks.discovery import AttentionLayer, module_view
+from hooks.layout.discover import AttentionLayer, module_view
 
 __all__ = ["read_layout", "adopt", "query_source"]
 

@@ -1,6 +1,6 @@
 """The weight-side families of a sampled step: gradient norms, spectra, update ratios.
 
-The layers are read in the groups of :meth:`hooks.distributed.QKVReader.groups`:
+The layers are read in the groups of :meth:`hooks.monitor.distributed.QKVReader.groups`:
 all layers at once for plain parameters (read in place, nothing copied), one
 layer at a time for FSDP2 DTensors, whose gathered weights are dropped before the
 next layer is gathered. Within a group the spectra are batched across layers of
@@ -26,8 +26,8 @@ from torch import Tensor
 from diag.layouts.vocab import split_projections, split_qkv
 from diag.math.metrics import grad_metrics, layer_spectra
 from diag.math.updates import UpdateTracker
-from hooks.discovery import AttentionLayer
-from hooks.distributed import QKVReader, gather_like, local_shards
+from hooks.layout.discover import AttentionLayer
+from hooks.monitor.distributed import QKVReader, gather_like, local_shards
 
 __all__ = ["WeightSide", "ShardSnapshot", "nan_spectra"]
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from diag.detectors.core import Alert, Detectors, Observation
-from hooks.discovery import AttentionLayer
+from hooks.layout.discover import AttentionLayer
 
 __all__ = ["rank", "world_size", "gather_full", "local_shards", "gather_like", "QKVReader", "SharedDetectors"]
 

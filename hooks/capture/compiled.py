@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from hooks.capture import AttentionCapture
+from hooks.capture.capture import AttentionCapture
 
 __all__ = ["EagerCapture"]
 
@@ -30,7 +30,7 @@ _restore: list = []  # the set_stance object whose __exit__ restores the stance 
 
 
 class EagerCapture(AttentionCapture):
-    """:class:`~hooks.capture.AttentionCapture` that keeps ``torch.compile`` out of the armed window."""
+    """:class:`~hooks.capture.capture.AttentionCapture` that keeps ``torch.compile`` out of the armed window."""
 
     def arm(self) -> None:
         if not self.armed and id(self) not in _armed:

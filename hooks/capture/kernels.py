@@ -1,6 +1,6 @@
 """Read one attention kernel call: its q, k, logits and masks, as the model passed them.
 
-The capture's ``TorchFunctionMode`` (:mod:`hooks.capture`) hands every call it sees
+The capture's ``TorchFunctionMode`` (:mod:`hooks.capture.capture`) hands every call it sees
 inside a monitored module to :func:`read_call`. Four kinds of call are attention:
 
 * ``F.scaled_dot_product_attention``: q, k, mask, ``is_causal``, scale as passed;

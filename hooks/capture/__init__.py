@@ -1,0 +1,11 @@
+"""Stage 2, the capture: what the model really computed on a sampled step.
+
+``kernels`` reads one attention call (SDPA, a softmax over a product, MHA) into q, k, logits and
+masks; ``capture`` arms the hooks for one forward and reduces each call to per-head statistics;
+``compiled`` runs the captured forward eagerly under ``torch.compile``.
+"""
+
+from hooks.capture.capture import AttentionCapture
+from hooks.capture.compiled import EagerCapture
+
+__all__ = ["AttentionCapture", "EagerCapture"]
