@@ -18,12 +18,46 @@ from pathlib import Path
 
 import numpy as np
 
-from diag.cli.main import tensorboard_command
+from diag.cli.common import positive, tensorboard_command
 from diag.errors import DiagError
+from diag.math.metrics import DEFAULT_SEC_TOP
 from diag.offline.series import Analysis, analyze_checkpoints
 from diag.outputs.sinks import JsonlSink, Sink, TensorBoardSink, check_logdir
 
-__all__ = ["run_analyze"]
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    analyze = sub.add_parser(
+        "analyze",
+        help="weight-side diagnostics of checkpoints (one, or a series in step order)",
+        description="Analyse checkpoints after the fact: sigma_1, spectrum, SEC, effective and stable rank of "
+        "every head's Wq^T Wk, and update ratios between consecutive checkpoints, with the live Monitor's "
+        "tags, to a TensorBoard run, metrics.jsonl, alerts.jsonl and a report folder. Nothing in a checkpoint "
+        "is executed: PyTorch files are loaded with weights_only=True.",
+    )
+    analyze.add_argument("paths", nargs="+", metavar="PATH",
+                         help="checkpoint files (.pt .pth .bin .ckpt .safetensors, *.index.json), model folders "
+                         "(config.json + weights), folders of checkpoints, or quoted globs")
+    analyze.add_argument("--out", default="runs/analyze", metavar="DIR",
+                         help="output folder: TensorBoard run, metrics.jsonl, alerts.jsonl, report/ "
+                         "(default: runs/analyze)")
+    analyze.add_argument("--layout", metavar="FILE", help="the attention layouts as a JSON layout file (module paths "
+                         "or patterns, QKVLayout fields: packing, head counts per stage, query-to-KV-head map); "
+                         "needed for a bare state dict whose layout the keys and config do not tell "
+                         "(docs/analyze.md#layout-files). A run's own attnscope_layout.json is found without it")
+    analyze.add_argument("--heads", type=positive, metavar="N", help="shorthand: attention heads per layer, every "
+                         "layer alike (overrides the config); the packing and pairing it assumes are printed")
+    analyze.add_argument("--kv-heads", type=positive, metavar="G", help="shorthand: key/value heads (grouped-query "
+                         "attention; query head h assumed to pair with key/value head h // (N/G))")
+    analyze.add_argument("--sec-top", type=positive, default=DEFAULT_SEC_TOP, metavar="S",
+                         help=f"s of the spectral energy concentration SEC_s (default: {DEFAULT_SEC_TOP})")
+    analyze.add_argument("--json", action="store_true", help="print a JSON summary on stdout (for scripts)")
+    analyze.add_argument("--no-report", action="store_true", help="no figures and no index.html")
+    analyze.add_argument("--overwrite", action="store_true", help="replace the outputs of an earlier run in --out")
+    analyze.add_argument("--quiet", action="store_true", help="no progress bar and no summary table")
+    analyze.add_argument("--probe", metavar="FILE", help="also measure attention: run the model built from a "
+                         "Hugging Face config.json on these inputs (token ids, or text with the folder's tokenizer)")
 
 def _prepare_out(out: Path, overwrite: bool) -> str | None:
     """None when ``out`` is ready; else the reason it is not (the policy of every output folder:
@@ -106,7 +140,7 @@ def _describe(analysis: Analysis, out: Path, report: Path | None) -> str:
     return "\n".join(head)
 
 
-def run_analyze(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     reason = _prepare_out(out, args.overwrite)
     if reason:

@@ -39,9 +39,17 @@ from torch.utils.hooks import RemovableHandle
 
 from diag.layouts.generic import is_provisional
 from diag.math.attention import AttentionStats, stats_from_logits, valid_query_rows
-from hooks.layout.discover import AttentionLayer
-from hooks.capture.kernels import Product, Seen, Unsupported, excluded_keys, is_attention_call, product_operands, read_call
+from hooks.capture.kernels import (
+    Product,
+    Seen,
+    Unsupported,
+    excluded_keys,
+    is_attention_call,
+    product_operands,
+    read_call,
+)
 from hooks.layout.confirm import Inputs, Verdict, check_call, module_inputs, unconfirmed, with_keys_from
+from hooks.layout.discover import AttentionLayer
 
 __all__ = ["AttentionCapture", "Seen"]
 

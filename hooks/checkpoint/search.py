@@ -37,8 +37,8 @@ from diag.layouts.infer import fused_layouts
 from diag.layouts.vocab import QKVLayout
 from diag.offline.checkpoint import Checkpoint
 from diag.offline.layoutfile import LayoutEntry, LayoutFile
-from hooks.layout.discover import module_view
 from hooks.checkpoint.verdicts import verdicts
+from hooks.layout.discover import module_view
 
 __all__ = ["ModelLayouts", "model_layouts"]
 

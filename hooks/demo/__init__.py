@@ -22,7 +22,7 @@ examples' and benchmarks' model and data: ``model`` (``GPTConfig``, ``GPT``), ``
 """
 
 from hooks.demo.data import MAX_CHARS, get_batch, load_text
-from hooks.demo.loop import DEFAULT_LR, run_demo, train
+from hooks.demo.loop import DEFAULT_LR, DemoRun, run_demo, train
 from hooks.demo.model import GPT, GPTConfig
 
-__all__ = ["DEFAULT_LR", "GPT", "GPTConfig", "MAX_CHARS", "get_batch", "load_text", "run_demo", "train"]
+__all__ = ["DEFAULT_LR", "DemoRun", "GPT", "GPTConfig", "MAX_CHARS", "get_batch", "load_text", "run_demo", "train"]

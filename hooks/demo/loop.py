@@ -7,21 +7,49 @@ from __future__ import annotations
 
 import math
 import time
-from argparse import Namespace
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from diag.errors import ConfigError
 from diag.outputs.tags import parse_tag
 from hooks.demo.data import get_batch, load_text
 from hooks.demo.model import GPT, GPTConfig
 from hooks.monitor.monitor import Monitor
 from hooks.steplimit import SpectralStepLimit
 
-__all__ = ["DEFAULT_LR", "train", "run_demo"]
+__all__ = ["DEFAULT_LR", "DemoRun", "train", "run_demo"]
 
 DEFAULT_LR = 5e-3
+
+
+@dataclass
+class DemoRun:
+    """One demo training run: what ``python -m diag demo`` takes from its command line."""
+
+    logdir: str | Path | None = "runs/demo"
+    steps: int = 300
+    every: int | None = 10  # None: the Monitor's per-family cadence
+    lr: float | None = None  # None: DEFAULT_LR, the collapse setting
+    warmup: int = 0  # linear warmup steps; 0: none
+    seed: int = 0
+    step_limit: float | None = None  # tau of a SpectralStepLimit around AdamW; None: plain AdamW
+    overwrite: bool = False
+    quiet: bool = False
+
+    def __post_init__(self) -> None:
+        for name, low in (("steps", 1), ("warmup", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"DemoRun({name}={value!r}): expected an integer >= {low}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ConfigError(f"DemoRun(seed={self.seed!r}): expected an integer")
+        if self.every is not None and (isinstance(self.every, bool) or not isinstance(self.every, int)
+                                       or self.every < 1):
+            raise ConfigError(f"DemoRun(every={self.every!r}): expected an integer >= 1, or None for the "
+                              "Monitor's per-family cadence")
 
 
 def _signals(last: dict[str, float]) -> str:
@@ -33,7 +61,7 @@ def _signals(last: dict[str, float]) -> str:
             f"{pick('attn_entropy', 'min', min):.2f}  attn rank min {pick('attn_rank', 'min', min):5.1f}")
 
 
-def train(args: Namespace, cfg: GPTConfig | None = None) -> tuple[Monitor, list[float]]:
+def train(args: DemoRun, cfg: GPTConfig | None = None) -> tuple[Monitor, list[float]]:
     """Train with the Monitor attached; returns the closed Monitor and every step's loss."""
     cfg = cfg or GPTConfig()
     lr = DEFAULT_LR if args.lr is None else args.lr
@@ -51,8 +79,8 @@ def train(args: Namespace, cfg: GPTConfig | None = None) -> tuple[Monitor, list[
     model = GPT(cfg)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
-    monitor = Monitor(model, logdir=args.logdir, every=args.every, overwrite=getattr(args, "overwrite", False))
-    tau = getattr(args, "step_limit", None)
+    monitor = Monitor(model, logdir=args.logdir, every=args.every, overwrite=args.overwrite)
+    tau = args.step_limit
     if tau is not None:  # the remedy (diag.SpectralStepLimit); the scheduler keeps driving the shared lr
         optimizer = SpectralStepLimit(optimizer, tau, model=model, monitor=monitor, audit=True)
     say(f"demo: {len(text) / 1e6:.1f}M characters of stdlib source, vocabulary {cfg.vocab_size}, unigram "
@@ -82,8 +110,8 @@ def train(args: Namespace, cfg: GPTConfig | None = None) -> tuple[Monitor, list[
     return monitor, losses
 
 
-def run_demo(args: Namespace) -> None:
-    """Entry point of ``python -m diag demo``; ``args`` as built by :func:`diag.cli.main.build_parser`."""
+def run_demo(args: DemoRun) -> None:
+    """Entry point of ``python -m diag demo``: train, then print the warning and critical alerts."""
     monitor, _ = train(args)
     alerts = monitor.alert_sink.history
     if not args.quiet:

@@ -40,9 +40,9 @@ from diag.outputs.records import attention_metrics, build_record, host_arrays, p
 from diag.outputs.sinks import FanOut, JsonlSink, Record, Sink, TensorBoardSink, check_logdir
 from diag.outputs.tags import layer_tag
 from diag.outputs.tb_views import TensorBoardViews
-from hooks.monitor.cadence import CloserLook, resolve_cadence
 from hooks.capture.compiled import EagerCapture
 from hooks.layout.discover import AttentionLayer, discover, unconfirmable
+from hooks.monitor.cadence import CloserLook, resolve_cadence
 from hooks.monitor.distributed import SharedDetectors, rank, world_size
 from hooks.monitor.weightside import WeightSide
 

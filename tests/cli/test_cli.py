@@ -7,11 +7,11 @@ import json
 
 import pytest
 import torch
-import zoo
 
 from diag.cli.main import main
 from diag.errors import SinkError
 from hooks import Monitor
+from tests.support import zoo
 
 
 def _checkpoint(tmp_path):

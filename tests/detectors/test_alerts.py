@@ -372,9 +372,9 @@ def test_failing_callback_does_not_propagate(tmp_path):
 
 def test_monitor_raises_nonfinite_alert_once_per_episode():
     import torch
-    import zoo
 
     from hooks import Monitor
+    from tests.support import zoo
 
     case = zoo.nanogpt()
     seen = []
@@ -392,9 +392,9 @@ def test_monitor_raises_nonfinite_alert_once_per_episode():
 
 def test_skipped_step_numbers_warn_that_attention_was_not_captured():
     import torch
-    import zoo
 
     from hooks import Monitor
+    from tests.support import zoo
 
     case = zoo.nanogpt()
     mem = MemorySink()

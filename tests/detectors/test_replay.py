@@ -1,21 +1,15 @@
 """The evaluation's premise: detectors replayed over a run recorded at every=1, keeping the steps that are
-multiples of k, raise what a live Monitor at every=k raises (examples/evaluate_record.py, evaluate_detectors.py);
+multiples of k, raise what a live Monitor at every=k raises (evaluation/record.py, evaluate_detectors.py);
 and replayed at the default per-family cadence, with its closer look, what a live Monitor left at its defaults
 raises."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-
-import evaluate_detectors  # noqa: E402
-import evaluate_record  # noqa: E402
-
 from diag.detectors import AlertConfig  # noqa: E402
+from evaluation import detectors as evaluate_detectors
+from evaluation import record as evaluate_record
 
 STEPS = 25
 
@@ -31,8 +25,7 @@ def live(tmp_path, every: int | None, record: bool, steps: int = STEPS):
         return out
     import hooks.demo as demo
 
-    ns = argparse.Namespace(lr=5e-3, warmup=0, quiet=True, logdir=str(out), seed=0, every=every, steps=steps,
-                            step_limit=None)
+    ns = demo.DemoRun(lr=5e-3, quiet=True, logdir=out, every=every, steps=steps)
     monitor, _ = demo.train(ns, demo.GPTConfig(block_size=32))
     return monitor.alert_sink.history
 

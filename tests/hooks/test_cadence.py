@@ -19,13 +19,13 @@ import math
 
 import pytest
 import torch
-import zoo
 
 from diag.detectors import AlertConfig
 from diag.errors import ConfigError
 from diag.outputs.sinks import MemorySink
 from hooks import Monitor
 from hooks.monitor.cadence import DEFAULT_CADENCE, FAMILIES, CloserLook, resolve_cadence
+from tests.support import zoo
 
 FAMILY_OF = {"loss": "loss", "grad_": "grads", "qk_": "spectra", "attn_": "attention", "update_": "updates"}
 

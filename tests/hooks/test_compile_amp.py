@@ -15,12 +15,12 @@ import math
 import numpy as np
 import pytest
 import torch
-import zoo
 from torch._dynamo.utils import counters
 
 from diag.math.spectral import qk_singular_values_reference
 from diag.outputs.sinks import MemorySink
 from hooks import Monitor
+from tests.support import zoo
 
 EVERY, STEPS = 3, 8
 N_HEAD, N_EMBD = 4, 32

@@ -21,12 +21,12 @@ import warnings
 
 import pytest
 import torch
-import zoo
 
 from diag.detectors.core import Alert
 from diag.outputs.alert_sink import AlertSink
 from diag.outputs.sinks import FanOut, MemorySink
 from hooks import Monitor
+from tests.support import zoo
 
 STEPS = 4
 SPECTRAL = ("qk_sigma1/", "qk_sec/", "qk_erank/", "qk_stable_rank/")

@@ -18,11 +18,11 @@ import math
 
 import pytest
 import torch
-import zoo
 from torch.overrides import TorchFunctionMode
 
 from diag.outputs.sinks import MemorySink
 from hooks import Monitor
+from tests.support import zoo
 
 # numpy() is not among them: it works on CPU tensors only, so a device tensor reaches it through .cpu().
 # nonzero() is: its output size depends on the data, so on CUDA it waits for the device.

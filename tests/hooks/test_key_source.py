@@ -15,11 +15,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import assert_sigma1_by_hand, one_step
 from torch import nn
 
 from diag.layouts.vocab import QKVLayout
 from diag.math.attention import stats_from_probabilities_reference
+from tests.support.harness import assert_sigma1_by_hand, one_step
 
 E, H, SIDE, B = 32, 4, 8, 3  # 64 tokens; keys 16 (ratio 2) and 4 (ratio 4)
 D = E // H

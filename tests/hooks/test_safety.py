@@ -18,8 +18,14 @@ from copy import deepcopy
 
 import pytest
 import torch
-import zoo
-from harness import (  # noqa: F401 - re-exported for tests that import them from here
+from torch import nn
+
+from diag.errors import SinkError, SpecError
+from diag.outputs.sinks import MemorySink
+from hooks import Monitor
+from hooks.capture.capture import _Mode
+from tests.support import zoo
+from tests.support.harness import (  # noqa: F401 - re-exported for tests that import them from here
     BATCH_SEED,
     GLOBAL_HOOK_ATTRS,
     MODULE_HOOK_ATTRS,
@@ -33,12 +39,6 @@ from harness import (  # noqa: F401 - re-exported for tests that import them fro
     hook_state,
     train,
 )
-from torch import nn
-
-from diag.errors import SinkError, SpecError
-from diag.outputs.sinks import MemorySink
-from hooks import Monitor
-from hooks.capture.capture import _Mode
 
 CASE_NAMES = list(zoo.CASES)
 

@@ -9,13 +9,13 @@ import warnings
 
 import pytest
 import torch
-import zoo
 from torch import nn
 
 from diag import ConfigError, MemorySink, SpectralStepLimit
 from hooks import Monitor
 from hooks.layout.discover import discover
 from hooks.steplimit import STATE_KEY
+from tests.support import zoo
 
 
 def _case(name: str = "nanogpt", dtype: torch.dtype = torch.float32) -> zoo.Case:
@@ -324,17 +324,15 @@ def test_bad_input_is_a_config_error():
 
 
 def test_demo_step_limit_option(tmp_path):
-    from diag.cli.main import build_parser
-    from hooks.demo import GPTConfig, train
+    from hooks.demo import DemoRun, GPTConfig, train
 
-    def run(name: str, *extra: str) -> list[float]:
-        args = build_parser().parse_args(["demo", "--logdir", str(tmp_path / name), "--steps", "6", "--every", "2",
-                                          "--quiet", *extra])
+    def run(name: str, tau: float | None = None) -> list[float]:
+        args = DemoRun(logdir=tmp_path / name, steps=6, every=2, quiet=True, step_limit=tau)
         cfg = GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=32, batch_size=4)
         return train(args, cfg)[1]
 
-    limited = run("limited", "--step-limit", "0.004")
-    assert run("plain") == run("huge", "--step-limit", "1e9") != limited
+    limited = run("limited", 0.004)
+    assert run("plain") == run("huge", 1e9) != limited
     rows = [json.loads(line) for line in (tmp_path / "limited" / "metrics.jsonl").read_text().splitlines()]
     lr = {r["step"]: r["value"] for r in rows if r["tag"] == "step_limit_lr/L00/mean"}
     assert sorted(lr) == [0, 2, 4] and all(0 < v < 5e-3 for v in lr.values())
@@ -374,9 +372,8 @@ def test_slices_follow_a_layout_read_from_the_computation_after_construction():
     """A step limit built before the first forward sees a layout discovered from names (provisional: ``qkv`` read
     as [Q | K | V]); the first forward reads the real packing (per head [Q_h | K_h | V_h]) and replaces it. The
     bounded Q/K/V slices follow the layout in force, not the one seen at construction."""
-    import styles
-
     from diag.layouts.vocab import split_qkv
+    from tests.support import styles
 
     torch.manual_seed(0)
     model = styles.Net(styles.PerHeadNumHeads)

@@ -14,11 +14,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import zoo
 
 from diag.math.attention import stats_from_logits, stats_from_probabilities_reference, valid_query_rows
 from diag.outputs.sinks import MemorySink
 from hooks import Monitor
+from tests.support import zoo
 
 N, RANK_ROWS, REL = 2, 5, 1e-4
 FAMILIES = {"gpt2": zoo.gpt2, "llama": zoo.llama, "bert": zoo.bert, "roberta": zoo.roberta, "mistral": zoo.mistral,

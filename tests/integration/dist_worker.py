@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
 import torch
@@ -33,14 +32,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/zoo.py
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # hooks, diag
-
-from zoo import NanoGPT  # noqa: E402
-
-from diag.detectors.core import TrainingHalted  # noqa: E402
-from hooks import Monitor  # noqa: E402
-from hooks.monitor.weightside import ShardSnapshot  # noqa: E402
+from diag.detectors.core import TrainingHalted
+from hooks import Monitor
+from hooks.monitor.weightside import ShardSnapshot
+from tests.support.zoo import NanoGPT
 
 GLOBAL_BATCH, SEQ, VOCAB = 4, 12, 50
 COLLECTIVE_WORDS = ("gather", "reduce", "broadcast", "scatter", "alltoall", "all_to_all", "barrier", "send", "recv")

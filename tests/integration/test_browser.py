@@ -1,6 +1,6 @@
 """What a user sees, checked in a real browser: TensorBoard's dashboards on a demo run, and both HTML reports.
 
-Runs examples/screenshots.py's views (a real TensorBoard server on 127.0.0.1, headless Chromium from
+Runs evaluation/screenshots.py's views (a real TensorBoard server on 127.0.0.1, headless Chromium from
 the system packages driven by Playwright) and asserts what a newcomer checks: every per-layer chart
 draws a line per layer in distinct colours and names the layers; the Time Series card's legend
 names them and its canvas holds drawn lines; the images decode to figures with axes; the reports'
@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import zoo
 from PIL import Image
 
 from diag.cli.main import main
+from tests.support import zoo
 
 pytestmark = pytest.mark.browser
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,7 +28,7 @@ LAYERS = [f"demo/L{i:02d}" for i in range(4)]
 
 
 def _screenshots():
-    spec = importlib.util.spec_from_file_location("screenshots", ROOT / "examples" / "screenshots.py")
+    spec = importlib.util.spec_from_file_location("screenshots", ROOT / "evaluation" / "screenshots.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

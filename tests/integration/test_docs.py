@@ -19,7 +19,7 @@ def test_mkdocs_builds_strict(tmp_path):
 
 
 def test_custom_attention_example_runs():
-    result = subprocess.run([sys.executable, str(ROOT / "examples" / "custom_attention.py")],
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / "02_custom_attention.py")],
                             capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "qk_sigma1/L00/H00" in result.stdout

@@ -1,7 +1,7 @@
 """Each example in examples/ runs as a script (``sys.executable``, a temporary ``--logdir``) and writes
 what it says: the tags at the sampled steps, alerts that agree with what it printed, the Trainer's
 TensorBoard run beside the Monitor's with the step convention the docs state, the detector state in
-a Lightning checkpoint, a checkpoint analysis that equals the live run. (examples/timm_vit.py runs
+a Lightning checkpoint, a checkpoint analysis that equals the live run. (examples/06_timm_vit.py runs
 in tests/integration/test_timm.py, in .venv-timm.)
 """
 
@@ -19,12 +19,22 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_example(name: str, *args: str) -> str:
+def _run(command: list[str]) -> str:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    result = subprocess.run([sys.executable, str(ROOT / "examples" / name), *args], capture_output=True, text=True,
-                            timeout=300, cwd=ROOT, env=env)
+    result = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                            env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return result.stdout
+
+
+def run_example(name: str, *args: str) -> str:
+    """A user example, run as a script."""
+    return _run([str(ROOT / "examples" / name), *args])
+
+
+def run_evaluation(module: str, *args: str) -> str:
+    """A module of the evaluation package, run from the checkout as ``python -m evaluation.<module>``."""
+    return _run(["-m", f"evaluation.{module}", *args])
 
 
 def metrics(path: Path) -> list[dict]:
@@ -58,7 +68,7 @@ def check_live_run(logdir: Path, stdout: str, sampled: list[int]) -> list[dict]:
 
 
 def test_plain_loop(tmp_path):
-    out = run_example("plain_loop.py", "--logdir", str(tmp_path), "--steps", "15")
+    out = run_example("01_plain_loop.py", "--logdir", str(tmp_path), "--steps", "15")
     check_live_run(tmp_path, out, [0, 5, 10])
     # no warmup, lr 5e-3: the first updates are as large as the weights. Changed with issue #17: this asserted a
     # collapse_warning, which then fired in every no-warmup run (the bug); now an info note says what it is
@@ -69,7 +79,7 @@ def test_plain_loop(tmp_path):
 def test_hf_trainer(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    out = run_example("hf_trainer.py", "--logdir", str(tmp_path), "--steps", "10")
+    out = run_example("04_hf_trainer.py", "--logdir", str(tmp_path), "--steps", "10")
     rows = check_live_run(tmp_path / "attnscope", out, [0, 5])
     (hf_run,) = [p for p in (tmp_path / "runs").iterdir() if p.is_dir()]
     events = EventAccumulator(str(hf_run))
@@ -85,7 +95,7 @@ def test_hf_trainer(tmp_path):
 def test_lightning_fit(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    out = run_example("lightning_fit.py", "--logdir", str(tmp_path), "--steps", "10")
+    out = run_example("05_lightning_fit.py", "--logdir", str(tmp_path), "--steps", "10")
     version = tmp_path / "lightning_logs" / "version_0"
     check_live_run(version / "attnscope", out, [0, 5])
     events = EventAccumulator(str(version))
@@ -97,7 +107,7 @@ def test_lightning_fit(tmp_path):
 
 
 def test_analyze_checkpoints(tmp_path):
-    out = run_example("analyze_checkpoints.py", "--logdir", str(tmp_path), "--steps", "15")
+    out = run_example("03_analyze_checkpoints.py", "--logdir", str(tmp_path), "--steps", "15")
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
         "ckpt_0000.pt", "ckpt_0005.pt", "ckpt_0010.pt"]
     live, offline = metrics(tmp_path / "live" / "metrics.jsonl"), metrics(tmp_path / "analyze" / "metrics.jsonl")
@@ -119,7 +129,7 @@ def test_analyze_checkpoints(tmp_path):
 def test_evaluate_healthy_trains_each_third_party_model_with_a_zero_configuration_monitor():
     """The script of docs/alerts.md#healthy-runs, shortened: every model is monitored (its per-head tags are
     logged), its loss falls, and its row is in the table."""
-    out = run_example("evaluate_healthy.py", "--seeds", "0", "--steps", "30")
+    out = run_evaluation("healthy", "--seeds", "0", "--steps", "30")
     rows = [line for line in out.splitlines() if line.startswith("| ") and line.split("|")[1].strip() in
             ("gpt2", "llama", "neox")]
     assert [r.split("|")[1].strip() for r in rows] == ["gpt2", "llama", "neox"]
@@ -134,14 +144,12 @@ def test_evaluate_healthy_trains_each_third_party_model_with_a_zero_configuratio
 def test_evaluate_healthy_records_what_the_monitor_passed_its_detectors(tmp_path):
     """``--out`` (docs/alerts.md#healthy-runs): the recorder wraps the detectors without hiding any of their
     interface (the closer look asks them ``wants_attention`` every step: a recorder without it made every
-    update sample fail), and examples/evaluate_detectors.py loads and judges the recording. 25 steps raise no
+    update sample fail), and evaluation/detectors.py loads and judges the recording. 25 steps raise no
     alert; that a replay raises the live alerts is tests/detectors/test_replay.py's test."""
     import warnings
 
-    sys.path.insert(0, str(ROOT / "examples"))
-    import evaluate_detectors
-    import evaluate_healthy
-
+    from evaluation import detectors as evaluate_detectors
+    from evaluation import healthy as evaluate_healthy
     from hooks.demo import load_text
 
     data = torch.frombuffer(bytearray(load_text(max_chars=50_000).encode()), dtype=torch.uint8).long()
@@ -158,10 +166,10 @@ def test_evaluate_healthy_records_what_the_monitor_passed_its_detectors(tmp_path
 
 
 def test_zero_config_sweep_prints_one_row_per_model_and_attention():
-    """examples/zero_config_sweep.py on three Hugging Face types: a decoder measured whole at both attention
+    """evaluation/sweep.py on three Hugging Face types: a decoder measured whole at both attention
     settings, CodeGen (its [Q | V | K] groups read from the kernel, no spec) and Longformer (weight side only,
     and no SDPA attention in transformers)."""
-    out = run_example("zero_config_sweep.py", "--hf", "llama", "codegen", "longformer")
+    out = run_evaluation("sweep", "--hf", "llama", "codegen", "longformer")
     rows = {tuple(c.strip() for c in line.split("|")[1:3]): [c.strip() for c in line.split("|")[3:-1]]
             for line in out.splitlines() if line.startswith("| ") and not line.startswith("| model")}
     assert rows[("llama", "eager")][:4] == rows[("llama", "sdpa")][:4] == ["2", "2", "2", "0"]

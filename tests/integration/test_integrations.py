@@ -22,13 +22,13 @@ import warnings
 import numpy as np
 import pytest
 import torch
-import zoo
-from harness import MODULE_HOOK_ATTRS, assert_no_function_mode, assert_no_hooks
 
 import hooks
 from diag.errors import ConfigError
 from diag.math.attention import stats_from_probabilities_reference
 from diag.outputs.sinks import MemorySink
+from tests.support import zoo
+from tests.support.harness import MODULE_HOOK_ATTRS, assert_no_function_mode, assert_no_hooks
 
 E, H, LAYERS, VOCAB, T = 32, 2, 2, 64, 16
 D = E // H

@@ -1,4 +1,4 @@
-"""Short versions of the two reproductions behind the alerts (examples/evaluate_alerts.py runs the long ones).
+"""Short versions of the two reproductions behind the alerts (evaluation/alerts.py runs the long ones).
 
 Collapse: the demo GPT without warmup warns at step 10 and its warmup twin stays silent. Eureka: the 2x2-digits
 task labels what it claims, the ViT and its NormSoftmax twin are monitored, and at initialisation the softmax
@@ -10,19 +10,14 @@ scripted inputs against direct definitions.
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-
-import eureka  # noqa: E402
-import evaluate_collapse  # noqa: E402
-
 from diag.detectors.core import AlertConfig  # noqa: E402
+from evaluation import collapse as evaluate_collapse
+from evaluation import eureka
 
 # ------------------------------------------------------------------ collapse
 

@@ -32,9 +32,6 @@ import pytest
 import timm
 import torch
 import torch.nn.functional as F
-import zoo
-from harness import assert_sigma1_by_hand, one_step
-from references import assert_max_logits
 from torch import nn
 
 from diag.layouts.adapters import find_layout
@@ -42,6 +39,9 @@ from diag.math.attention import stats_from_probabilities_reference
 from diag.outputs.sinks import MemorySink
 from hooks import Monitor
 from hooks.layout.discover import module_view
+from tests.support import zoo
+from tests.support.harness import assert_sigma1_by_hand, one_step
+from tests.support.references import assert_max_logits
 
 pytestmark = pytest.mark.timm
 
@@ -270,7 +270,7 @@ def test_update_ratios_match_full_svd(case):
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_training_is_bit_identical_with_monitor(case):
     """Dropout on (tokens, attention, projections, head), every step sampled: the capture changes nothing."""
-    from harness import assert_no_function_mode, train
+    from tests.support.harness import assert_no_function_mode, train
 
     def make() -> zoo.Case:
         return zoo.Case("timm-vit", build(*case, drop=0.2), make_batch, loss_fn)
@@ -347,7 +347,7 @@ def test_timm_checkpoint_analysed_offline_like_live(tmp_path):
 
 
 def test_timm_vit_example_runs_and_writes_every_signal(tmp_path):
-    """examples/timm_vit.py as a script: timm's layout found, the four families and the loss at the
+    """examples/06_timm_vit.py as a script: timm's layout found, the four families and the loss at the
     sampled steps, the alerts it printed are the alerts it wrote."""
     import json
     import os
@@ -356,7 +356,7 @@ def test_timm_vit_example_runs_and_writes_every_signal(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    result = subprocess.run([sys.executable, str(root / "examples" / "timm_vit.py"), "--logdir", str(tmp_path),
+    result = subprocess.run([sys.executable, str(root / "examples" / "06_timm_vit.py"), "--logdir", str(tmp_path),
                              "--steps", "11"], capture_output=True, text=True, timeout=300, cwd=root,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stderr[-3000:]

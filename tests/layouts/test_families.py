@@ -8,7 +8,7 @@ monitored layer, in the order the Monitor labels them (cross-attention as ``Lxx.
 * attention entropy and rank against the model's own eager probabilities
   (``output_attentions=True``; ``need_weights=True`` for ``nn.MultiheadAttention``);
 * (the max logit: tests/math/test_max_logit_matrix.py, one family x implementation matrix
-  with the reference-zoo models, its hand computation in tests/references.py);
+  with the reference-zoo models, its hand computation in tests/support/references.py);
 * gradient norms against hand-sliced ``.grad``;
 * the capture's layout check ran with the strongest comparison the call allows;
 * the update ratios of W_O: an update of each layer's output projection (sliced by hand,
@@ -28,8 +28,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-import zoo
-from references import N_SEQ, allowed_keys, attention_modules, family, hand_sliced, token_rows
 from torch import nn
 
 from diag.errors import SpecError
@@ -38,6 +36,8 @@ from diag.math.attention import stats_from_probabilities_reference
 from diag.outputs.sinks import MemorySink
 from hooks import Monitor, discover
 from hooks.capture.capture import AttentionCapture
+from tests.support import zoo
+from tests.support.references import N_SEQ, allowed_keys, attention_modules, family, hand_sliced, token_rows
 
 REL = 1e-4
 MATRIX = [f"{fam}-{impl}" for fam in zoo.FAMILY_BUILDERS for impl in ("eager", "sdpa")] + ["torch-seq2seq-mha"]
@@ -513,7 +513,7 @@ def test_an_implementation_the_capture_cannot_read_is_refused_before_the_forward
 @pytest.mark.parametrize("name", ["bart-sdpa", "t5-eager", "gpt-neox-eager", "gpt2-cross-sdpa", "torch-seq2seq"])
 def test_training_is_bit_identical_with_monitor(name):
     """Dropout on, every step sampled: the capture (and its matmul watch) changes nothing."""
-    from harness import assert_no_function_mode, train
+    from tests.support.harness import assert_no_function_mode, train
 
     def make() -> zoo.Case:
         if name == "torch-seq2seq":
@@ -569,7 +569,7 @@ def test_the_long_bit_identity_test_covers_every_builder():
 
 @pytest.mark.parametrize("name", LONG_CASES)
 def test_training_is_bit_identical_with_monitor_over_many_steps(name, tmp_path):
-    from harness import assert_no_function_mode, assert_no_hooks, assert_states_equal, train
+    from tests.support.harness import assert_no_function_mode, assert_no_hooks, assert_states_equal, train
 
     family_name, impl = name.rsplit("-", 1)
     losses_plain, state_plain = train(zoo.FAMILY_BUILDERS[family_name](impl), steps=LONG_STEPS)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers  # in the test extra: never a skip
-from harness import assert_sigma1_by_hand, one_step
+
+from tests.support.harness import assert_sigma1_by_hand, one_step
 
 V, E, NH, D = 50, 32, 4, 8
 REL = 1e-5

@@ -9,13 +9,13 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from styles import STYLES, E, Net
 from test_styles import assert_exact, run
 from torch import nn
 
 from diag.errors import SpecError
 from diag.outputs.sinks import MemorySink
 from hooks import Monitor, QKVLayout
+from tests.support.styles import STYLES, E, Net
 
 H, D = 4, 8
 
@@ -152,7 +152,7 @@ def test_a_wrong_spec_is_refused_and_the_inferred_spec_is_exact(name):
     inferred = specs_in(next(m for m in caught if "not measured at all" in m))[-1]
     monitor, record, checked, _ = run(Net(STYLES[name]), inferred)
     assert checked == {0: "q,k", 1: "q,k"} and not monitor.refused
-    assert_exact(monitor, record)  # against the weights read through the model's own code (tests/styles.py)
+    assert_exact(monitor, record)  # against the weights read through the model's own code (tests/support/styles.py)
 
 
 def test_without_the_attention_signal_a_proposal_from_names_is_refused():
@@ -170,7 +170,7 @@ def test_without_the_attention_signal_a_proposal_from_names_is_refused():
 def test_grouped_heads_whose_product_is_invisible_are_refused_with_both_pairings_and_the_right_one_is_exact():
     """Logits from a broadcast product: the capture sees the softmax but not q and k, so the pairing of a
     grouped-query layout cannot be checked; both pairings are offered as specs, and h % G (this model's) is exact."""
-    from styles import TileBroadcast
+    from tests.support.styles import TileBroadcast
 
     monitor, record, checked, caught = run(Net(TileBroadcast))
     assert set(monitor.refused) == {0, 1} and not any("/L00" in t for t in record.scalars)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import assert_sigma1_by_hand, one_step
-from styles import STYLES, E, Net, per_head_weights
 
 from hooks import Monitor
+from tests.support.harness import assert_sigma1_by_hand, one_step
+from tests.support.styles import STYLES, E, Net, per_head_weights
 
 REL = 1e-5
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 import x_transformers  # in the test extra: a missing install is an error here, never a skip
-from harness import one_step
+
+from tests.support.harness import one_step
 
 V, E, NH, D = 50, 32, 4, 8
 

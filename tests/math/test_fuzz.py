@@ -333,7 +333,7 @@ PROBE_CONFIGS = {
 
 @pytest.fixture(scope="module")
 def gpt2_folder(tmp_path_factory):
-    import zoo
+    from tests.support import zoo
 
     folder = tmp_path_factory.mktemp("probe") / "checkpoint-3"
     zoo.gpt2(dropout=0.0).model.save_pretrained(folder)

@@ -5,7 +5,7 @@ reference zoo (nanoGPT, GPT-2, LLaMA, ``nn.TransformerEncoder``). Each case runs
 the Monitor's ``attn_max_logit/<layer>/H<h>`` is compared with the largest float64 logit over the
 keys each query may see, recomputed by hand from each module's recorded inputs
 (``references.logits_by_hand``: hand-sliced weights and biases, RoPE through the family's own
-function, T5's relative position bias). A new family: a branch in each helper of tests/references.py
+function, T5's relative position bias). A new family: a branch in each helper of tests/support/references.py
 and a row in ``IMPLEMENTATIONS`` here.
 """
 
@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import zoo
-from references import assert_max_logits, logits_by_hand
 
 from diag.outputs.sinks import MemorySink
 from hooks import Monitor
+from tests.support import zoo
+from tests.support.references import assert_max_logits, logits_by_hand
 
 REL = 1e-4
 IMPLEMENTATIONS: dict[str, tuple[str, ...]] = {

@@ -4,7 +4,7 @@ On each architecture of the zoo (random init, 2 layers): spectra against the ful
 SVD of the E x E product in float64; attention entropy and rank against the
 model's own eager attention probabilities (``output_attentions=True``, or
 ``need_weights=True, average_attn_weights=False``) with per-head loops; gradient
-norms against hand-sliced ``.grad`` (Q/K/V sliced by tests/references.py); update
+norms against hand-sliced ``.grad`` (Q/K/V sliced by tests/support/references.py); update
 ratios of W_Q, W_K, W_V and W_O against the full SVD of the applied update, with
 W_O sliced by hand too (and shown to be the output projection: an update of it
 alone moves ``update_ratio_o`` alone). The max logit of these models is checked in
@@ -20,12 +20,12 @@ import math
 import numpy as np
 import pytest
 import torch
-import zoo
-from references import attention_modules, hand_sliced
 
 from diag.math.attention import stats_from_probabilities_reference
 from diag.outputs.sinks import MemorySink
 from hooks import Monitor
+from tests.support import zoo
+from tests.support.references import attention_modules, hand_sliced
 
 REL = 1e-4
 CASES = ["nanogpt", "gpt2-eager", "gpt2-sdpa", "llama-eager", "llama-sdpa", "torch-encoder"]

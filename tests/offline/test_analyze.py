@@ -10,7 +10,6 @@ import sys
 
 import pytest
 import torch
-import zoo
 from safetensors.torch import save_file
 
 from diag.cli.main import main
@@ -18,6 +17,7 @@ from diag.offline.checkpoint import CheckpointError, open_checkpoint
 from diag.offline.series import analyze_checkpoints
 from diag.outputs.sinks import MemorySink
 from hooks import Monitor
+from tests.support import zoo
 
 WEIGHT_TAGS = ("qk_sigma1", "qk_sec", "qk_erank", "qk_stable_rank")
 

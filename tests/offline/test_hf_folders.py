@@ -15,7 +15,6 @@ import json
 import pytest
 import torch
 import transformers as tf
-import zoo
 
 from diag.cli.main import main
 from diag.layouts.infer import fused_layouts
@@ -25,6 +24,7 @@ from diag.outputs.sinks import MemorySink
 from hooks import Monitor
 from hooks.checkpoint.search import ModelLayouts
 from hooks.checkpoint.verdicts import verdicts
+from tests.support import zoo
 
 H, D, E = 4, 8, 32
 TAGS = ("qk_sigma1", "qk_sec", "qk_erank", "qk_stable_rank")

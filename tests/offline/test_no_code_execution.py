@@ -170,7 +170,8 @@ raise SystemExit("code from the checkpoint folder ran")
 
 def _evil_folder(tmp_path: Path) -> tuple[Path, Path]:
     import torch
-    import zoo
+
+    from tests.support import zoo
 
     marker = tmp_path / "MARKER"
     case = zoo.gpt2(dropout=0.0)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import zoo
 
 from diag.cli.main import main
 from diag.offline.series import analyze_checkpoints
 from diag.outputs.sinks import MemorySink
 from hooks import Monitor
 from hooks.checkpoint.probe import Probe
+from tests.support import zoo
 
 ATTN_TAGS = ("attn_entropy", "attn_rank", "attn_max_logit", "attn_rows", "attn_entropy_uniform")
 

@@ -14,7 +14,6 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-import zoo
 from safetensors.torch import save_file
 from torch import nn
 
@@ -25,6 +24,7 @@ from diag.offline.layoutfile import FILE_NAME, LayoutEntry, read_layout_file, wr
 from diag.offline.series import analyze_checkpoints
 from diag.outputs.sinks import MemorySink
 from hooks import Monitor
+from tests.support import zoo
 
 E, H, VOCAB, T = 32, 4, 50, 8
 TAGS = ("qk_sigma1", "qk_sec", "qk_erank", "qk_stable_rank")

@@ -15,9 +15,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 TRAIN = textwrap.dedent(
     """
-    import sys, torch
-    sys.path.insert(0, {tests!r})
-    import zoo
+    import torch
+    from tests.support import zoo
     from hooks import Monitor
     torch.set_num_threads(1)
     case = zoo.nanogpt()
@@ -37,8 +36,9 @@ TRAIN = textwrap.dedent(
 
 def test_killed_process_leaves_only_complete_lines(tmp_path):
     logdir = tmp_path / "run"
-    script = TRAIN.format(tests=str(Path(__file__).parents[1]), logdir=str(logdir))
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    script = TRAIN.format(logdir=str(logdir))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            cwd=Path(__file__).parents[2])  # the checkout: tests.support
     metrics = logdir / "metrics.jsonl"
     deadline = time.monotonic() + 120
     try:
@@ -71,9 +71,9 @@ def test_killed_process_leaves_only_complete_lines(tmp_path):
 
 def test_resume_with_purge_step_does_not_duplicate_tensorboard_steps(tmp_path):
     import torch
-    import zoo
 
     from hooks import Monitor
+    from tests.support import zoo
 
     def run(start: int, stop: int, purge: int | None) -> None:
         case = zoo.nanogpt()

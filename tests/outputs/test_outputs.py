@@ -23,7 +23,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import zoo
 from tensorboard.backend.event_processing import event_accumulator
 from torch import nn
 
@@ -33,6 +32,7 @@ from diag.layouts.vocab import QKVLayout
 from diag.outputs.sinks import MemorySink, Record
 from diag.outputs.tags import LAYER_METRICS, PER_HEAD_METRICS
 from hooks import Monitor
+from tests.support import zoo
 
 # ------------------------------------------------------------------ helpers
 

@@ -29,7 +29,6 @@ import warnings
 import numpy as np
 import pytest
 import torch
-import zoo
 from PIL import Image
 from test_outputs import run_training
 
@@ -52,6 +51,7 @@ from diag.outputs.sinks import MemorySink, Record
 from diag.outputs.tags import LAYER_METRICS, PER_HEAD_METRICS, layer_runs, update_metric_names
 from diag.outputs.tb_layout import CHART_STAT, build_layout, chart_regexes, family
 from hooks import Monitor
+from tests.support import zoo
 
 LUT = colormap()
 STEPS = 5

@@ -1,6 +1,6 @@
 """Collapse alerts over seeds: the demo's no-warmup run against its warmup twin.
 
-    .venv/bin/python examples/evaluate_collapse.py --seeds 0 1 2 --steps 300
+    .venv/bin/python -m evaluation.collapse --seeds 0 1 2 --steps 300
 
 For each seed, trains the demo GPT (``hooks.demo``: character-level, Python's
 standard library source, lr 5e-3) twice: without warmup (the collapse setting)
@@ -32,9 +32,8 @@ import tempfile
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from diag.cli.main import build_parser
 from diag.detectors.core import AlertConfig, attention_state
-from hooks.demo import train
+from hooks.demo import DemoRun, train
 
 ESTABLISHED_MIN = 5  # consecutive samples (50 steps at every=10) a head must stay malignant
 BEHIND_FACTOR = 1.1
@@ -112,11 +111,7 @@ def divergence(losses: list[float], factor: float = DIVERGE_FACTOR, window: int 
 
 
 def run(seed: int, warmup: int, steps: int, logdir: Path) -> dict:
-    args = build_parser().parse_args(
-        ["demo", "--logdir", str(logdir), "--steps", str(steps), "--seed", str(seed),
-         "--warmup", str(warmup), "--quiet"]
-    )
-    monitor, losses = train(args)
+    monitor, losses = train(DemoRun(logdir=logdir, steps=steps, seed=seed, warmup=warmup, quiet=True))
     alerts = monitor.alert_sink.history
     warn, crit = first(alerts, "collapse_warning"), first(alerts, "malignant_collapse")
     established, head = established_collapse(read_metrics(logdir / "metrics.jsonl"))

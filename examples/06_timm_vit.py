@@ -1,6 +1,6 @@
 """The Monitor on a timm VisionTransformer.
 
-    python examples/timm_vit.py --logdir runs/vit       # about 10 s on a CPU; needs timm (and torchvision)
+    python examples/06_timm_vit.py --logdir runs/vit       # about 10 s on a CPU; needs timm (and torchvision)
     tensorboard --logdir runs/vit
 
 A small ViT from timm's ``vit_tiny_patch16_224`` recipe, built offline (no pretrained weights),

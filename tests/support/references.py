@@ -17,8 +17,9 @@ import math
 
 import pytest
 import torch
-import zoo
 from torch import nn
+
+from tests.support import zoo
 
 N_SEQ = 2  # the Monitor's default attn_seqs
 ONE_IMPLEMENTATION = ("nanogpt", "torch-encoder", "torch-seq2seq")  # zoo names without an implementation suffix

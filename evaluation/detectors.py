@@ -1,9 +1,9 @@
 """Replay the detectors over recorded runs: thresholds tuned on one set of seeds, reported on another.
 
-    OMP_NUM_THREADS=1 .venv/bin/python examples/evaluate_detectors.py RUNS_DIR [--show RUN] [--markdown]
-    OMP_NUM_THREADS=1 .venv/bin/python examples/evaluate_detectors.py RUNS_DIR --compare RUNS_DIR2
+    OMP_NUM_THREADS=1 .venv/bin/python -m evaluation.detectors RUNS_DIR [--show RUN] [--markdown]
+    OMP_NUM_THREADS=1 .venv/bin/python -m evaluation.detectors RUNS_DIR --compare RUNS_DIR2
 
-``RUNS_DIR`` holds one folder per run written by ``examples/evaluate_record.py`` (named
+``RUNS_DIR`` holds one folder per run written by ``evaluation/record.py`` (named
 ``collapse-...-s<seed>`` or ``eureka-...-s<seed>``; the Monitor sampled every step). Each run is
 replayed at ``every`` 2, 5, 10 and 20 by keeping the observations whose step is a multiple of
 ``every``: what a Monitor at that interval would have passed the detectors; and at the Monitor's
@@ -20,7 +20,7 @@ looks at the detectors:
 * hovering: no established collapse, yet one head malignant in at least half of the samples of some
   50 steps (``AMBIGUOUS``): such runs count neither as warned nor as false alerts, and are listed;
 * accuracy jump: the first held-out evaluation above halfway from the no-indicator accuracy to
-  the run's final accuracy (``examples/eureka.py``), none if the final accuracy is not 0.2 above it;
+  the run's final accuracy (``evaluation/eureka.py``), none if the final accuracy is not 0.2 above it;
 * a warning is in time if its first firing precedes the established collapse; a collapse alert on
   a run with no established collapse is false; a Eureka-moment is on time if its ``since`` step is
   within 2 intervals of the jump, an interval being ``max(every, 20)`` (the held-out accuracy is
@@ -30,7 +30,7 @@ looks at the detectors:
   (the collapse runs: their loss never sits still for 200 steps in the sense of the Eureka task)
   counts against the Eureka thresholds when they are tuned.
 
-Folders named ``healthy-...`` come from ``examples/evaluate_healthy.py --out`` (Hugging Face language
+Folders named ``healthy-...`` come from ``evaluation/healthy.py --out`` (Hugging Face language
 models trained with warmup and cosine decay; the Monitor at its default cadence, so they are replayed
 as recorded, at ``default`` only): none collapses or stalls, so every warning or critical alert on
 them is false, and their plateau alerts count against the Eureka thresholds when they are tuned.
@@ -41,18 +41,14 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling example modules
-
-from evaluate_record import load_observations  # noqa: E402
-
-from diag.detectors import AlertConfig, Detectors, Observation  # noqa: E402
-from hooks import SIGNALS  # noqa: E402
-from hooks.monitor.cadence import CloserLook, resolve_cadence  # noqa: E402
+from diag.detectors import AlertConfig, Detectors, Observation
+from evaluation.record import load_observations
+from hooks import SIGNALS
+from hooks.monitor.cadence import CloserLook, resolve_cadence
 
 EVERYS = ("default", 2, 5, 10, 20)  # "default": the Monitor's per-family cadence
 ESTABLISHED_STEPS, ESTABLISHED_SHARE = 50, 0.8

@@ -1,7 +1,7 @@
 """Screenshots of what a user sees, taken in a real browser: TensorBoard on a run, and the HTML reports.
 
     python -m diag demo --logdir runs/demo && python -m diag report runs/demo
-    python examples/screenshots.py runs/demo --report runs/demo/report.html --out docs/img
+    python -m evaluation.screenshots runs/demo --report runs/demo/report.html --out docs/img
 
 Starts a real TensorBoard server (``python -m tensorboard.main``, bound to 127.0.0.1 only) on the
 folder above the run, opens its dashboards in headless Chromium from the system packages

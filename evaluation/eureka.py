@@ -1,7 +1,7 @@
 """A Eureka-moment reproduction: a 2x2 grid of digits where one digit says which other one is the label.
 
-Run:  OMP_NUM_THREADS=1 .venv/bin/python examples/eureka.py --seed 0
-      OMP_NUM_THREADS=1 .venv/bin/python examples/eureka.py --seed 0 --attention normsoftmax
+Run:  OMP_NUM_THREADS=1 .venv/bin/python -m evaluation.eureka --seed 0
+      OMP_NUM_THREADS=1 .venv/bin/python -m evaluation.eureka --seed 0 --attention normsoftmax
       (2000 steps, about 1.5 min on one idle core; --logdir runs/eureka for TensorBoard)
 
 The task follows Hoffmann et al. ("Eureka-Moments in Transformers"), built from

@@ -1,8 +1,8 @@
 """Zero configuration across model families we did not write: what the Monitor measures with no spec.
 
-    OMP_NUM_THREADS=2 .venv/bin/python examples/zero_config_sweep.py                    # every HF text type below
-    OMP_NUM_THREADS=2 .venv/bin/python examples/zero_config_sweep.py --hf llama codegen longformer
-    OMP_NUM_THREADS=2 .venv-timm/bin/python examples/zero_config_sweep.py --timm maxvit_tiny_tf_224 xcit_nano_12_p16_224
+    OMP_NUM_THREADS=2 .venv/bin/python -m evaluation.sweep                    # every HF text type below
+    OMP_NUM_THREADS=2 .venv/bin/python -m evaluation.sweep --hf llama codegen longformer
+    OMP_NUM_THREADS=2 .venv-timm/bin/python -m evaluation.sweep --timm maxvit_tiny_tf_224 xcit_nano_12_p16_224
 
 Each model is built from its library's own config with small sizes (nothing downloaded), trained for one
 step in train mode with ``Monitor(model, every=1, sinks=[MemorySink()])`` and nothing else, with the
@@ -20,16 +20,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import sys
 import warnings
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
-
-from diag.outputs.sinks import MemorySink  # noqa: E402
-from hooks import Monitor  # noqa: E402
+from diag.outputs.sinks import MemorySink
+from hooks import Monitor
 
 HF_TEXT = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "phi", "phi3", "olmo", "olmo2", "gpt_neox",
            "gptj", "codegen", "falcon", "bloom", "mpt", "gpt_bigcode", "opt", "stablelm", "starcoder2", "cohere",

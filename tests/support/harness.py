@@ -11,11 +11,11 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.modules.module as module_globals
-import zoo
 from torch import nn
 
 from diag.outputs.sinks import MemorySink
 from hooks import Monitor
+from tests.support import zoo
 
 STEPS = 12
 TRAIN_SEED = 1234

@@ -1,6 +1,6 @@
 """The Monitor in a plain PyTorch training loop.
 
-    python examples/plain_loop.py --logdir runs/plain          # about 10 s on a CPU
+    python examples/01_plain_loop.py --logdir runs/plain          # about 10 s on a CPU
     tensorboard --logdir runs/plain
 
 A small character-level GPT (the demo's nanoGPT-style model, 2 layers of 2 heads, d_model 64)

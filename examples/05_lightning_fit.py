@@ -1,6 +1,6 @@
 """The Monitor in a Lightning ``Trainer.fit``, beside Lightning's own TensorBoard logger.
 
-    python examples/lightning_fit.py --logdir runs/lightning     # about 15 s on a CPU
+    python examples/05_lightning_fit.py --logdir runs/lightning     # about 15 s on a CPU
     tensorboard --logdir runs/lightning/lightning_logs
 
 The demo's small character-level GPT (2 layers of 2 heads, d_model 64) on the Python standard

@@ -1,14 +1,14 @@
 """Both reproductions over seeds, in one table: are the alerts early, right and quiet on healthy runs?
 
-    OMP_NUM_THREADS=1 .venv/bin/python examples/evaluate_alerts.py --seeds 0 1 2
+    OMP_NUM_THREADS=1 .venv/bin/python -m evaluation.alerts --seeds 0 1 2
 
-Collapse (``hooks.demo``, see examples/evaluate_collapse.py): per seed the
+Collapse (``hooks.demo``, see evaluation/collapse.py): per seed the
 no-warmup run and its 100-step warmup twin. Columns: first ``collapse_warning``,
 first ``malignant_collapse``, established collapse and divergence (measured from
 the metrics and the losses, not from the detectors), lead = (established or
 divergence, whichever comes first) - first warning.
 
-Eureka (examples/eureka.py): per seed the plain-softmax ViT and its NormSoftmax
+Eureka (evaluation/eureka.py): per seed the plain-softmax ViT and its NormSoftmax
 twin. Columns: the step the plateau was flagged (``eureka_plateau``), the
 detected ``eureka_moment``, the accuracy jump (first evaluation above halfway
 from the no-indicator accuracy to 100%), their distance in logging intervals,
@@ -22,23 +22,19 @@ The last column of every row lists the warning and critical alerts raised
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling example modules
-
-import eureka  # noqa: E402
-import evaluate_collapse  # noqa: E402
+from evaluation import collapse, eureka
 
 
 def eureka_row(seed: int, attention: str, steps: int, blind: float) -> dict:
     cfg = eureka.EurekaConfig(attention=attention, seed=seed, steps=steps)
     run = eureka.train(cfg)
     alerts = run.monitor.alert_sink.history
-    plateau = evaluate_collapse.first(alerts, "eureka_plateau")
-    moment = evaluate_collapse.first(alerts, "eureka_moment")
+    plateau = collapse.first(alerts, "eureka_plateau")
+    moment = collapse.first(alerts, "eureka_moment")
     jump, threshold = eureka.accuracy_jump(run.evals, blind)
     ratio = eureka.layer_mean_series(run.memory, "grad_ratio_qk_v")
     return {
@@ -77,7 +73,7 @@ def main() -> None:
     if args.skip != "collapse":
         with tempfile.TemporaryDirectory() as tmp:
             for seed in args.seeds:
-                collapse += evaluate_collapse.pair(seed, args.collapse_steps, Path(tmp))
+                collapse += collapse.pair(seed, args.collapse_steps, Path(tmp))
                 print(f"  [{time.perf_counter() - start:6.0f}s] collapse seed {seed}: "
                       f"{collapse[-2]['raised']} / {collapse[-1]['raised']}", flush=True)
     if args.skip != "eureka":
@@ -101,7 +97,7 @@ def main() -> None:
                   f"{r['loss']:.3f} | "
                   f"{raised} |")
     if eurekas:
-        print(f"\nEureka (examples/eureka.py; no-indicator accuracy {blind:.3f}; jump = first evaluation above "
+        print(f"\nEureka (evaluation/eureka.py; no-indicator accuracy {blind:.3f}; jump = first evaluation above "
               f"the threshold, halfway from it to the final accuracy; offset = (moment - jump) in logging "
               f"intervals of {eureka.EurekaConfig.every} steps)\n")
         print("| seed | attention | plateau flagged | Eureka-moment | accuracy jump (threshold) | offset | "

@@ -1,11 +1,11 @@
 """Train one configuration once and record what the detectors saw, for offline replay.
 
-    OMP_NUM_THREADS=1 .venv/bin/python examples/evaluate_record.py collapse --seed 0 --lr 5e-3 --out runs/eval/c0
-    OMP_NUM_THREADS=1 .venv/bin/python examples/evaluate_record.py eureka --seed 0 --steps 1200 --out runs/eval/e0
+    OMP_NUM_THREADS=1 .venv/bin/python -m evaluation.record collapse --seed 0 --lr 5e-3 --out runs/eval/c0
+    OMP_NUM_THREADS=1 .venv/bin/python -m evaluation.record eureka --seed 0 --steps 1200 --out runs/eval/e0
 
 The Monitor samples at ``--every`` (default 1: every step); its detectors are wrapped by a
 recorder that appends every :class:`~diag.detectors.Observation` to ``observations.jsonl``.
-``examples/evaluate_detectors.py`` then replays the detectors over these files for any
+``evaluation/detectors.py`` then replays the detectors over these files for any
 threshold choice and any coarser sampling interval (keep the observations whose step is a
 multiple of ``k``: exactly what a Monitor at ``every=k`` would have passed them, since each
 sample measures the step it samples and the update ratio of the step right after it).
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -27,9 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling example modules
-
-from diag.detectors import Observation  # noqa: E402
+from diag.detectors import Observation
 
 
 class Recorder:
@@ -114,8 +111,8 @@ def record_collapse(args: argparse.Namespace, out: Path) -> dict:
 
     demo.GPT, demo.Monitor = build, monitor
     try:
-        ns = argparse.Namespace(lr=args.lr, warmup=args.warmup, quiet=True, logdir=str(out), seed=args.seed,
-                                every=args.every, steps=args.steps, step_limit=None)
+        ns = demo.DemoRun(lr=args.lr, warmup=args.warmup, quiet=True, logdir=out, seed=args.seed, every=args.every,
+                          steps=args.steps)
         cfg = demo.GPTConfig(block_size=args.context) if args.context else None
         _, losses = demo.train(ns, cfg)
     finally:
@@ -124,7 +121,7 @@ def record_collapse(args: argparse.Namespace, out: Path) -> dict:
 
 
 def record_eureka(args: argparse.Namespace, out: Path) -> dict:
-    import eureka
+    from evaluation import eureka
 
     original = eureka.Monitor
 

@@ -1,6 +1,6 @@
 """A custom attention module monitored through an explicit spec.
 
-Run:  .venv/bin/python examples/custom_attention.py   (a few seconds on a CPU)
+Run:  .venv/bin/python examples/02_custom_attention.py   (a few seconds on a CPU)
 
 The module keeps Q, K and V in one fused ``qkv`` Linear whose rows are
 [all Q | all K | all V] and its head count in ``heads``. ``Monitor(model)`` alone

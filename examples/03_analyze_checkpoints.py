@@ -1,6 +1,6 @@
 """Checkpoints saved during training, analysed afterwards with ``python -m diag analyze``.
 
-    python examples/analyze_checkpoints.py --logdir runs/ckpt     # about 20 s on a CPU
+    python examples/03_analyze_checkpoints.py --logdir runs/ckpt     # about 20 s on a CPU
     tensorboard --logdir runs/ckpt
 
 Trains the demo's small character-level GPT (2 layers of 2 heads, d_model 64; no warmup, a

@@ -1,8 +1,8 @@
 """Alerts on healthy runs of models we did not write: Hugging Face GPT-2, LLaMA (grouped-query) and GPT-NeoX.
 
-    OMP_NUM_THREADS=1 .venv/bin/python examples/evaluate_healthy.py                  # 3 models x 2 seeds
-    OMP_NUM_THREADS=1 .venv/bin/python examples/evaluate_healthy.py --models llama --seeds 0 --steps 300
-    OMP_NUM_THREADS=1 .venv/bin/python examples/evaluate_healthy.py --models gpt2 --seeds 21 --out RUNS_DIR
+    OMP_NUM_THREADS=1 .venv/bin/python -m evaluation.healthy                  # 3 models x 2 seeds
+    OMP_NUM_THREADS=1 .venv/bin/python -m evaluation.healthy --models llama --seeds 0 --steps 300
+    OMP_NUM_THREADS=1 .venv/bin/python -m evaluation.healthy --models gpt2 --seeds 21 --out RUNS_DIR
 
 Each model is built from a config (4 layers of 4 heads, d_model 128; nothing downloaded; the
 library's own attention, ``sdpa``) and trained as such models usually are: bytes of the Python
@@ -13,8 +13,8 @@ stops learning, so every warning or critical alert is a false alarm (GPT-2's los
 after its warmup: docs/alerts.md#healthy-runs discusses the plateau warning it gets); info notes are listed too.
 The table printed at the end is the one in docs/alerts.md#healthy-runs. With ``--out`` each run's
 observations (what the Monitor passed its detectors, at the default cadence) and losses are written to
-``RUNS_DIR/healthy-<model>-s<seed>`` in ``examples/evaluate_record.py``'s format, so that
-``examples/evaluate_detectors.py RUNS_DIR`` replays the detectors on them (seeds below 20 tune).
+``RUNS_DIR/healthy-<model>-s<seed>`` in ``evaluation/record.py``'s format, so that
+``evaluation/detectors.py RUNS_DIR`` replays the detectors on them (seeds below 20 tune).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -31,11 +30,9 @@ import torch
 import transformers
 
 from diag.outputs.sinks import MemorySink
+from evaluation.record import Recorder
 from hooks import Monitor
 from hooks.demo import load_text
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling example modules
-from evaluate_record import Recorder  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 SHAPE = {"layers": 4, "heads": 4, "width": 128, "context": 128}

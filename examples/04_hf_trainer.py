@@ -1,6 +1,6 @@
 """The Monitor in a Hugging Face ``Trainer``, beside the Trainer's own TensorBoard logging.
 
-    python examples/hf_trainer.py --logdir runs/hf              # about 15 s on a CPU
+    python examples/04_hf_trainer.py --logdir runs/hf              # about 15 s on a CPU
     tensorboard --logdir runs/hf
 
 A GPT-2 built from a config (2 layers of 2 heads, d_model 64; nothing downloaded) learns the

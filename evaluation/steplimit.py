@@ -1,6 +1,6 @@
 """The spectral step limit on the collapse reproduction: no warmup, warmup twin, step limit.
 
-    .venv/bin/python examples/evaluate_steplimit.py --seeds 0 1 2 --steps 300 --tau 0.004
+    .venv/bin/python -m evaluation.steplimit --seeds 0 1 2 --steps 300 --tau 0.004
 
 For each seed, trains the demo GPT (``hooks.demo``: character-level, Python's
 standard library source, AdamW lr 5e-3) three ways: without warmup (the collapse
@@ -24,8 +24,7 @@ import tempfile
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from diag.cli.main import build_parser
-from hooks.demo import DEFAULT_LR, train
+from hooks.demo import DEFAULT_LR, DemoRun, train
 
 
 def first(alerts, kind: str) -> int | None:
@@ -42,11 +41,7 @@ def read_metrics(logdir: Path) -> dict[str, list[float]]:
 
 
 def run(seed: int, warmup: int, tau: float | None, steps: int, logdir: Path) -> dict:
-    argv = ["demo", "--logdir", str(logdir), "--steps", str(steps), "--seed", str(seed),
-            "--warmup", str(warmup), "--quiet"]
-    if tau is not None:
-        argv += ["--step-limit", str(tau)]
-    monitor, losses = train(build_parser().parse_args(argv))
+    monitor, losses = train(DemoRun(logdir=logdir, steps=steps, seed=seed, warmup=warmup, step_limit=tau, quiet=True))
     alerts = monitor.alert_sink.history
     series = read_metrics(logdir)
     labels = [layer.label for layer in monitor.layers]
