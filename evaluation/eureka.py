@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -174,17 +175,31 @@ class EurekaRun:
     evals: list[tuple[int, float, float]]  # (step, validation loss, validation accuracy)
 
 
-def train(cfg: EurekaConfig, logdir: str | Path | None = None, say=None) -> EurekaRun:
-    """Train one run with the Monitor attached; returns the closed Monitor, its records and the curves."""
+def train(cfg: EurekaConfig, logdir: str | Path | None = None, say=None, *,
+          lr_factor: Callable[[int], float] | None = None, qk_norm: bool = False,
+          wrap: Callable | None = None) -> EurekaRun:
+    """Train one run with the Monitor attached; returns the closed Monitor, its records and the curves.
+
+    ``lr_factor(step)``: the learning rate of a step as a fraction of ``cfg.lr`` (default: constant);
+    ``qk_norm``: LayerNorm on q and k per head (:class:`evaluation.runs.QKNormAttention`); ``wrap``: called
+    with the Monitor's detectors, returns what replaces them (the evaluation's recorder)."""
     say = say or (lambda *a: None)
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     data = DigitGrid()
     val_x, val_y = data.validation()
     model = ViT(cfg)
+    if qk_norm:
+        from evaluation.runs import QKNormAttention
+
+        for block in model.blocks:
+            block.attn = QKNormAttention(block.attn, cfg.n_embd // cfg.n_head, causal=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor or (lambda s: 1.0))
     memory = MemorySink()
     monitor = Monitor(model, logdir=logdir, every=cfg.every, sinks=[memory], alerts=cfg.alerts)
+    if wrap is not None:
+        monitor.detectors = wrap(monitor.detectors)
     losses, evals = [], []
     start = time.perf_counter()
     try:
@@ -196,6 +211,7 @@ def train(cfg: EurekaConfig, logdir: str | Path | None = None, say=None) -> Eure
             monitor.step(step, loss=loss)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            schedule.step()
             losses.append(loss.item())
             if step % cfg.eval_every == 0 or step == cfg.steps - 1:
                 model.eval()

@@ -1,87 +1,135 @@
-"""Alerts on healthy runs of models we did not write: Hugging Face GPT-2, LLaMA (grouped-query) and GPT-NeoX.
+"""Runs of models we did not write, trained as such models usually are: the healthy side of the evaluation.
 
-    OMP_NUM_THREADS=1 .venv/bin/python -m evaluation.healthy                  # 3 models x 2 seeds
-    OMP_NUM_THREADS=1 .venv/bin/python -m evaluation.healthy --models llama --seeds 0 --steps 300
-    OMP_NUM_THREADS=1 .venv/bin/python -m evaluation.healthy --models gpt2 --seeds 21 --out RUNS_DIR
+    OMP_NUM_THREADS=1 .venv/bin/python -m evaluation.runs hf --model gpt2 --seed 0 --lr 1e-3 --steps 1000 \\
+        --warmup 100 --schedule cosine --every 0 --out RUNS_DIR
 
-Each model is built from a config (4 layers of 4 heads, d_model 128; nothing downloaded; the
-library's own attention, ``sdpa``) and trained as such models usually are: bytes of the Python
-standard library's source, AdamW (lr 1e-3, betas 0.9/0.95, weight decay 0.1), 100 warmup steps
-then cosine decay, gradient clipping at 1. The Monitor is attached with no arguments but the sink
-(``Monitor(model, sinks=...)``: zero configuration, the default cadence). No run here collapses or
-stops learning, so every warning or critical alert is a false alarm (GPT-2's loss does stall for a while
-after its warmup: docs/alerts.md#healthy-runs discusses the plateau warning it gets); info notes are listed too.
-The table printed at the end is the one in docs/alerts.md#healthy-runs. With ``--out`` each run's
-observations (what the Monitor passed its detectors, at the default cadence) and losses are written to
-``RUNS_DIR/healthy-<model>-s<seed>`` in ``evaluation/record.py``'s format, so that
-``evaluation/detectors.py RUNS_DIR`` replays the detectors on them (seeds below 20 tune).
+Four families built from configs (4 layers of 4 heads, d_model 128; nothing downloaded; the library's own
+``sdpa`` attention): Hugging Face GPT-2 and LLaMA (2 key/value heads: grouped-query attention) as causal
+language models and a BERT-style masked language model (15% of the tokens masked), all on bytes of the Python
+standard library's source (context 128, batch 8), and a ViT classifying scikit-learn's 8x8 digits (2x2
+patches: 16 tokens and a class token, batch 64). AdamW (betas 0.9/0.95, weight decay 0.1), gradient clipping
+at 1, a constant learning rate or 100 warmup steps then cosine decay. The Monitor is attached as a user
+would, with no arguments (the default cadence). ``--normsoftmax`` trains the same run with NormSoftmax
+attention (Hoffmann et al.: the logits divided by their standard deviation over the keys, temperature 0.5),
+registered as a transformers attention function: the causal twin of a plateau (a plateau that attention
+causes is one the twin leaves much faster). The twin's attention is not one the Monitor reads (a custom
+kernel is refused and reported); its losses are what the twin test uses.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import time
-from collections import Counter
 from pathlib import Path
 
 import torch
 import transformers
 
-from diag.outputs.sinks import MemorySink
-from evaluation.record import Recorder
-from hooks import Monitor
-from hooks.demo import load_text
+from evaluation.runs import RunSpec, _monitor
+
+__all__ = ["build", "train_spec", "normsoftmax_attention"]
 
 transformers.logging.set_verbosity_error()
 SHAPE = {"layers": 4, "heads": 4, "width": 128, "context": 128}
+VOCAB = 256  # bytes; BERT's [MASK] is id 256
+MASK_ID = VOCAB
+TEMPERATURE = 0.5
+
+
+def normsoftmax_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """NormSoftmax attention as a transformers attention function: ``softmax(s / (T * std_keys(s)))`` over the
+    keys a query may see (the causal mask from ``module.is_causal``, a padding mask from ``attention_mask``).
+    query (B, H, T, D), key and value (B, G, S, D); returns (B, T, H, D) and the weights."""
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:  # grouped-query attention: query head h reads key head h // groups
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    s = (query @ key.transpose(-1, -2)) * scale  # (B, H, T, S)
+    t, n = s.shape[-2:]
+    valid = torch.ones(t, n, dtype=torch.bool, device=s.device)
+    if getattr(module, "is_causal", False) and t > 1:
+        valid = valid.tril(n - t)
+    if attention_mask is not None:
+        mask = attention_mask[..., :n]
+        valid = valid & (mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2)
+    count = valid.sum(-1, keepdim=True).clamp_min(1)
+    mean = (s * valid).sum(-1, keepdim=True) / count
+    std = ((((s - mean) * valid) ** 2).sum(-1, keepdim=True) / count).sqrt()
+    s = (s / (TEMPERATURE * std + 1e-6)).masked_fill(~valid, float("-inf"))
+    weights = torch.softmax(s, dim=-1)  # (B, H, T, S)
+    return (weights @ value).transpose(1, 2).contiguous(), weights
+
+
+transformers.AttentionInterface.register("normsoftmax", normsoftmax_attention)
 
 
 def build(name: str) -> torch.nn.Module:
     layers, heads, width, context = (SHAPE[k] for k in ("layers", "heads", "width", "context"))
+    common = {"hidden_size": width, "intermediate_size": 4 * width, "num_hidden_layers": layers,
+              "num_attention_heads": heads}
     if name == "gpt2":
-        cfg = transformers.GPT2Config(vocab_size=256, n_positions=context, n_embd=width, n_layer=layers,
+        cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=context, n_embd=width, n_layer=layers,
                                       n_head=heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         return transformers.GPT2LMHeadModel(cfg)
     if name == "llama":
-        cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=width, intermediate_size=4 * width,
-                                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=2,
-                                       max_position_embeddings=context)
+        cfg = transformers.LlamaConfig(vocab_size=VOCAB, num_key_value_heads=2, max_position_embeddings=context,
+                                       **common)
         return transformers.LlamaForCausalLM(cfg)
-    if name == "neox":
-        cfg = transformers.GPTNeoXConfig(vocab_size=256, hidden_size=width, intermediate_size=4 * width,
-                                         num_hidden_layers=layers, num_attention_heads=heads,
-                                         max_position_embeddings=context, hidden_dropout=0.0, attention_dropout=0.0)
-        return transformers.GPTNeoXForCausalLM(cfg)
-    raise ValueError(f"unknown model {name!r}: expected gpt2, llama or neox")
+    if name == "bert":
+        cfg = transformers.BertConfig(vocab_size=VOCAB + 1, max_position_embeddings=context,
+                                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **common)
+        return transformers.BertForMaskedLM(cfg)
+    if name == "vit":
+        cfg = transformers.ViTConfig(image_size=8, patch_size=2, num_channels=1, num_labels=10,
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **common)
+        return transformers.ViTForImageClassification(cfg)
+    raise ValueError(f"unknown model {name!r}: expected gpt2, llama, bert or vit")
 
 
-def train(name: str, seed: int, steps: int, data: torch.Tensor, batch: int = 8, out: Path | None = None) -> dict:
-    torch.manual_seed(seed)
-    model = build(name)
-    model.config._attn_implementation = "sdpa"
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
-    warm = 100
+class Batches:
+    """The task of each family: next bytes (GPT-2, LLaMA), masked bytes (BERT), digit classes (ViT)."""
 
-    def factor(s: int) -> float:  # linear warmup, then cosine decay to 0
-        return (s + 1) / warm if s < warm else 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, steps - warm)))
+    def __init__(self, name: str, seed: int) -> None:
+        self.name = name
+        self.gen = torch.Generator().manual_seed(seed)
+        if name == "vit":
+            from sklearn.datasets import load_digits
 
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, factor)
-    gen = torch.Generator().manual_seed(seed)
-    sink = MemorySink()
-    context = SHAPE["context"]
+            digits = load_digits()
+            self.images = torch.tensor(digits.images / 16.0, dtype=torch.float32)[:, None]  # (N, 1, 8, 8)
+            self.labels = torch.tensor(digits.target, dtype=torch.long)  # (N,)
+        else:
+            from hooks.demo import load_text
+
+            self.data = torch.frombuffer(bytearray(load_text().encode()), dtype=torch.uint8).long()
+
+    def __call__(self) -> dict:
+        if self.name == "vit":
+            at = torch.randint(0, len(self.labels), (64,), generator=self.gen)
+            return {"pixel_values": self.images[at], "labels": self.labels[at]}
+        context = SHAPE["context"]
+        at = torch.randint(0, self.data.numel() - context - 1, (8,), generator=self.gen)
+        ids = torch.stack([self.data[i : i + context] for i in at.tolist()])  # (8, T)
+        if self.name != "bert":
+            return {"input_ids": ids, "labels": ids}
+        masked = torch.rand(ids.shape, generator=self.gen) < 0.15
+        return {"input_ids": ids.masked_fill(masked, MASK_ID), "labels": ids.masked_fill(~masked, -100)}
+
+
+def train_spec(spec: RunSpec, out: Path) -> dict:
+    torch.manual_seed(spec.seed)
+    model = build(spec.model)
+    model.config._attn_implementation = "normsoftmax" if spec.twin == "normsoftmax" else "sdpa"
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    from evaluation.runs import lr_factor
+
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(spec, s))
+    batches = Batches(spec.model, spec.seed)
     losses = []
-    start = time.perf_counter()
-    folder = None if out is None else out / f"healthy-{name}-s{seed}"
-    with Monitor(model, sinks=[sink]) as monitor:
-        if folder is not None:
-            folder.mkdir(parents=True, exist_ok=True)
-            monitor.detectors = Recorder(monitor.detectors, folder / "observations.jsonl")
-        for step in range(steps):
-            at = torch.randint(0, data.numel() - context - 1, (batch,), generator=gen)
-            ids = torch.stack([data[i : i + context] for i in at.tolist()])
-            loss = model(input_ids=ids, labels=ids).loss
+    monitor = _monitor(model, spec, out)
+    try:
+        model.train()
+        for step in range(spec.steps):
+            loss = model(**batches()).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             monitor.step(step, loss=loss)
@@ -89,45 +137,6 @@ def train(name: str, seed: int, steps: int, data: torch.Tensor, batch: int = 8, 
             opt.zero_grad(set_to_none=True)
             schedule.step()
             losses.append(float(loss.detach()))
-    if folder is not None:
-        config = {"task": "healthy", "model": name, "seed": seed, "steps": steps, "batch": batch, **SHAPE}
-        (folder / "run.json").write_text(json.dumps({"config": config, "losses": losses}))
-    alerts = [a for a in monitor.alert_sink.history if a.status == "firing"]
-    for a in alerts:  # the loss around each alert: what followed it
-        around = [sum(losses[s : s + 20]) / len(losses[s : s + 20]) for s in range(max(0, a.since - 100), steps, 100)]
-        print(f"  {name} seed {seed}: {a.level} {a.kind} {a.where} at step {a.step} (since {a.since}); mean loss of "
-              f"20 steps every 100 from step {max(0, a.since - 100)}: {' '.join(f'{x:.3f}' for x in around)}")
-    return {"model": name, "seed": seed, "steps": steps, "seconds": time.perf_counter() - start,
-            "loss_first": sum(losses[:20]) / 20, "loss_last": sum(losses[-20:]) / 20,
-            "alerts": Counter((a.level, a.kind) for a in alerts),
-            "tags": len({t for r in sink.records for t in r.scalars})}
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["gpt2", "llama", "neox"])
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
-    parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--out", type=Path, help="record each run's observations and losses here (for replay)")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    data = torch.frombuffer(bytearray(load_text(max_chars=2_000_000).encode()), dtype=torch.uint8).long()
-    rows = []
-    for name in args.models:
-        for seed in args.seeds:
-            row = train(name, seed, args.steps, data, out=args.out)
-            rows.append(row)
-            print(f"{name} seed {seed}: loss {row['loss_first']:.3f} -> {row['loss_last']:.3f} in "
-                  f"{row['seconds']:.0f} s, {row['tags']} tags; alerts {dict(row['alerts']) or 'none'}", flush=True)
-    print("\n| model | seed | steps | loss (first 20 -> last 20 steps) | warning or critical alerts | info notes |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        bad = {k: n for (level, k), n in r["alerts"].items() if level != "info"}
-        info = {k: n for (level, k), n in r["alerts"].items() if level == "info"}
-        fmt = lambda d: ", ".join(f"{k} x{n}" for k, n in sorted(d.items())) or "none"  # noqa: E731
-        print(f"| {r['model']} | {r['seed']} | {r['steps']} | {r['loss_first']:.2f} -> {r['loss_last']:.2f} | "
-              f"{fmt(bad)} | {fmt(info)} |")
-
-
-if __name__ == "__main__":
-    main()
+    finally:
+        monitor.close()
+    return {"losses": losses, "final_loss": float(sum(losses[-50:]) / len(losses[-50:])) if losses else math.nan}

@@ -1,0 +1,53 @@
+"""Record every run of a set (evaluation/seeds.py) that a folder does not hold yet.
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m evaluation.plan design --out runs/eval --jobs 2
+    .venv/bin/python -m evaluation.plan report --out runs/eval --list     # what it would record
+
+A run is complete when its folder holds ``run.json`` (written last), so an interrupted plan resumes where it
+stopped. Runs go longest first, ``--jobs`` at a time, each in its own process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+
+from evaluation.runs import RunSpec, record
+from evaluation.seeds import SETS
+
+COST = {"lm": 1.0, "vit": 0.15, "hf": 0.25}  # rough seconds per step at the run's cadence, for the order only
+
+
+def missing(name: str, root: Path) -> list[RunSpec]:
+    todo = [s for s in SETS[name] if not (root / s.name / "run.json").exists()]
+    return sorted(todo, key=lambda s: -COST[s.task] * s.steps * (1 + (s.layers or 4) / 4))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("set", choices=sorted(SETS))
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument("--list", action="store_true", help="print the runs still to record and stop")
+    parser.add_argument("--only", default="", help="record only runs whose name contains this")
+    args = parser.parse_args()
+    todo = [s for s in missing(args.set, args.out) if args.only in s.name]
+    print(f"{args.set}: {len(SETS[args.set])} runs, {len(todo)} to record", flush=True)
+    if args.list:
+        print("\n".join(s.name for s in todo))
+        return
+    start = time.perf_counter()
+    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(record, spec, args.out): spec for spec in todo}
+        for done, future in enumerate(as_completed(futures), 1):
+            spec = futures[future]
+            error = future.exception()
+            print(f"[{done}/{len(todo)}] {time.perf_counter() - start:7.0f}s {spec.name}"
+                  + (f" FAILED: {error!r}" if error else ""), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""Which runs design the alerts, which tune their thresholds, which report them: fixed before any is recorded.
+
+Committed before the report set was recorded (issue 31); a run belongs to exactly one set and counts once,
+whatever the cadences it is replayed at.
+
+* **design**: the runs looked at to choose the features of ``collapse_risk``, to fit its coefficients
+  (:mod:`evaluation.risk`) and to design the plateau's tests;
+* **tuning**: the runs on which the thresholds are chosen (the risk at which ``collapse_warning`` fires, the
+  plateau's lines), with the features and coefficients frozen;
+* **report**: recorded after the thresholds are frozen, never looked at before; the docs' tables come from
+  these alone. They include settings no design or tuning run has: another width and depth of the GPT,
+  another corpus (English prose), the ViT of the Eureka task at collapse learning rates, and rounding
+  replicas (the same seed with two torch threads: another reduction order) at the boundary learning rate.
+
+Healthy families (Hugging Face GPT-2, LLaMA with grouped-query attention, a BERT-style masked language model,
+a ViT classifier) run under a constant learning rate and under warmup + cosine decay; the plateau's thresholds
+are chosen leaving the family that is reported out (:func:`evaluation.detectors.leave_family_out`).
+"""
+
+from __future__ import annotations
+
+from evaluation.runs import RunSpec
+
+__all__ = ["SETS", "runs_of", "set_of"]
+
+DESIGN_SEEDS = range(0, 6)
+TUNING_SEEDS = range(10, 16)
+REPORT_SEEDS = range(100, 120)
+
+LM_LRS = (2e-3, 3e-3, 5e-3, 7e-3, 1e-2)  # no warmup; 5e-3 is the boundary: about half the runs collapse
+BOUNDARY_LR = 5e-3
+LM_STEPS = 300
+EUREKA_STEPS = 2000
+HF_STEPS = 1000
+HF_FAMILIES = ("gpt2", "llama", "bert", "vit")
+HF_LMS = ("gpt2", "llama", "bert")  # the language models: their plateau's causal test is a NormSoftmax twin
+
+
+def _lm(seed: int, lr: float, **kw) -> RunSpec:
+    return RunSpec("lm", seed, lr, LM_STEPS, **kw)
+
+
+def _eureka(seed: int, **kw) -> RunSpec:
+    return RunSpec("vit", seed, 1e-3, EUREKA_STEPS, **kw)
+
+
+def _hf(model: str, seed: int, schedule: str, **kw) -> list[RunSpec]:
+    warmup = 100 if schedule == "cosine" else 0
+    return [RunSpec("hf", seed, 1e-3, HF_STEPS, warmup=warmup, schedule=schedule, model=model, every=0, **kw)]
+
+
+def _common(seeds: range, hf_seed: int, eureka_seeds: range, normsoftmax_seeds: range) -> list[RunSpec]:
+    out = [_lm(s, lr) for s in seeds for lr in LM_LRS]
+    out += [_lm(s, BOUNDARY_LR, warmup=100) for s in seeds[:2]]  # the healthy twin of the demo
+    out += [_lm(s, BOUNDARY_LR, twin="qknorm") for s in seeds[:2]]
+    out += [_eureka(s) for s in eureka_seeds]
+    out += [_eureka(s, twin="normsoftmax") for s in normsoftmax_seeds]
+    for model in HF_FAMILIES:
+        for schedule in ("constant", "cosine"):
+            out += _hf(model, hf_seed, schedule)
+            if model in HF_LMS:
+                out += _hf(model, hf_seed, schedule, twin="normsoftmax")
+    return out
+
+
+def _report() -> list[RunSpec]:
+    seeds = REPORT_SEEDS
+    out = [_lm(s, BOUNDARY_LR) for s in seeds]  # 20 runs at the boundary ...
+    out += [_lm(s, BOUNDARY_LR, threads=2) for s in seeds]  # ... each with a rounding replica
+    out += [_lm(s, lr) for s in seeds[:5] for lr in LM_LRS if lr != BOUNDARY_LR]  # both sides of the boundary
+    out += [_lm(s, lr, twin="qknorm") for s in seeds[:5] for lr in LM_LRS]  # the damage test's twins
+    out += [_lm(s, BOUNDARY_LR, twin="qknorm") for s in seeds[5:]]
+    out += [_lm(s, BOUNDARY_LR, warmup=100) for s in seeds[:3]]
+    # settings never used in design or tuning
+    out += [_lm(s, lr, layers=6, heads=4, width=128) for s in seeds[:4] for lr in (5e-3, 1e-2)]
+    out += [_lm(s, lr, corpus="pydoc") for s in seeds[:4] for lr in (5e-3, 1e-2)]
+    out += [RunSpec("vit", s, lr, 400) for s in seeds[:4] for lr in (3e-3, 1e-2, 3e-2)]
+    out += [_eureka(s) for s in seeds[:8]]
+    out += [_eureka(s, twin="normsoftmax") for s in seeds[:3]]
+    for model in HF_FAMILIES:
+        for seed in seeds[:2]:
+            for schedule in ("constant", "cosine"):
+                out += _hf(model, seed, schedule)
+                if model in HF_LMS:
+                    out += _hf(model, seed, schedule, twin="normsoftmax")
+    return out
+
+
+SETS: dict[str, list[RunSpec]] = {
+    "design": _common(DESIGN_SEEDS, 0, range(0, 6), range(0, 3)),
+    "tuning": _common(TUNING_SEEDS, 10, range(10, 16), range(10, 13)),
+    "report": _report(),
+}
+
+
+def runs_of(name: str) -> list[RunSpec]:
+    return SETS[name]
+
+
+def set_of(spec: RunSpec) -> str:
+    """The set a run belongs to (by its seed), or raises: a run outside the plan counts nowhere."""
+    for name, specs in SETS.items():
+        if spec in specs:
+            return name
+    raise KeyError(f"{spec.name} is in no set of evaluation/seeds.py")
