@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/steplimit_overhead.py --model tiny
 
 For a GPT-2-shaped model (Hugging Face, sdpa attention, random init, batch 4 x 128
-tokens), AdamW plain vs wrapped in :class:`diag.SpectralStepLimit` (Q/K/V slices,
+tokens), AdamW plain vs wrapped in :class:`hooks.SpectralStepLimit` (Q/K/V slices,
 attention output and MLP matrices; power iteration with 1 and 2 iterations, and the
 exact ``matrix_norm(ord=2)`` mode). Windows of ``--steps`` training steps run back to
 back, plain then wrapped, ``--reps`` times; prints the median (min, max) ratio of
@@ -21,7 +21,7 @@ import time
 import torch
 from overhead import SHAPES, build  # the same GPT-2 shapes as the overhead benchmark (this folder)
 
-from diag import SpectralStepLimit
+from hooks import SpectralStepLimit
 from hooks.layout.discover import discover
 
 

@@ -1,9 +1,10 @@
 """diag: the math, layouts, judgement and outputs of the transformer training monitor.
 
-The live capture lives in the sibling package ``hooks`` (``from hooks import Monitor``).
+The live side lives in the sibling package ``hooks`` (``from hooks import Monitor, SpectralStepLimit``);
+importing ``diag`` never imports it.
 """
 
-from diag.detectors.core import Alert, AlertConfig, Detectors, Observation, TrainingHalted, attention_state
+from diag.detectors import Alert, AlertConfig, Detectors, Observation, TrainingHalted, attention_state
 from diag.errors import ConfigError, DiagError, SinkError, SpecError
 from diag.layouts.adapters import ADAPTERS, ModuleView, find_layout
 from diag.layouts.vocab import QKVLayout, split_o, split_projections, split_qkv
@@ -17,22 +18,12 @@ from diag.math.spectral import (
     stable_rank,
 )
 from diag.offline.checkpoint import Checkpoint, CheckpointError, open_checkpoint
-from diag.offline.report import write_report
 from diag.offline.series import Analysis, analyze_checkpoints
 from diag.outputs.records import build_record
 from diag.outputs.sinks import FanOut, JsonlSink, MemorySink, Record, Sink, TensorBoardSink
+from diag.reports.checkpoints import write_report
 
 __version__ = "0.1.0"
-
-
-def __getattr__(name: str):
-    """``diag.SpectralStepLimit`` stays importable where users import it; it lives in ``hooks`` (it wraps a live
-    optimizer), so it is loaded only when asked for: importing ``diag`` never imports ``hooks``."""
-    if name == "SpectralStepLimit":
-        from hooks.steplimit import SpectralStepLimit  # the one sanctioned diag -> hooks import, lazy
-
-        return SpectralStepLimit
-    raise AttributeError(f"module 'diag' has no attribute {name!r}")
 
 __all__ = [
     "ADAPTERS",
@@ -55,7 +46,6 @@ __all__ = [
     "Sink",
     "SinkError",
     "SpecError",
-    "SpectralStepLimit",
     "TensorBoardSink",
     "TrainingHalted",
     "analyze_checkpoints",

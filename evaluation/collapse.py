@@ -32,7 +32,7 @@ import tempfile
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from diag.detectors.core import AlertConfig, attention_state
+from diag.detectors import AlertConfig, attention_state
 from hooks.demo import DemoRun, train
 
 ESTABLISHED_MIN = 5  # consecutive samples (50 steps at every=10) a head must stay malignant

@@ -5,7 +5,7 @@
 For each seed, trains the demo GPT (``hooks.demo``: character-level, Python's
 standard library source, AdamW lr 5e-3) three ways: without warmup (the collapse
 setting), with a 100-step linear warmup (the healthy twin), and without warmup
-but wrapped in :class:`diag.SpectralStepLimit` for each ``--tau``. Prints one
+but wrapped in :class:`hooks.SpectralStepLimit` for each ``--tau``. Prints one
 table: final loss (mean of the last 50 steps), the alerts raised (counts by
 kind, first ``malignant_collapse`` step), the per-layer mean effective learning
 rate (lr x applied scale, averaged over all matrices of the layer and over the

@@ -29,11 +29,11 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
+from diag.catalog.tags import stat_tag
 from diag.errors import ConfigError, WarnOnce
 from diag.layouts.vocab import QKVLayout, qkv_views
 from diag.math.norms import largest_row, power_sigma1
 from diag.math.updates import Stack, stack_by_shape, update_of, work_dtype
-from diag.outputs.tags import stat_tag
 
 __all__ = ["SpectralStepLimit", "LimitedMatrix", "StepReporter", "STATE_KEY"]
 

@@ -2,7 +2,8 @@
 
 Every import statement of every module is checked, function-level imports included, by parsing the source
 with ``ast`` (nothing is imported to check it). Each rule names the packages it restricts, what they may
-not import and the sanctioned exceptions.
+not import and the targets it allows; no rule excuses one place (no whitelist, no shim). The stages of
+``hooks/`` import in the order data flows through them (:data:`STAGES`).
 """
 
 from __future__ import annotations
@@ -71,36 +72,55 @@ def under(name: str, *packages: str) -> bool:
 @dataclass(frozen=True)
 class Rule:
     """Modules under ``packages`` (but not under ``exempt``) may not import anything under ``forbidden``,
-    except ``allowed`` targets and the ``(module, function)`` places in ``sanctioned``."""
+    except ``allowed`` targets. No rule has a sanctioned exception."""
 
     name: str
     packages: tuple[str, ...]
     forbidden: tuple[str, ...]
     allowed: tuple[str, ...] = ()
     exempt: tuple[str, ...] = ()
-    sanctioned: tuple[tuple[str, str], ...] = ()
 
     def violations(self, imports: list[Import]) -> list[str]:
         return [f"{i.module}:{i.line} imports {i.target}" + (f" (in {i.function})" if i.function else "")
                 for i in imports
                 if under(i.module, *self.packages) and not under(i.module, *self.exempt)
-                and under(i.target, *self.forbidden) and not under(i.target, *self.allowed)
-                and (i.module, i.function) not in self.sanctioned]
+                and under(i.target, *self.forbidden) and not under(i.target, *self.allowed)]
 
 
+# The rooms of diag below the command line, bottom first; the reports sit above all of them.
+BELOW_REPORTS = ("diag.catalog", "diag.math", "diag.layouts", "diag.detectors", "diag.outputs", "diag.offline")
 RULES = [
-    Rule("the tensor math needs no layout, judgement, output, offline, CLI or live code", ("diag.math",),
-         ("diag.layouts", "diag.detectors", "diag.outputs", "diag.offline", "diag.cli", "hooks", "torch.nn"),
-         allowed=("torch.nn.functional",)),
-    Rule("diag never imports hooks, except the CLI and the lazy diag.SpectralStepLimit", ("diag",), ("hooks",),
-         exempt=("diag.cli",), sanctioned=(("diag", "__getattr__"),)),
-    Rule("the layouts import no judgement and no output but the tag vocabulary", ("diag.layouts",),
-         ("diag.detectors", "diag.outputs", "diag.offline", "diag.cli"), allowed=("diag.outputs.tags",)),
+    Rule("the catalog imports nothing of diag but the errors", ("diag.catalog",), ("diag", "hooks"),
+         allowed=("diag.catalog", "diag.errors")),
+    Rule("the tensor math needs no layout, judgement, output, offline, report, CLI or live code", ("diag.math",),
+         ("diag.layouts", "diag.detectors", "diag.outputs", "diag.offline", "diag.reports", "diag.cli", "hooks",
+          "torch.nn"), allowed=("torch.nn.functional",)),
+    Rule("diag never imports hooks, except the CLI", ("diag",), ("hooks",), exempt=("diag.cli",)),
+    Rule("the layouts import no judgement, output, offline, report or CLI code", ("diag.layouts",),
+         ("diag.detectors", "diag.outputs", "diag.offline", "diag.reports", "diag.cli")),
+    Rule("the outputs import no offline, report, CLI or live code", ("diag.outputs",),
+         ("diag.offline", "diag.reports", "diag.cli", "hooks")),
+    Rule("nothing below the reports imports them", BELOW_REPORTS, ("diag.reports",)),
     Rule("nothing but the command line imports the CLI", ("diag", "hooks"), ("diag.cli",),
          exempt=("diag.cli", "diag.__main__")),
 ]
-DETECTORS = Rule("the detectors import no sink or output module but the tag vocabulary", ("diag.detectors",),
-                 ("diag.outputs", "diag.offline", "diag.cli", "hooks"), allowed=("diag.outputs.tags",))
+DETECTORS = Rule("the detectors import no sink, output, offline, report, CLI or live code", ("diag.detectors",),
+                 ("diag.outputs", "diag.offline", "diag.reports", "diag.cli", "hooks"))
+
+# The stages of hooks/ as data flows through them: each may import itself and the stages it names, no
+# other stage, and never the package facade ``hooks`` (which imports them all).
+STAGES = {
+    "hooks.layout": (),
+    "hooks.capture": ("hooks.layout",),
+    "hooks.monitor": ("hooks.layout", "hooks.capture"),
+    "hooks.steplimit": ("hooks.layout",),
+    "hooks.checkpoint": ("hooks.layout", "hooks.capture"),
+    "hooks.integrations": ("hooks.layout", "hooks.capture", "hooks.monitor"),
+    "hooks.demo": ("hooks.layout", "hooks.capture", "hooks.monitor", "hooks.steplimit"),
+}
+STAGE_RULES = [Rule(f"{stage} imports no stage but {', '.join(uses) or 'itself'}", (stage,),
+                    tuple(other for other in STAGES if other != stage and other not in uses))
+               for stage, uses in STAGES.items()]
 
 
 def _all_imports() -> list[Import]:
@@ -122,6 +142,24 @@ def test_detectors_import_no_sink():  # (was xfail until issue 17 moved AlertSin
     _check(DETECTORS)
 
 
+@pytest.mark.parametrize("rule", STAGE_RULES, ids=lambda r: r.name)
+def test_the_stages_of_hooks_import_in_order(rule):
+    _check(rule)
+
+
+def _stage_of(module: str) -> str | None:
+    return next((stage for stage in STAGES if under(module, stage)), None)
+
+
+def test_every_module_of_hooks_has_a_stage_and_none_imports_the_facade():
+    """A new module of hooks/ is placed in a stage (or the rules above do not see it); a stage that imported
+    ``hooks`` itself would import every stage through it."""
+    names = [n for n in sources() if under(n, "hooks") and n != "hooks"]
+    assert [n for n in names if _stage_of(n) is None] == []
+    facade = [f"{i.module}:{i.line}" for i in _all_imports() if _stage_of(i.module) and i.target == "hooks"]
+    assert facade == [], f"a stage imports the hooks facade: {facade}"
+
+
 def test_the_math_walks_no_module():
     """No nn.Module attribute (``.named_modules()``, ``.parameters()``, hooks, ``nn.Module``) in diag/math."""
     bad = []
@@ -134,6 +172,7 @@ def test_the_math_walks_no_module():
 
 def test_the_checker_sees_every_kind_of_forbidden_import():
     """A forbidden import added anywhere (module level, inside a function, relative) is caught."""
+    math = next(r for r in RULES if under("diag.math", *r.packages) and "torch.nn" in r.forbidden)
     samples = {
         "from hooks.monitor.monitor import Monitor\n": "hooks.monitor.monitor",
         "def f():\n    import hooks\n": "hooks",
@@ -141,19 +180,35 @@ def test_the_checker_sees_every_kind_of_forbidden_import():
         "import torch.nn as nn\n": "torch.nn",
     }
     for source, target in samples.items():
-        found = RULES[0].violations(imports_of(source, "diag.math.spectral"))
+        found = math.violations(imports_of(source, "diag.math.spectral"))
         assert any(f"imports {target}" in v for v in found), (source, found)
-    assert not RULES[0].violations(imports_of("import torch.nn.functional as F\n", "diag.math.x"))
-    lazy = "def __getattr__(name):\n    from hooks.steplimit import SpectralStepLimit\n"
-    assert not RULES[1].violations(imports_of(lazy, "diag", is_package=True))
-    assert RULES[1].violations(imports_of(lazy.replace("__getattr__", "helper"), "diag", is_package=True))
-    assert RULES[1].violations(imports_of("import hooks.demo\n", "diag.offline.series"))
-    assert DETECTORS.violations(imports_of("from diag.outputs.sinks import FanOut\n", "diag.detectors.core"))
-    assert not DETECTORS.violations(imports_of("from diag.outputs.tags import head_label\n", "diag.detectors.x"))
-    assert RULES[2].violations(imports_of("from diag.detectors import Alert\n", "diag.layouts.vocab"))
+    assert not math.violations(imports_of("import torch.nn.functional as F\n", "diag.math.x"))
+    no_hooks = next(r for r in RULES if r.forbidden == ("hooks",))
+    lazy = "def __getattr__(name):\n    from hooks.steplimit import SpectralStepLimit\n"  # the shim that went
+    assert no_hooks.violations(imports_of(lazy, "diag", is_package=True))
+    assert no_hooks.violations(imports_of("import hooks.demo\n", "diag.offline.series"))
+    assert not no_hooks.violations(imports_of("import hooks.demo\n", "diag.cli.demo"))
+    assert DETECTORS.violations(imports_of("from diag.outputs.sinks import FanOut\n", "diag.detectors.x"))
+    old_tags = "from diag.outputs.tags import head_label\n"  # the whitelisted import that went
+    assert DETECTORS.violations(imports_of(old_tags, "diag.detectors.x"))
+    assert not DETECTORS.violations(imports_of("from diag.catalog.tags import head_label\n", "diag.detectors.x"))
+    layouts = next(r for r in RULES if r.packages == ("diag.layouts",))
+    assert layouts.violations(imports_of("from diag.detectors import Alert\n", "diag.layouts.vocab"))
+    assert layouts.violations(imports_of(old_tags, "diag.layouts.statedict"))
+    catalog = RULES[0]
+    assert catalog.violations(imports_of("from diag.math.spectral import stable_rank\n", "diag.catalog.metrics"))
+    assert catalog.violations(imports_of("from ..outputs import sinks\n", "diag.catalog.tags"))
+    assert not catalog.violations(imports_of("from diag.errors import ConfigError\n", "diag.catalog.metrics"))
+    assert not catalog.violations(imports_of("from diag.catalog.metrics import METRICS\n", "diag.catalog.tags"))
+    capture = next(r for r in STAGE_RULES if r.packages == ("hooks.capture",))
+    assert capture.violations(imports_of("from hooks.monitor.cadence import Cadence\n", "hooks.capture.capture"))
+    assert not capture.violations(imports_of("from hooks.layout.confirm import check_call\n", "hooks.capture.x"))
+    layout = next(r for r in STAGE_RULES if r.packages == ("hooks.layout",))
+    assert layout.violations(imports_of("def f():\n    from ..capture import kernels\n", "hooks.layout.read"))
 
 
 def test_every_module_is_checked():
     names = set(sources())
-    for package in ("diag.math", "diag.layouts", "diag.detectors", "diag.outputs", "diag.cli", "hooks.demo"):
-        assert any(under(n, package) and n != package for n in names), package
+    for package in ("diag.catalog", "diag.math", "diag.layouts", "diag.detectors", "diag.outputs", "diag.offline",
+                    "diag.reports", "diag.cli", *STAGES):
+        assert any(under(n, package) for n in names), package  # a stage may be one module (hooks.steplimit)

@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
     report = None
     if not args.no_report:
         try:
-            from diag.offline.report import write_report
+            from diag.reports.checkpoints import write_report
 
             report = write_report(analysis, out / "report")
         except (DiagError, OSError) as err:

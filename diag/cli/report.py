@@ -24,7 +24,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from diag.outputs.run_report import write_run_report
+    from diag.reports.run import write_run_report
 
     try:
         path = write_run_report(args.logdir, args.out)

@@ -15,10 +15,10 @@ import math
 
 import numpy as np
 
+from diag.catalog.tags import head_label
 from diag.detectors.base import Alert, Observation
 from diag.detectors.config import AlertConfig
 from diag.detectors.episodes import Closed, Dwell, Episodes, Opened
-from diag.outputs.tags import head_label
 
 __all__ = ["AttentionStates", "attention_state", "lines", "group_by_layer"]
 

@@ -23,11 +23,11 @@ import math
 
 import numpy as np
 
+from diag.catalog.tags import head_label
 from diag.detectors.base import Alert, Observation
 from diag.detectors.collapse import group_by_layer
 from diag.detectors.config import AlertConfig
 from diag.detectors.episodes import Closed, Dwell, Episodes
-from diag.outputs.tags import head_label
 
 __all__ = ["CollapseWarning", "EarlyUpdates"]
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Mapping, Sequence
 
+from diag.catalog.tags import layer_labels
 from diag.errors import SpecError
 from diag.layouts.adapters import resolve
 from diag.layouts.statedict import StateDictLayer, canonical_key, qkv_suspects
 from diag.layouts.vocab import QKVLayout, shape_problem
-from diag.outputs.tags import layer_labels
 
 __all__ = ["SpecEntry", "layers_from_spec"]
 

@@ -21,10 +21,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from diag.catalog.tags import layer_labels
 from diag.errors import SpecError
 from diag.layouts.adapters import ADAPTERS, CROSS_NAMES, HEAD_ATTRS, ModuleView, find_layout, resolve, with_sibling_o
 from diag.layouts.vocab import QKVLayout
-from diag.outputs.tags import layer_labels
 
 __all__ = ["Heads", "StateDictLayer", "head_attrs", "module_views", "find_layers", "qkv_suspects", "canonical_key"]
 

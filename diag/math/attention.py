@@ -190,10 +190,10 @@ def _row_chunks(n_rows: int, n_heads: int, n_keys: int) -> int:
 
 def _singular_values(p: Tensor) -> Tensor:
     """All singular values of each (R, K) probability block, descending, float64, as the square roots of
-    the eigenvalues of the smaller Gram matrix: 1.5x faster than ``svdvals`` here, and exact enough for
-    an effective rank. Eigenvalues below the Gram's rounding level (n eps lambda_1) are noise and count
-    as 0, so a singular value under ~1e-7 sigma_1 reads as 0; effective ranks agree with ``svdvals``
-    to ~1e-7 relative (tests/math/test_math.py)."""
+    the eigenvalues of the smaller Gram matrix: faster than ``svdvals`` (docs/cost.md#implementation-choices),
+    and exact enough for an effective rank. Eigenvalues below the Gram's rounding level (n eps lambda_1) are
+    noise and count as 0, so a singular value under ~1e-7 sigma_1 reads as 0; effective ranks agree with
+    ``svdvals`` to ~1e-7 relative (tests/math/test_math.py)."""
     gram = p @ p.transpose(-1, -2) if p.shape[-2] <= p.shape[-1] else p.transpose(-1, -2) @ p
     energy = torch.linalg.eigvalsh(gram).flip(-1)
     floor = gram.shape[-1] * torch.finfo(gram.dtype).eps * energy[..., :1]

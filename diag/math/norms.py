@@ -173,6 +173,7 @@ def largest_row(a: Tensor, fallback: Tensor) -> Tensor:
 
 def frobenius(x: Tensor) -> Tensor:
     """||x||_F of each matrix of (..., rows, cols), float64: row norms in x's dtype (float32 at least;
-    short sums, exact to ~1e-7), combined in float64. 25x faster than an upcast of the whole tensor on a CPU."""
+    short sums, exact to ~1e-7), combined in float64: faster than an upcast of the whole tensor on a CPU
+    (docs/cost.md#implementation-choices)."""
     rows = torch.linalg.vector_norm(x, dim=-1, dtype=torch.promote_types(x.dtype, torch.float32)).double()
     return torch.linalg.vector_norm(rows, dim=-1)

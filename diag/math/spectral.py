@@ -119,11 +119,10 @@ def in_threads(fn: Callable[[Tensor], Any], batch: Tensor) -> Any:
     """fn on a batch of small matrices, split across up to ``torch.get_num_threads()`` threads on a CPU.
 
     torch runs a batched eigvalsh of small matrices one after another on one core; each matrix's
-    result does not depend on the split, so this only changes the time (144 matrices 64 x 64 on
-    2 cores: 15 ms -> 8 ms on an idle machine, 27 -> 21 ms beside another busy process). Only for
-    calls that stay on one core per matrix: cholesky, svdvals and eigvalsh of larger matrices call
-    threaded BLAS inside and get slower (cholesky 4 ms -> 16 ms). fn returns a tensor or a tuple of
-    tensors, each batched along dim 0.
+    result does not depend on the split, so this only changes the time (measured:
+    docs/cost.md#implementation-choices). Only for calls that stay on one core per matrix: cholesky,
+    svdvals and eigvalsh of larger matrices call threaded BLAS inside and get slower. fn returns a
+    tensor or a tuple of tensors, each batched along dim 0.
     """
     parts = min(torch.get_num_threads(), batch.shape[0] // 8)
     if batch.device.type != "cpu" or parts < 2:

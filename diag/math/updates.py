@@ -100,7 +100,8 @@ def _named(mats: Projections) -> list[tuple[str, Tensor]]:
 def _storage_order(w: Tensor) -> Tensor:
     """w, or w^T where that is the order w's elements are stored in (GPT-2's Conv1D weights are stored
     (E, 3E): their row views are transposed). The update ratio and the Frobenius ratio do not change
-    under a transpose, and copying and subtracting along contiguous rows is 3x faster here."""
+    under a transpose, and copying and subtracting along contiguous rows is faster
+    (docs/cost.md#implementation-choices)."""
     return w.mT if w.stride(-1) != 1 and w.stride(-2) == 1 else w
 
 

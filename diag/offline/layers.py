@@ -49,7 +49,7 @@ def assumptions(layers: list[StateDictLayer]) -> tuple[str, ...]:
                     f"{lay.head_dim} rows (not interleaved per head)")
             found.setdefault((what, FIX_PACKING), []).append(la.label)
         g = lay.kv_heads
-        if 1 < g < lay.n_heads and getattr(lay, "kv_map", None) is None:
+        if 1 < g < lay.n_heads and lay.kv_map is None:
             what = (f"query head h pairs with key/value head h // {lay.n_heads // g} (consecutive query heads "
                     "share a key/value head, not h % G)")
             found.setdefault((what, FIX_PAIRING), []).append(la.label)

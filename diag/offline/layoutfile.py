@@ -18,7 +18,6 @@ is the layout's own field where the vocabulary has it.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -38,34 +37,18 @@ SEARCH_LEVELS = 3  # folders above a checkpoint searched for a run's layout file
 
 
 def layout_to_dict(layout: QKVLayout) -> dict[str, Any]:
-    """Every dataclass field of the layout, JSON-safe (tuples as lists)."""
-    if hasattr(layout, "to_dict"):
-        return dict(layout.to_dict())
-    out = {}
-    for f in dataclasses.fields(layout):
-        value = getattr(layout, f.name)
-        out[f.name] = list(value) if isinstance(value, tuple) else value
-    return out
+    """Every field of the layout, JSON-safe (:meth:`QKVLayout.to_dict`)."""
+    return layout.to_dict()
 
 
 def layout_from_dict(data: Mapping[str, Any], where: str = "layout") -> QKVLayout:
     """A :class:`QKVLayout` from :func:`layout_to_dict`'s output; errors name the field and the fix."""
     if not isinstance(data, Mapping):
         raise SpecError(f"{where}: expected an object of QKVLayout fields, found {type(data).__name__}")
-    if hasattr(QKVLayout, "from_dict"):
-        try:
-            return QKVLayout.from_dict(dict(data))
-        except (TypeError, ValueError) as err:
-            raise SpecError(f"{where}: {err}") from None
-    names = {f.name for f in dataclasses.fields(QKVLayout)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise SpecError(f"{where}: unknown QKVLayout field(s) {unknown}; the fields are {sorted(names)}")
-    values = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
     try:
-        return QKVLayout(**values)
-    except TypeError as err:
-        raise SpecError(f"{where}: {err}; required: n_heads, head_dim, q") from None
+        return QKVLayout.from_dict(dict(data))
+    except (TypeError, ValueError) as err:
+        raise SpecError(f"{where}: {err}") from None
 
 
 @dataclass(frozen=True)

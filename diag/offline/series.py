@@ -18,7 +18,6 @@ and the series goes on.
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -27,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from diag.detectors.core import Alert, AlertConfig, Detectors, Observation
+from diag.detectors import Alert, AlertConfig, Detectors, Observation
 from diag.errors import ConfigError, DiagError, SpecError
 from diag.layouts.statedict import Heads, StateDictLayer
 from diag.layouts.vocab import QKVLayout, split_projections, split_qkv
@@ -89,7 +88,7 @@ def _kv_map(layout: QKVLayout) -> list[int] | None:
     g, h = layout.kv_heads, layout.n_heads
     if g == h:
         return None
-    explicit = getattr(layout, "kv_map", None)
+    explicit = layout.kv_map
     return list(explicit) if explicit is not None else [i // (h // g) for i in range(h)]
 
 
@@ -194,13 +193,10 @@ class _Series:
         self.alert_sink.emit(alerts)
 
 
-_PAIRED = "paired" in inspect.signature(split_qkv).parameters  # the vocabulary has kv_map
-
-
 def _query_key(weights: dict[str, Tensor], layout: QKVLayout, mats: Projections) -> tuple[Tensor, Tensor]:
     """Q (H, D, E) and K, as the live Monitor pairs them: K row h is query head h's key head where the layout
     has an explicit query-to-KV-head map; else K (G, D, E), query head h with key head h // (H/G)."""
-    if _PAIRED and getattr(layout, "kv_map", None) is not None:
+    if layout.kv_map is not None:
         q, k, _ = split_qkv(weights, layout, paired=True)
         return q, k
     return mats["q"], mats["k"]

@@ -1,4 +1,4 @@
-"""Outputs: the tag scheme, records, sinks (TensorBoard, JSONL, alerts), the TensorBoard layout and images.
+"""Outputs: records, sinks (TensorBoard, JSONL, alerts), the TensorBoard layout and images (tags: diag.catalog).
 
 A new sink goes here.
 """

@@ -5,7 +5,8 @@ imported inside the functions: a training process imports it only when a sampled
 writes images, never when ``hooks`` or ``diag`` is imported. Each function returns a
 (height, width, 3) uint8 array for ``SummaryWriter.add_image(..., dataformats="HWC")``.
 The data behind a figure comes from :mod:`diag.outputs.images` (same grids, same colour
-ranges); missing values (a refused layer, a head a layer lacks, NaN) are grey.
+ranges, the words of the catalog's entries); missing values (a refused layer, a head a layer
+lacks, NaN) are grey.
 
 Conventions: rows are layers (``L00`` at the top), columns heads or sampled steps; the
 title says what is shown and at which step; the colour bar says the units.
@@ -17,20 +18,14 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from diag.outputs.images import _entropy_fraction, _finite_range, layer_head_grid
+from diag.catalog.metrics import METRICS
+from diag.outputs.images import UpdateRatioHistory, heatmap_metrics, layer_head_data
 
-__all__ = ["figure", "to_rgb", "grid_figure", "layer_head_figures", "update_ratio_figure", "attention_map_figure",
-           "HEATMAP_TITLES"]
+__all__ = ["figure", "to_rgb", "grid_figure", "layer_head_figures", "update_ratio_figure", "update_ratio_figures",
+           "attention_map_figure"]
 
 DPI = 80
 GREY = "#808080"
-
-# metric -> (title, colour-bar label); the colour ranges are images.HEATMAPS'.
-HEATMAP_TITLES = {
-    "qk_sigma1": ("sigma_1(Wq_h^T Wk_h)", "sigma_1"),
-    "qk_sec": ("spectral energy concentration SEC", "SEC (0 = flat, 1 = one direction)"),
-    "attn_entropy": ("attention entropy / uniform's", "fraction of uniform (0 = one key)"),
-}
 
 
 def figure(width: float, height: float):
@@ -84,22 +79,13 @@ def grid_figure(grid: np.ndarray, *, title: str, rows: Sequence[str], cols: Sequ
 
 def layer_head_figures(arrays: Mapping[str, Mapping[str, np.ndarray]], labels: Sequence[str],
                        step: int) -> dict[str, np.ndarray]:
-    """``{"heatmap/<metric>": RGB}``: the layer x head heatmaps of :data:`HEATMAP_TITLES` that ``arrays`` holds."""
-    present = {m for metrics in arrays.values() for m in metrics}
+    """``{"heatmap/<metric>": RGB}``: the layer x head heatmaps (:func:`diag.outputs.images.heatmap_metrics`)."""
     out = {}
-    for metric, (title, cbar) in HEATMAP_TITLES.items():
-        if metric not in present:
-            continue
-        if metric == "attn_entropy" and "attn_entropy_uniform" in present:
-            grid, lo, hi = _entropy_fraction(arrays, labels), 0.0, 1.0
-        else:
-            grid = layer_head_grid(arrays, labels, metric)
-            lo, hi = 0.0, (1.0 if metric == "qk_sec" else _finite_range(grid)[1])
-            if metric == "attn_entropy":
-                title, cbar = "attention entropy", "nats"
-        heads = [f"H{h}" for h in range(grid.shape[1])]
-        fig = grid_figure(grid, title=f"{title}, step {step}", rows=list(labels), cols=heads, xlabel="head",
-                          ylabel="layer", cbar=cbar, lo=lo, hi=hi)
+    for metric in heatmap_metrics(arrays):
+        data = layer_head_data(arrays, labels, metric)
+        heads = [f"H{h}" for h in range(data.grid.shape[1])]
+        fig = grid_figure(data.grid, title=f"{data.title}, step {step}", rows=list(labels), cols=heads,
+                          xlabel="head", ylabel="layer", cbar=data.cbar, lo=data.lo, hi=data.hi)
         out[f"heatmap/{metric}"] = to_rgb(fig)
     return out
 
@@ -112,12 +98,18 @@ def update_ratio_figure(values: np.ndarray, steps: Sequence[int], labels: Sequen
     if hi <= lo:
         lo, hi = lo / 10, hi * 10
     shown = np.where(v > 0, v, np.where(v == 0, lo, np.nan))  # a layer that did not move: the low end
-    matrix = metric.rsplit("_", 1)[-1].upper()
-    fig = grid_figure(shown, title=f"{metric}: sigma_1(dW_{matrix}) / sigma_1(W_{matrix}) per layer, "
+    fig = grid_figure(shown, title=f"{metric}: {METRICS[metric].title} per layer, "
                       f"steps {steps[0]}..{steps[-1]}" if steps else metric,
                       rows=list(labels), cols=[str(s) for s in steps], xlabel="sampled step", ylabel="layer",
                       cbar="update ratio (log scale)", lo=lo, hi=hi, log=True, annotate=False)
     return to_rgb(fig)
+
+
+def update_ratio_figures(history: UpdateRatioHistory, labels: Sequence[str]) -> dict[str, np.ndarray]:
+    """``{"step_size/<metric>": RGB}``: each update-ratio metric ``history`` has seen, over its steps."""
+    steps = history.steps()
+    return {f"step_size/{m}": update_ratio_figure(history.matrix(m, labels), steps, labels, m)
+            for m in history.metrics()}
 
 
 def attention_map_figure(probs: np.ndarray, where: str, step: int) -> np.ndarray:

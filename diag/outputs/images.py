@@ -1,7 +1,9 @@
 """The data of the TensorBoard images: layer x head grids, attention maps, update ratios over time.
 
-Pure numpy: the grids and colour ranges that :mod:`diag.outputs.figures` draws with axes,
-tick values and a colour bar (matplotlib), and a plain pixel rendering of them. Every image is a
+Pure numpy: the grids, colour ranges and words (:func:`layer_head_data`, from the catalog's entries,
+:mod:`diag.catalog.metrics`) that :mod:`diag.outputs.figures` draws with axes, tick values and a colour
+bar (matplotlib), and a plain pixel rendering of them. This module draws nothing with matplotlib and
+imports nothing of :mod:`diag.outputs.figures`. Every image is a
 (height, width, 3) uint8 RGB array for ``SummaryWriter.add_image(..., dataformats="HWC")``. Each value is one block of
 ``cell x cell`` identical pixels (nearest neighbour, so a browser that scales
 the image never blurs two heads together); row 0 is at the top.
@@ -14,7 +16,7 @@ does not contain.
 
 Image tags (see docs/tensorboard.md):
 
-* ``heatmap/<metric>``: rows = layers, columns = heads (``HEATMAPS``);
+* ``heatmap/<metric>``: rows = layers, columns = heads, for each metric the catalog shows as a heatmap;
 * ``attention_map/L03/H05``: the attention probabilities of a head an alert
   names, queries down, keys across, on a fixed 0..1 scale;
 * ``step_size/update_ratio_q``: rows = layers, columns = sampled steps, the
@@ -25,22 +27,28 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
+from diag.catalog.metrics import METRICS, metrics_with
+from diag.catalog.tags import parse_tag, parse_where
 from diag.errors import ConfigError
 from diag.outputs.sinks import Record
-from diag.outputs.tags import parse_tag, parse_where
 
 __all__ = [
     "VIRIDIS_ANCHORS",
     "MISSING",
-    "HEATMAPS",
+    "HeatmapData",
     "colormap",
     "colorize",
     "cell_size",
     "heatmap",
+    "finite_range",
     "layer_head_grid",
+    "entropy_fraction",
+    "layer_head_data",
+    "heatmap_metrics",
     "layer_head_heatmaps",
     "attention_map_image",
     "ALERT_MAPS_PER_STEP",
@@ -101,7 +109,7 @@ def heatmap(values: np.ndarray, lo: float, hi: float, cell: int | tuple[int, int
     return np.repeat(np.repeat(rgb, cell_h, axis=0), cell_w, axis=1)
 
 
-def _finite_range(values: np.ndarray, lo: float | None = None, hi: float | None = None) -> tuple[float, float]:
+def finite_range(values: np.ndarray, lo: float | None = None, hi: float | None = None) -> tuple[float, float]:
     finite = values[np.isfinite(values)]
     if lo is None:
         lo = float(finite.min()) if finite.size else 0.0
@@ -124,7 +132,7 @@ def layer_head_grid(arrays: Mapping[str, Mapping[str, np.ndarray]], labels: Sequ
     return grid
 
 
-def _entropy_fraction(arrays: Mapping[str, Mapping[str, np.ndarray]], labels: Sequence[str]) -> np.ndarray:
+def entropy_fraction(arrays: Mapping[str, Mapping[str, np.ndarray]], labels: Sequence[str]) -> np.ndarray:
     """attn_entropy divided by the entropy of uniform attention over the same keys (per layer)."""
     grid = layer_head_grid(arrays, labels, "attn_entropy")
     uniform = layer_head_grid(arrays, labels, "attn_entropy_uniform")[:, :1]
@@ -132,29 +140,43 @@ def _entropy_fraction(arrays: Mapping[str, Mapping[str, np.ndarray]], labels: Se
         return grid / np.where(uniform > 0, uniform, np.nan)
 
 
-# metric -> (how its grid is drawn, colour range): a fixed range keeps colours comparable across steps.
-HEATMAPS = {
-    "qk_sigma1": "0 .. the largest sigma_1 in the image",
-    "qk_sec": "0 .. 1",
-    "attn_entropy": "entropy / entropy of uniform attention over the same keys, 0 .. 1",
-}
+class HeatmapData(NamedTuple):
+    """What a layer x head heatmap shows: the grid, its colour range, its title and the colour bar's label."""
+
+    grid: np.ndarray  # (layers, most heads)
+    lo: float
+    hi: float
+    title: str
+    cbar: str  # the colour bar's label
+
+
+def layer_head_data(arrays: Mapping[str, Mapping[str, np.ndarray]], labels: Sequence[str], metric: str) -> HeatmapData:
+    """The heatmap of ``metric`` over layers and heads, in its catalog entry's colour range (ends the
+    entry leaves open from the grid: a fixed range keeps colours comparable across steps). The attention
+    entropy is shown as a fraction of uniform attention's over the same keys (0 .. 1) where the layers
+    carry ``attn_entropy_uniform``."""
+    entry = METRICS[metric]
+    present = {m for metrics in arrays.values() for m in metrics}
+    if metric == "attn_entropy" and "attn_entropy_uniform" in present:
+        return HeatmapData(entropy_fraction(arrays, labels), 0.0, 1.0, f"{entry.title} / uniform's",
+                           "fraction of uniform (0 = one key)")
+    grid = layer_head_grid(arrays, labels, metric)
+    lo, hi = entry.colour_range(*finite_range(grid))
+    return HeatmapData(grid, lo, hi, entry.title, entry.unit or entry.title)
+
+
+def heatmap_metrics(arrays: Mapping[str, Mapping[str, np.ndarray]]) -> list[str]:
+    """The metrics the catalog shows as layer x head heatmaps that ``arrays`` holds, in catalog order."""
+    present = {m for metrics in arrays.values() for m in metrics}
+    return [m.name for m in metrics_with("heatmap") if m.name in present]
 
 
 def layer_head_heatmaps(arrays: Mapping[str, Mapping[str, np.ndarray]], labels: Sequence[str]) -> dict[str, np.ndarray]:
-    """``{"heatmap/<metric>": image}`` for the metrics of :data:`HEATMAPS` that ``arrays`` holds."""
-    present = {m for metrics in arrays.values() for m in metrics}
+    """``{"heatmap/<metric>": image}`` for each heatmap metric (:func:`heatmap_metrics`) that ``arrays`` holds."""
     images = {}
-    if "qk_sigma1" in present:
-        grid = layer_head_grid(arrays, labels, "qk_sigma1")
-        images["heatmap/qk_sigma1"] = heatmap(grid, 0.0, _finite_range(grid)[1])
-    if "qk_sec" in present:
-        images["heatmap/qk_sec"] = heatmap(layer_head_grid(arrays, labels, "qk_sec"), 0.0, 1.0)
-    if "attn_entropy" in present:
-        if "attn_entropy_uniform" in present:
-            images["heatmap/attn_entropy"] = heatmap(_entropy_fraction(arrays, labels), 0.0, 1.0)
-        else:
-            grid = layer_head_grid(arrays, labels, "attn_entropy")
-            images["heatmap/attn_entropy"] = heatmap(grid, 0.0, _finite_range(grid)[1])
+    for metric in heatmap_metrics(arrays):
+        data = layer_head_data(arrays, labels, metric)
+        images[f"heatmap/{metric}"] = heatmap(data.grid, data.lo, data.hi)
     return images
 
 
@@ -198,7 +220,7 @@ def update_ratio_image(values: np.ndarray) -> np.ndarray:
     v = np.asarray(values, dtype=np.float64)
     with np.errstate(all="ignore"):
         logv = np.where(v > 0, np.log10(np.where(v > 0, v, 1.0)), np.where(v == 0, -np.inf, np.nan))
-    lo, hi = _finite_range(logv)
+    lo, hi = finite_range(logv)
     logv = np.where(np.isneginf(logv), lo, logv)
     n_layers, n_steps = v.shape
     cell_w = max(1, min(8, 512 // max(n_steps, 1)))
@@ -254,10 +276,3 @@ class UpdateRatioHistory:
     def images(self, labels: Sequence[str]) -> dict[str, np.ndarray]:
         """``{"step_size/<metric>": image}`` for each update-ratio metric seen so far (plain pixels)."""
         return {f"step_size/{m}": update_ratio_image(self.matrix(m, labels)) for m in self.metrics()}
-
-    def figures(self, labels: Sequence[str]) -> dict[str, np.ndarray]:
-        """The same as :meth:`images`, drawn with axes, step ticks and a colour bar."""
-        from diag.outputs.figures import update_ratio_figure
-
-        steps = self.steps()
-        return {f"step_size/{m}": update_ratio_figure(self.matrix(m, labels), steps, labels, m) for m in self.metrics()}

@@ -1,13 +1,13 @@
 """From per-layer metric tensors to a :class:`~diag.outputs.sinks.Record` and detector arrays.
 
-One function turns what was measured at one step into tags (see :mod:`diag.outputs.tags`),
+One function turns what was measured at one step into tags (see :mod:`diag.catalog.tags`),
 so the live Monitor and the checkpoint analysis write the same tags for the same
-numbers:
+numbers, each as its catalog entry's ``per`` says (:data:`diag.catalog.metrics.METRICS`):
 
-* ``qk_spectrum``: a histogram ``qk_spectrum/L03`` of the layer's singular values;
-* a layer-only metric (:data:`diag.outputs.tags.LAYER_METRICS`): one scalar ``<metric>/L03``;
-* any other metric: per-head scalars (when ``per_head``), max/min/mean across heads
-  and a histogram across heads.
+* ``spectrum`` (``qk_spectrum``): a histogram ``qk_spectrum/L03`` of the layer's singular values;
+* ``layer``: one scalar ``<metric>/L03``;
+* ``head`` (and a metric outside the catalog): per-head scalars (when ``per_head``), max/min/mean
+  across heads and a histogram across heads.
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from diag.catalog.metrics import METRICS, STATS
+from diag.catalog.tags import head_tag, histogram_tag, layer_tag, stat_tag
 from diag.math.attention import AttentionStats
 from diag.outputs.sinks import Record
-from diag.outputs.tags import LAYER_METRICS, STATS, head_tag, histogram_tag, layer_tag, stat_tag
 
 __all__ = ["PER_HEAD_LIMIT", "per_head_default", "attention_metrics", "host_arrays", "add_metric", "build_record"]
 
@@ -67,10 +68,12 @@ def host_arrays(per_layer: Sequence[tuple[str, dict[str, Tensor]]]) -> LayerArra
 
 def add_metric(record: Record, label: str, metric: str, values: np.ndarray, per_head: bool) -> None:
     """Add one metric of one layer to ``record`` under the shared tag scheme."""
-    if metric == "qk_spectrum":
-        record.histograms[f"{metric}/{label}"] = values
+    entry = METRICS.get(metric)
+    per = entry.per if entry is not None else "head"
+    if per == "spectrum":
+        record.histograms[layer_tag(metric, label)] = values
         return
-    if metric in LAYER_METRICS:
+    if per == "layer":
         record.scalars[layer_tag(metric, label)] = float(values[0])
         return
     if per_head:

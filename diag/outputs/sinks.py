@@ -29,8 +29,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from diag.catalog.tags import layer_runs
 from diag.errors import SinkError, WarnOnce
-from diag.outputs.tags import layer_runs
 
 __all__ = ["Record", "Sink", "TensorBoardSink", "JsonlSink", "MemorySink", "FanOut", "check_logdir", "earlier_run",
            "RUN_FILES"]
@@ -109,7 +109,7 @@ class TensorBoardSink:
     """Event files through TensorBoard's own writer; no flush per write.
 
     Besides the run in ``logdir`` (every tag), one run per layer in ``logdir/L03`` with the
-    charted statistics under one name for all layers (:func:`diag.outputs.tags.layer_runs`), so
+    charted statistics under one name for all layers (:func:`diag.catalog.tags.layer_runs`), so
     TensorBoard draws the layers of a chart in distinct colours and names them; and the runs a
     record names in ``Record.runs`` (the alert events).
     """

@@ -10,12 +10,13 @@ custom-scalars plugin matches each regex against every run's scalar tags with
 
 TensorBoard colours a chart's lines by run, and names the runs in the chart's
 tooltip and in the runs list: so the per-layer charts read the per-layer runs
-(``L03/``, tags ``by_layer/...``, see :func:`diag.outputs.tags.layer_runs`), where
-every layer is a run of its own.
+(``L03/``, tags ``by_layer/...``, see :func:`diag.catalog.tags.layer_runs`), where
+every layer is a run of its own. Each chart's category is its metric's family, in the
+catalog's order (:mod:`diag.catalog.metrics`; ``other`` for a metric outside it):
 
 * a per-head metric (tags ``<metric>/L03/max|min|mean``): one chart of one
-  statistic across heads (:data:`~diag.outputs.tags.CHART_STAT`, the one that
-  moves towards trouble), ``by_layer/<metric>/<stat>``, a line per layer;
+  statistic across heads (the entry's ``stat``, the one that moves towards
+  trouble), ``by_layer/<metric>/<stat>``, a line per layer;
 * a layer metric (``<metric>/L03``): ``by_layer/<metric>``, a line per layer; the
   constants (``attn_rows``, ``attn_entropy_uniform``) get no chart: they are text;
 * a global scalar (``loss``): one chart in the ``training`` category, which comes first;
@@ -28,13 +29,11 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from diag.outputs.tags import CHART_STAT, CONSTANT_METRICS, layer_run_tag, parse_tag
+from diag.catalog.metrics import FAMILIES, chart_stat, charted, family
+from diag.catalog.tags import layer_run_tag, parse_tag
 
-__all__ = ["FAMILIES", "CHART_STAT", "ALERT_CATEGORY", "ALERT_LEVELS", "ALERT_EVENT_TAG", "alert_run",
-           "build_layout", "chart_regexes", "family"]
+__all__ = ["ALERT_CATEGORY", "ALERT_LEVELS", "ALERT_EVENT_TAG", "alert_run", "build_layout", "chart_regexes"]
 
-# metric-name prefix -> category (the Monitor's signal that writes it)
-FAMILIES = {"qk_": "spectra", "attn_": "attention", "grad_": "grads", "update_": "updates"}
 ALERT_CATEGORY = "alerts"
 ALERT_LEVELS = ("critical", "warning", "info")
 ALERT_EVENT_TAG = "alerts_raised"
@@ -45,15 +44,10 @@ def alert_run(level: str) -> str:
     return f"alerts/{level}"
 
 
-def family(metric: str) -> str:
-    """The category of a metric: its signal family, or ``other``."""
-    return next((cat for prefix, cat in FAMILIES.items() if metric.startswith(prefix)), "other")
-
-
 def build_layout(tags: Iterable[str], updates: Iterable[str] = ()) -> dict[str, dict[str, list]]:
     """The layout for a run whose scalar ``tags`` are known (a sampled step's record).
 
-    updates: the update metrics the run writes (:func:`diag.outputs.tags.update_metric_names`; the
+    updates: the update metrics the run writes (:func:`diag.catalog.metrics.update_metric_names`; the
     ``o`` ones only when a layer has W_O), which arrive one call after the step they
     describe: charted too.
     """
@@ -68,15 +62,15 @@ def build_layout(tags: Iterable[str], updates: Iterable[str] = ()) -> dict[str, 
             global_tags.add(tag)
         elif parsed.part in ("max", "min", "mean"):
             per_head.add(parsed.metric)
-        elif parsed.part is None and parsed.metric not in CONSTANT_METRICS:
+        elif parsed.part is None and charted(parsed.metric):
             per_layer.add(parsed.metric)
     charts: dict[str, dict[str, list]] = {}
     for tag in sorted(global_tags):
         charts.setdefault("training", {})[tag] = ["Multiline", [rf"^{re.escape(tag)}$"]]
-    order = [*FAMILIES.values(), "other"]
+    order = [*FAMILIES, "other"]
     for metric in sorted(per_head | per_layer, key=lambda m: (order.index(family(m)), m)):
         if metric in per_head:
-            stat = CHART_STAT.get(metric, "max")
+            stat = chart_stat(metric)
             title, tag = f"{metric} ({stat} over heads), a line per layer", layer_run_tag(metric, stat)
         else:
             title, tag = f"{metric}, a line per layer", layer_run_tag(metric)

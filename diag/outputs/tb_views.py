@@ -20,9 +20,9 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from diag.catalog.metrics import metrics_with, update_metric_names
 from diag.outputs.images import UpdateRatioHistory, flagged_heads
 from diag.outputs.sinks import FanOut, Record
-from diag.outputs.tags import CONSTANT_METRICS, update_metric_names
 from diag.outputs.tb_layout import ALERT_EVENT_TAG, ALERT_LEVELS, alert_run, build_layout
 
 __all__ = ["TensorBoardViews", "constants_table", "alert_events"]
@@ -39,13 +39,14 @@ def alert_events(alerts: Sequence) -> dict[str, dict[str, float]]:
 
 def constants_table(arrays: Mapping[str, Mapping[str, np.ndarray]]) -> str | None:
     """A markdown table of the per-layer constants of the attention sample, or None if there are none."""
-    rows = [(label, metrics) for label, metrics in arrays.items() if any(m in metrics for m in CONSTANT_METRICS)]
+    columns = metrics_with("text")
+    rows = [(label, metrics) for label, metrics in arrays.items() if any(c.name in metrics for c in columns)]
     if not rows:
         return None
-    lines = ["| layer | query rows analysed (`attn_rows`) | entropy of uniform attention, nats "
-             "(`attn_entropy_uniform`) |", "|---|---|---|"]
+    lines = ["| layer | " + " | ".join(f"{c.title}, {c.unit} (`{c.name}`)" if c.unit else f"{c.title} (`{c.name}`)"
+                                      for c in columns) + " |", "|---" * (1 + len(columns)) + "|"]
     for label, metrics in rows:
-        cells = [f"{float(np.mean(metrics[m])):.4g}" if m in metrics else "-" for m in CONSTANT_METRICS]
+        cells = [f"{float(np.mean(metrics[c.name])):.4g}" if c.name in metrics else "-" for c in columns]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + ("\n\nThe same at every sampled step of this run (they describe the sample, not "
                                "the model); `attn_entropy` is compared with the second column.")
@@ -86,12 +87,12 @@ class TensorBoardViews:
                 self.sinks.write(Record(record.step, images=images))
 
     def _images(self, step: int, arrays: Mapping, maps: Mapping[str, object], alerts: Sequence) -> dict:
-        from diag.outputs.figures import attention_map_figure, layer_head_figures
+        from diag.outputs.figures import attention_map_figure, layer_head_figures, update_ratio_figures
 
         images: dict[str, np.ndarray] = {}
         if step % self.image_every == 0:
             images.update(layer_head_figures(arrays, self.labels, step))
-            images.update(self.history.figures(self.labels))
+            images.update(update_ratio_figures(self.history, self.labels))
         for where, label, head in flagged_heads(alerts):
             layer_maps = maps.get(label)
             if layer_maps is not None and head < layer_maps.shape[0]:

@@ -46,7 +46,7 @@ def _scales(layout: QKVLayout, params: dict[str, Tensor], with_k: bool) -> dict[
     so every packing (fused, interleaved, transposed, 3-D) is handled as the analysis will read it."""
     h, g = layout.n_heads, layout.kv_heads
     c = torch.linspace(1.7, 0.4, g, dtype=torch.float64)  # (G,)
-    pairing = getattr(layout, "kv_map", None)  # query head -> key head; None: h // (H/G)
+    pairing = layout.kv_map  # query head -> key head; None: h // (H/G)
     pair = torch.tensor(pairing) if pairing is not None else torch.arange(h) // (h // g)
     weights = {n: params[n] for n in layout.param_names}
     biases = {n: params[b] for n in layout.param_names for b in bias_names(n) if b in params}

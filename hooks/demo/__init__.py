@@ -10,7 +10,7 @@ steps are as large as the initial weights, sigma_1(Wq^T Wk) runs away with its
 energy in one direction, the loss stalls near the unigram level, and heads of
 the first layer turn sparse yet low-rank (most queries point at the same few
 keys). ``--warmup 100`` is the healthy twin; ``--step-limit 0.03`` the remedy
-without warmup (:class:`diag.SpectralStepLimit`). Compare them in one TensorBoard::
+without warmup (:class:`hooks.SpectralStepLimit`). Compare them in one TensorBoard::
 
     python -m diag demo --logdir runs/demo
     python -m diag demo --warmup 100 --logdir runs/demo-warmup

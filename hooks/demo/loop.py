@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
+from diag.catalog.tags import parse_tag
 from diag.errors import ConfigError
-from diag.outputs.tags import parse_tag
 from hooks.demo.data import get_batch, load_text
 from hooks.demo.model import GPT, GPTConfig
 from hooks.monitor.monitor import Monitor
@@ -81,7 +81,7 @@ def train(args: DemoRun, cfg: GPTConfig | None = None) -> tuple[Monitor, list[fl
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
     monitor = Monitor(model, logdir=args.logdir, every=args.every, overwrite=args.overwrite)
     tau = args.step_limit
-    if tau is not None:  # the remedy (diag.SpectralStepLimit); the scheduler keeps driving the shared lr
+    if tau is not None:  # the remedy (hooks.SpectralStepLimit); the scheduler keeps driving the shared lr
         optimizer = SpectralStepLimit(optimizer, tau, model=model, monitor=monitor, audit=True)
     say(f"demo: {len(text) / 1e6:.1f}M characters of stdlib source, vocabulary {cfg.vocab_size}, unigram "
         f"entropy {unigram:.2f} nats; GPT {cfg.n_layer} layers x {cfg.n_head} heads, d_model {cfg.n_embd}, "

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from diag.detectors.core import Alert, TrainingHalted
+from diag.detectors import Alert, TrainingHalted
 from diag.errors import ConfigError
 from hooks.monitor.monitor import Monitor
 

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from diag.detectors.core import TrainingHalted
+from diag.detectors import TrainingHalted
 from hooks.integrations import any_rank, callback_options
 from hooks.monitor.monitor import Monitor
 

@@ -7,12 +7,12 @@ from dataclasses import dataclass, field, replace
 
 from torch import nn
 
+from diag.catalog.tags import layer_labels
 from diag.errors import SpecError
 from diag.layouts.adapters import ADAPTERS, HEAD_ATTRS, ModuleView, find_layout, is_cross, resolve, with_sibling_o
 from diag.layouts.generic import generic_o, head_count, is_provisional
 from diag.layouts.patterns import first_match, generalise, matches, patterns_for
 from diag.layouts.vocab import QKVLayout, shape_problem
-from diag.outputs.tags import layer_labels
 from hooks.layout.suspects import suspects_text
 
 __all__ = ["AttentionLayer", "discover", "module_view", "unconfirmable"]

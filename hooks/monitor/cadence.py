@@ -1,8 +1,7 @@
 """Which signal families a step samples: one period per family (docs/cost.md).
 
-The families differ a hundredfold in cost (measured on GPT-2-small shapes, a
-sampled step as a fraction of one CPU training step: loss ~0.01%, gradient norms
-1%, spectra 3.4%, update ratios 9.8%, attention capture 11.4%) and in how fast
+The families differ widely in cost (measured per family in
+docs/cost.md#the-default-cadence; measurements live there only) and in how fast
 what they watch moves. The default cadence samples the cheap families, the loss
 and the Q/K/V gradient norms (what the loss-spike, non-finite and plateau
 detectors read) every 10 steps, the spectra (sigma_1 growth) every 20, and the

@@ -15,7 +15,7 @@
   and at the call after an update-ratio sample.
 * :class:`SharedDetectors`: with ``stop_on_critical`` in a multi-rank job, every
   rank judges rank 0's observation (one broadcast per sampled step), so every rank
-  raises :class:`~diag.detectors.core.TrainingHalted` at the same step and none is left
+  raises :class:`~diag.detectors.base.TrainingHalted` at the same step and none is left
   waiting in a collective.
 """
 
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from diag.detectors.core import Alert, Detectors, Observation
+from diag.detectors import Alert, Detectors, Observation
 from hooks.layout.discover import AttentionLayer
 
 __all__ = ["rank", "world_size", "gather_full", "local_shards", "gather_like", "QKVReader", "SharedDetectors"]

@@ -29,7 +29,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from diag.detectors.core import Alert, AlertConfig, Detectors, Observation, TrainingHalted
+from diag.catalog.metrics import family_metrics
+from diag.catalog.tags import layer_tag
+from diag.detectors import Alert, AlertConfig, Detectors, Observation, TrainingHalted
 from diag.errors import ConfigError, WarnOnce
 from diag.layouts.vocab import QKVLayout
 from diag.math.metrics import DEFAULT_SEC_TOP
@@ -38,7 +40,6 @@ from diag.offline.layoutfile import LayoutEntry, layout_document, write_layout_f
 from diag.outputs.alert_sink import AlertSink
 from diag.outputs.records import attention_metrics, build_record, host_arrays, per_head_default
 from diag.outputs.sinks import FanOut, JsonlSink, Record, Sink, TensorBoardSink, check_logdir
-from diag.outputs.tags import layer_tag
 from diag.outputs.tb_views import TensorBoardViews
 from hooks.capture.compiled import EagerCapture
 from hooks.layout.discover import AttentionLayer, discover, unconfirmable
@@ -51,8 +52,8 @@ __all__ = ["Monitor", "SIGNALS"]
 log = logging.getLogger("diag")
 
 SIGNALS = ("spectra", "attention", "grads", "updates")
-SPECTRAL_METRICS = ("qk_sigma1", "qk_sec", "qk_erank", "qk_stable_rank", "qk_spectrum")
-GRAD_METRICS = ("grad_norm_q", "grad_norm_k", "grad_norm_v", "grad_ratio_qk_v")
+SPECTRAL_METRICS = family_metrics("spectra")
+GRAD_METRICS = family_metrics("grads")
 
 
 class Monitor:
@@ -66,7 +67,7 @@ class Monitor:
             of earlier versions). Default None: the per-family cadence of
             :data:`hooks.monitor.cadence.DEFAULT_CADENCE` (loss and gradient norms every 10 steps,
             spectra every 20, update ratios and attention every 100, plus ``closer_look``),
-            which costs under 1% of training time on GPT-2 shapes (docs/cost.md).
+            whose cost is measured in docs/cost.md.
         cadence: ``{family: steps between samples}`` for some of ``"loss"``, ``"grads"``,
             ``"spectra"``, ``"attention"``, ``"updates"``; overrides ``every`` or the default
             for the families named.
@@ -210,7 +211,7 @@ class Monitor:
 
     def log_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
         """Write extra scalars (tag -> value) through the Monitor's sinks, e.g. from
-        :class:`diag.SpectralStepLimit`. Never raises into training."""
+        :class:`hooks.SpectralStepLimit`. Never raises into training."""
         if self._closed:
             return
         self._guard("log_scalars", lambda: self.sinks.write(Record(step, {t: float(v) for t, v in scalars.items()})))

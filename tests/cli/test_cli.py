@@ -22,7 +22,7 @@ def _checkpoint(tmp_path):
 
 
 def test_analyze_exits_non_zero_when_the_report_was_not_written(tmp_path, capsys, monkeypatch):
-    import diag.offline.report as report
+    import diag.reports.checkpoints as report
 
     def broken(analysis, folder):
         raise OSError(28, "No space left on device")

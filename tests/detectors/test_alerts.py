@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 
-from diag.detectors.core import AlertConfig, Detectors, Observation, TrainingHalted, attention_state
+from diag.detectors import AlertConfig, Detectors, Observation, TrainingHalted, attention_state
 from diag.errors import ConfigError
 from diag.outputs.alert_sink import AlertSink
 from diag.outputs.sinks import FanOut, MemorySink

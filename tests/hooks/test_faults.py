@@ -22,7 +22,7 @@ import warnings
 import pytest
 import torch
 
-from diag.detectors.core import Alert
+from diag.detectors import Alert
 from diag.outputs.alert_sink import AlertSink
 from diag.outputs.sinks import FanOut, MemorySink
 from hooks import Monitor

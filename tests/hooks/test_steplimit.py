@@ -1,4 +1,4 @@
-"""diag.SpectralStepLimit: its math against a full-SVD reference, and its composition with the
+"""hooks.SpectralStepLimit: its math against a full-SVD reference, and its composition with the
 training loop (schedulers, GradScaler, clipping, state_dict, Monitor)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from diag import ConfigError, MemorySink, SpectralStepLimit
-from hooks import Monitor
+from diag import ConfigError, MemorySink
+from hooks import Monitor, SpectralStepLimit
 from hooks.layout.discover import discover
 from hooks.steplimit import STATE_KEY
 from tests.support import zoo

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from diag.detectors.core import TrainingHalted
+from diag.detectors import TrainingHalted
 from hooks import Monitor
 from hooks.monitor.weightside import ShardSnapshot
 from tests.support.zoo import NanoGPT

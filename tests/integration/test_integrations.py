@@ -283,7 +283,7 @@ def test_hf_detector_state_survives_checkpoint_and_resume(tmp_path):
 
 
 def test_hf_stop_on_critical_raises_and_cleans_up(tmp_path):
-    from diag.detectors.core import TrainingHalted
+    from diag.detectors import TrainingHalted
 
     model = gpt2()
     with torch.no_grad():
@@ -609,7 +609,7 @@ def test_lightning_other_ranks_run_detectors_without_writing(tmp_path):
     another rank saw a critical alert (the decision every rank reduces together)."""
     from types import SimpleNamespace
 
-    from diag.detectors.core import TrainingHalted
+    from diag.detectors import TrainingHalted
 
     decisions = []
     strategy = SimpleNamespace(reduce_boolean_decision=lambda flag, all: decisions.append((flag, all)) or True)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from diag.detectors.core import AlertConfig  # noqa: E402
+from diag.detectors import AlertConfig  # noqa: E402
 from evaluation import collapse as evaluate_collapse
 from evaluation import eureka
 

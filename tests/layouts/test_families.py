@@ -547,7 +547,7 @@ def test_gqa_without_padding_takes_sdpa_enable_gqa_and_agrees_with_eager():
 
 
 def test_layer_labels_share_the_block_index_and_never_collide():
-    from diag.outputs.tags import layer_labels
+    from diag.catalog.tags import layer_labels
 
     assert layer_labels([False, False, False, True, False, True]) == ["L00", "L01", "L02", "L02.cross", "L03",
                                                                        "L03.cross"]

@@ -146,7 +146,7 @@ def test_a_weights_file_uses_the_config_beside_it(tmp_path):
 
 def test_the_core_never_imports_hooks_and_the_command_runs(tmp_path):
     torch.save(_plain(zoo.nanogpt().model), tmp_path / "step_3.pt")
-    code = ("import sys; from diag.cli.main import main; import diag.offline.series, diag.offline.report; "
+    code = ("import sys; from diag.cli.main import main; import diag.offline.series, diag.reports.checkpoints; "
             "assert 'hooks' not in sys.modules; "
             f"sys.exit(main(['analyze', {str(tmp_path / 'step_3.pt')!r}, '--out', {str(tmp_path / 'out')!r}, "
             "'--heads', '4', '--json', '--no-report']))")

@@ -26,11 +26,11 @@ import torch
 from tensorboard.backend.event_processing import event_accumulator
 from torch import nn
 
+from diag.catalog.metrics import LAYER_METRICS, PER_HEAD_METRICS
 from diag.errors import ConfigError, SinkError, SpecError
 from diag.layouts.adapters import ADAPTERS
 from diag.layouts.vocab import QKVLayout
 from diag.outputs.sinks import MemorySink, Record
-from diag.outputs.tags import LAYER_METRICS, PER_HEAD_METRICS
 from hooks import Monitor
 from tests.support import zoo
 

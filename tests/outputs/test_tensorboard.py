@@ -32,7 +32,9 @@ import torch
 from PIL import Image
 from test_outputs import run_training
 
-from diag.detectors.core import Alert, AlertConfig, TrainingHalted
+from diag.catalog.metrics import CHART_STAT, LAYER_METRICS, PER_HEAD_METRICS, family, update_metric_names
+from diag.catalog.tags import layer_runs
+from diag.detectors import Alert, AlertConfig, TrainingHalted
 from diag.errors import ConfigError
 from diag.outputs.images import (
     ALERT_MAPS_PER_STEP,
@@ -48,8 +50,7 @@ from diag.outputs.images import (
     update_ratio_image,
 )
 from diag.outputs.sinks import MemorySink, Record
-from diag.outputs.tags import LAYER_METRICS, PER_HEAD_METRICS, layer_runs, update_metric_names
-from diag.outputs.tb_layout import CHART_STAT, build_layout, chart_regexes, family
+from diag.outputs.tb_layout import build_layout, chart_regexes
 from hooks import Monitor
 from tests.support import zoo
 

@@ -9,12 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from diag.cli.main import main
-from diag.errors import ConfigError
-from diag.outputs.figures import attention_map_figure, layer_head_figures, update_ratio_figure
-from diag.outputs.run_report import episodes, read_run, write_run_report
-from diag.outputs.tags import (
-    CHART_STAT,
+from diag.catalog.metrics import CHART_STAT
+from diag.catalog.tags import (
     Tag,
     head_tag,
     histogram_tag,
@@ -25,7 +21,11 @@ from diag.outputs.tags import (
     parse_where,
     stat_tag,
 )
+from diag.cli.main import main
+from diag.errors import ConfigError
+from diag.outputs.figures import attention_map_figure, layer_head_figures, update_ratio_figure
 from diag.outputs.tb_views import alert_events, constants_table
+from diag.reports.run import episodes, read_run, write_run_report
 
 
 def test_every_built_tag_parses_back():

@@ -1,7 +1,7 @@
 """What both HTML reports share: the page, tables, figures as PNG (files or inline), line charts.
 
-The live-run report (:mod:`diag.outputs.run_report`) and the checkpoint report
-(:mod:`diag.offline.report`) are built from these, so they look and read alike. Figures use
+The live-run report (:mod:`diag.reports.run`) and the checkpoint report
+(:mod:`diag.reports.checkpoints`) are built from these, so they look and read alike. Figures use
 :func:`diag.outputs.figures.figure` (matplotlib, Agg canvas); step axes get integer ticks.
 """
 

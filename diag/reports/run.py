@@ -2,11 +2,11 @@
 
 Read from the run's ``metrics.jsonl`` and ``alerts.jsonl`` only (no TensorBoard, no model):
 
-* the loss, and one chart per signal with a line per layer (the statistic across heads that
-  moves towards trouble, :data:`diag.outputs.tags.CHART_STAT`), alert episodes shaded in the
-  colour of their level;
-* heatmaps over time: every head (rows) at every sampled step (columns) for sigma_1, SEC and the
-  attention entropy;
+* the loss, and one chart per signal the catalog puts in the report (:mod:`diag.catalog.metrics`)
+  with a line per layer (for a per-head metric, the statistic across heads that moves towards
+  trouble), alert episodes shaded in the colour of their level;
+* heatmaps over time: every head (rows) at every sampled step (columns) for the catalog's heatmap
+  metrics (sigma_1, SEC and the attention entropy);
 * the alert timeline (a chart) and every alert with its advice and a link to its docs.
 
 Figures are inline PNGs (matplotlib, Agg canvas), so the page is one file that opens anywhere.
@@ -23,10 +23,12 @@ from pathlib import Path
 
 import numpy as np
 
+from diag.catalog.metrics import METRICS, chart_stat, metrics_with
+from diag.catalog.tags import parse_tag, parse_where
 from diag.errors import ConfigError
 from diag.outputs.figures import figure, grid_figure
-from diag.outputs.html import LEVEL_COLOURS, docs_link, inline_img, integer_steps, page, table
-from diag.outputs.tags import CHART_STAT, CONSTANT_METRICS, parse_tag, parse_where
+from diag.outputs.images import finite_range
+from diag.reports.html import LEVEL_COLOURS, docs_link, inline_img, integer_steps, page, table
 
 __all__ = ["Run", "read_run", "write_run_report", "ADVICE", "episodes"]
 
@@ -49,9 +51,6 @@ ADVICE = {
     "loss_spike": "inspect the batch; clip gradients; if attn_max_logit climbs too, QK-norm or a lower "
                   "learning rate",
 }
-HEATMAPS_OVER_TIME = (("qk_sigma1", "sigma_1(Wq_h^T Wk_h)"), ("qk_sec", "SEC"),
-                      ("attn_entropy", "attention entropy (nats)"))
-EXTRA_CURVES = ("grad_ratio_qk_v", "update_ratio_q", "update_ratio_k", "update_ratio_v", "update_ratio_o")
 
 
 @dataclass
@@ -148,19 +147,19 @@ def _curves(run: Run, metric: str, stat: str | None) -> str | None:
     _mark_alerts(ax, run)
     what = f"{metric} ({stat} over heads)" if stat else metric
     ax.set(title=f"{what}, a line per layer", xlabel="step", ylabel=what)
-    if metric.startswith(("update_", "grad_ratio")):
+    if METRICS[metric].log:
         ax.set_yscale("log")
     integer_steps(ax)
     ax.legend(fontsize="small", ncol=max(1, len(layers) // 6), loc="best")
     return inline_img(fig, f"{what} per layer over the sampled steps; shaded: alert episodes")
 
 
-def _heatmap_over_time(run: Run, metric: str, title: str) -> str | None:
+def _heatmap_over_time(run: Run, metric: str) -> str | None:
     rows = sorted({t for t in run.series if (p := parse_tag(t)) and p.metric == metric and p.head is not None},
                   key=lambda t: (parse_tag(t).layer, parse_tag(t).head))
     per_head = bool(rows)
     if not rows:
-        stat = CHART_STAT.get(metric, "max")
+        stat = chart_stat(metric)
         rows = [f"{metric}/{la}/{stat}" for la in run.layers() if f"{metric}/{la}/{stat}" in run.series]
     if not rows:
         return None
@@ -168,8 +167,8 @@ def _heatmap_over_time(run: Run, metric: str, title: str) -> str | None:
     grid = np.array([[np.nan if run.series[t].get(s) is None else run.series[t][s] for s in steps] for t in rows])
     parsed = [parse_tag(t) for t in rows]
     labels = [f"{p.layer}/{p.part}" if per_head else p.layer for p in parsed]
-    finite = grid[np.isfinite(grid)]
-    lo, hi = (0.0, 1.0) if metric == "qk_sec" else (0.0, float(finite.max()) if finite.size else 1.0)
+    title = METRICS[metric].label
+    lo, hi = METRICS[metric].colour_range(*finite_range(grid))
     fig = grid_figure(grid, title=f"{title}, {'every head' if per_head else 'per layer'} over time", rows=labels,
                       cols=[str(s) for s in steps], xlabel="sampled step", ylabel="layer/head" if per_head else
                       "layer", cbar=title, lo=lo, hi=hi, annotate=False)
@@ -208,13 +207,12 @@ def _alert_table(run: Run) -> str:
 def _constants(run: Run) -> str:
     rows = []
     for la in run.layers():
-        cells = [run.curve(f"{m}/{la}")[1] for m in CONSTANT_METRICS]
+        cells = [run.curve(f"{m.name}/{la}")[1] for m in metrics_with("text")]
         if any(c.size for c in cells):
             rows.append([la, *(f"{np.nanmean(c):.4g}" if c.size else "-" for c in cells)])
     if not rows:
         return ""
-    return ("<h2>The attention sample</h2>" + table(["layer", "query rows analysed", "entropy of uniform "
-                                                      "attention (nats)"], rows))
+    return "<h2>The attention sample</h2>" + table(["layer", *(m.label for m in metrics_with("text"))], rows)
 
 
 def write_run_report(folder: str | Path, out: str | Path | None = None) -> Path:
@@ -236,10 +234,9 @@ def write_run_report(folder: str | Path, out: str | Path | None = None) -> Path:
         integer_steps(ax)
         ax.legend(fontsize="small")
         body.append(inline_img(fig, "training loss at the sampled steps; shaded: alert episodes"))
-    body += [c for m, stat in CHART_STAT.items() if (c := _curves(run, m, stat))]
-    body += [c for m in EXTRA_CURVES if (c := _curves(run, m, None))]
+    body += [c for m in metrics_with("report") if (c := _curves(run, m.name, m.stat))]
     body.append("<h2>Heatmaps over time</h2>")
-    body += [h for m, title in HEATMAPS_OVER_TIME if (h := _heatmap_over_time(run, m, title))]
+    body += [h for m in metrics_with("heatmap") if (h := _heatmap_over_time(run, m.name))]
     body.append(_constants(run))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(page("attnscope run report", body), encoding="utf-8")

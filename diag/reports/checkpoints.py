@@ -1,7 +1,8 @@
 """A report folder for an :class:`~diag.offline.series.Analysis`: PNG figures and an ``index.html``.
 
 Figures (matplotlib's object API with the Agg canvas: no pyplot, no global
-backend switch, no display needed):
+backend switch, no display needed), each metric named and ranged as its catalog entry says
+(:mod:`diag.catalog.metrics`):
 
 * ``heatmaps.png``: layer x head heatmaps of sigma_1(Wq_h^T Wk_h) and SEC_s at the last step;
 * ``sigma1.png``: sigma_1 per layer (max over heads) over the series' steps;
@@ -17,10 +18,11 @@ from pathlib import Path
 
 import numpy as np
 
+from diag.catalog.metrics import METRICS
+from diag.catalog.tags import head_label
 from diag.offline.series import Analysis
 from diag.outputs.figures import figure
-from diag.outputs.html import integer_steps, page, table
-from diag.outputs.tags import head_label
+from diag.reports.html import integer_steps, page, table
 
 __all__ = ["write_report", "FIGURES"]
 
@@ -39,14 +41,15 @@ def _grid(analysis: Analysis, step: int, metric: str) -> np.ndarray:
     return grid
 
 
-def _heatmaps(analysis: Analysis, step: int, path: Path, panels: tuple[tuple[str, str], ...]) -> None:
+def _heatmaps(analysis: Analysis, step: int, path: Path, panels: tuple[str, ...]) -> None:
     fig = _figure(9, 0.35 * len(analysis.layers) + 2)
-    for ax, (metric, title) in zip(fig.subplots(1, len(panels)), panels):
+    for ax, metric in zip(fig.subplots(1, len(panels)), panels):
         grid = _grid(analysis, step, metric)
-        # SEC is a fraction: a fixed 0..1 scale (auto-ranging over 0.96..0.99 made near-equal heads look apart)
-        lo, hi = (0.0, 1.0) if metric == "qk_sec" else (None, None)
+        # the catalog's range, ends it leaves open from the data (SEC is a fraction: a fixed 0..1 scale;
+        # auto-ranging over 0.96..0.99 made near-equal heads look apart)
+        lo, hi = METRICS[metric].range
         image = ax.imshow(grid, aspect="auto", cmap="viridis", interpolation="nearest", vmin=lo, vmax=hi)
-        ax.set(title=f"{title} at step {step}", xlabel="head", ylabel="layer")
+        ax.set(title=f"{METRICS[metric].label} at step {step}", xlabel="head", ylabel="layer")
         ax.set_yticks(range(grid.shape[0]), [la.label for la in analysis.layers])
         if grid.shape[1] <= 32:
             ax.set_xticks(range(grid.shape[1]))
@@ -59,7 +62,9 @@ def _heatmaps(analysis: Analysis, step: int, path: Path, panels: tuple[tuple[str
     fig.savefig(path)
 
 
-def _trajectories(analysis: Analysis, path: Path, metric: str, source: dict, ylabel: str, title: str) -> None:
+def _trajectories(analysis: Analysis, path: Path, metric: str, source: dict, title: str) -> None:
+    entry = METRICS[metric]
+    ylabel = f"{entry.label}, max over heads" if entry.per == "head" else entry.label
     fig = _figure(7, 4)
     ax = fig.subplots()
     steps = sorted(source)
@@ -96,20 +101,19 @@ def write_report(analysis: Analysis, folder: str | Path, top: int = 4) -> Path:
     figures: list[tuple[str, str]] = []
     if analysis.spectra:
         last = max(analysis.spectra)
-        _heatmaps(analysis, last, folder / "heatmaps.png", (("qk_sigma1", "sigma_1(Wq^T Wk)"), ("qk_sec", "SEC")))
-        _trajectories(analysis, folder / "sigma1.png", "qk_sigma1", analysis.spectra, "sigma_1, max over heads",
-                      "sigma_1(Wq_h^T Wk_h) per layer")
+        _heatmaps(analysis, last, folder / "heatmaps.png", ("qk_sigma1", "qk_sec"))
+        _trajectories(analysis, folder / "sigma1.png", "qk_sigma1", analysis.spectra,
+                      f"{METRICS['qk_sigma1'].title} per layer")
         _spectra(analysis, last, folder / "spectra.png", top)
         figures += [("heatmaps.png", "sigma_1 and SEC per layer and head, last step"),
                     ("sigma1.png", "sigma_1 per layer over the series"),
                     ("spectra.png", "singular spectra of the most concentrated heads")]
     if analysis.spectra and all("attn_entropy" in m for m in analysis.spectra[last].values()):
-        _heatmaps(analysis, last, folder / "attention.png", (("attn_entropy", "attention entropy (nats)"),
-                                                             ("attn_rank", "attention effective rank")))
+        _heatmaps(analysis, last, folder / "attention.png", ("attn_entropy", "attn_rank"))
         figures.append(("attention.png", "attention entropy and rank per layer and head (--probe), last step"))
     if analysis.updates:
         _trajectories(analysis, folder / "updates.png", "update_ratio_q", analysis.updates,
-                      "sigma_1(dW_Q) / sigma_1(W_Q)", "update ratio of W_Q, checkpoint to the next")
+                      "update ratio of W_Q, checkpoint to the next")
         figures.append(("updates.png", "update ratio of W_Q per layer, from each checkpoint to the next"))
     index = folder / "index.html"
     index.write_text(_page(analysis, figures), encoding="utf-8")

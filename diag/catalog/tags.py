@@ -1,9 +1,12 @@
 """The tag scheme shared by the live monitor, the checkpoint analysis and the docs.
 
+Which tags a metric gets follows its catalog entry's ``per`` (:mod:`diag.catalog.metrics`):
+
 * per head:   ``<metric>/L<layer>/H<head>``     e.g. ``qk_sigma1/L03/H07``
 * per layer:  ``<metric>/L<layer>/<stat>``      stat in max, min, mean (across heads)
 * layer-only: ``<metric>/L<layer>``             e.g. ``update_ratio_q/L03``, ``update_ratio_o/L03``
 * histogram:  ``<metric>/L<layer>/heads``        the values of all heads of a layer
+* spectrum:   ``<metric>/L<layer>``             a histogram of a layer's values, e.g. ``qk_spectrum/L03``
 * global:     ``<metric>``                      e.g. ``loss``
 * alerts:     ``alerts/<kind>``                 the number of episodes of a kind started at a step
 
@@ -11,7 +14,7 @@ TensorBoard also gets one run per layer (a sub-folder ``L03/`` of the logdir, se
 :func:`layer_runs`) holding ``by_layer/<metric>/<stat>`` and ``by_layer/<metric>``: the same
 name in every layer's run, so one chart shows every layer as a line of its own colour, named
 in the legend. This module builds the metric tags above and parses them back (:func:`parse_tag`,
-:func:`parse_where`); the tags of other outputs (``alerts/``, ``qk_spectrum/``, ``heatmap/``,
+:func:`parse_where`); the tags of other outputs (``alerts/``, ``heatmap/``,
 ``step_size/``, ``attention_map/``, ``step_limit_*``) are written by those outputs, outside this
 scheme (docs/tensorboard.md lists them all; the step limit's per-layer ``/mean`` and ``/min`` follow it).
 
@@ -27,20 +30,16 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from diag.catalog.metrics import chart_stat, charted
+
 __all__ = [
     "Tag",
     "parse_tag",
     "parse_where",
     "layer_runs",
     "layer_run_tag",
-    "CHART_STAT",
-    "CONSTANT_METRICS",
     "LAYER_RUN_PREFIX",
     "ALERT_PREFIX",
-    "PER_HEAD_METRICS",
-    "LAYER_METRICS",
-    "update_metric_names",
-    "STATS",
     "layer_label",
     "layer_labels",
     "head_label",
@@ -50,47 +49,6 @@ __all__ = [
     "histogram_tag",
 ]
 
-PER_HEAD_METRICS = (
-    "qk_sigma1",
-    "qk_sec",
-    "qk_erank",
-    "qk_stable_rank",
-    "attn_entropy",
-    "attn_rank",
-    "attn_max_logit",
-    "grad_norm_q",
-    "grad_norm_k",
-    "grad_norm_v",
-)
-LAYER_METRICS = (
-    "attn_rows",
-    "attn_entropy_uniform",
-    "grad_ratio_qk_v",
-    "update_ratio_q",
-    "update_ratio_k",
-    "update_ratio_v",
-    "update_ratio_o",
-    "update_fro_q",
-    "update_fro_k",
-    "update_fro_v",
-    "update_fro_o",
-)
-STATS = ("max", "min", "mean")
-# Layer metrics that do not change during a run (they describe the sample): shown as text, not charts.
-CONSTANT_METRICS = ("attn_rows", "attn_entropy_uniform")
-# The statistic across heads charted per metric: the direction that signals trouble.
-CHART_STAT = {
-    "qk_sigma1": "max",  # the fastest-growing head
-    "qk_sec": "max",  # the most concentrated spectrum
-    "qk_erank": "min",
-    "qk_stable_rank": "min",
-    "attn_entropy": "min",  # the most collapsed head
-    "attn_rank": "min",
-    "attn_max_logit": "max",
-    "grad_norm_q": "mean",  # the Eureka plateau compares Q/K with V gradients layer-wide
-    "grad_norm_k": "mean",
-    "grad_norm_v": "mean",
-}
 LAYER_RUN_PREFIX = "by_layer"
 ALERT_PREFIX = "alerts"
 LAYER = r"L\d+(?:\.cross)?"
@@ -137,27 +95,21 @@ def layer_run_tag(metric: str, stat: str | None = None) -> str:
 
 def layer_runs(scalars: Mapping[str, float]) -> dict[str, dict[str, float]]:
     """``{layer label: {by_layer tag: value}}``: the charted statistic of each per-head metric
-    (:data:`CHART_STAT`, ``max`` if not listed) and each layer metric but the constants."""
+    (:func:`~diag.catalog.metrics.chart_stat`) and each charted layer metric (not the constants)."""
     runs: dict[str, dict[str, float]] = {}
     for tag, value in scalars.items():
         parsed = parse_tag(tag)
         if parsed is None or parsed.layer is None:
             continue
-        if parsed.part is None and parsed.metric not in CONSTANT_METRICS:
+        if parsed.part is None and charted(parsed.metric):
             runs.setdefault(parsed.layer, {})[layer_run_tag(parsed.metric)] = value
-        elif parsed.part == CHART_STAT.get(parsed.metric, "max"):
+        elif parsed.part == chart_stat(parsed.metric):
             runs.setdefault(parsed.layer, {})[layer_run_tag(parsed.metric, parsed.part)] = value
     return runs
 
 
 def _pad(i: int, count: int) -> str:
     return str(i).zfill(max(2, len(str(max(count - 1, 0)))))
-
-
-def update_metric_names(matrices: str = "qkvo") -> tuple[str, ...]:
-    """``update_ratio_<x>`` and ``update_fro_<x>`` for each matrix x (``q``, ``k``, ``v``: every layer;
-    ``o``: layers whose layout names W_O), in :data:`LAYER_METRICS` order."""
-    return tuple(m for m in LAYER_METRICS if m.startswith("update_") and m[-1] in matrices)
 
 
 def layer_label(index: int, n_layers: int, cross: bool = False) -> str:

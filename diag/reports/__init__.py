@@ -1,0 +1,4 @@
+"""The two HTML reports, built from the same page parts (:mod:`diag.reports.html`): a live run's from its
+``metrics.jsonl`` and ``alerts.jsonl`` (:mod:`diag.reports.run`, ``python -m diag report``) and a checkpoint
+analysis's (:mod:`diag.reports.checkpoints`, ``python -m diag analyze``). Both read each metric's title, unit
+and range from the catalog (:mod:`diag.catalog.metrics`); nothing below the command line imports them."""
