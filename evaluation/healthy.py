@@ -53,7 +53,8 @@ def normsoftmax_attention(module, query, key, value, attention_mask, scaling=Non
         valid = valid & (mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2)
     count = valid.sum(-1, keepdim=True).clamp_min(1)
     mean = (s * valid).sum(-1, keepdim=True) / count
-    std = ((((s - mean) * valid) ** 2).sum(-1, keepdim=True) / count).sqrt()
+    # + 1e-6 under the root: a row with one visible key has no spread, and sqrt's gradient at 0 is infinite
+    std = ((((s - mean) * valid) ** 2).sum(-1, keepdim=True) / count + 1e-6).sqrt()
     s = (s / (TEMPERATURE * std + 1e-6)).masked_fill(~valid, float("-inf"))
     weights = torch.softmax(s, dim=-1)  # (B, H, T, S)
     return (weights @ value).transpose(1, 2).contiguous(), weights

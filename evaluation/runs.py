@@ -197,6 +197,8 @@ def record(spec: RunSpec, root: Path) -> Path:
     """Train ``spec`` and record it into ``root / spec.name`` (``run.json`` last: a folder without it is
     incomplete and is recorded again)."""
     out = root / spec.name
+    if (out / "run.json").exists():  # recorded meanwhile (another plan process)
+        return out
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(spec.threads)
     result = TRAIN[spec.task](spec, out)

@@ -69,7 +69,7 @@ def _report() -> list[RunSpec]:
     out += [_lm(s, BOUNDARY_LR, threads=2) for s in seeds]  # ... each with a rounding replica
     out += [_lm(s, lr) for s in seeds[:5] for lr in LM_LRS if lr != BOUNDARY_LR]  # both sides of the boundary
     out += [_lm(s, lr, twin="qknorm") for s in seeds[:5] for lr in LM_LRS]  # the damage test's twins
-    out += [_lm(s, BOUNDARY_LR, twin="qknorm") for s in seeds[5:]]
+    out += [_lm(s, BOUNDARY_LR, twin="qknorm") for s in seeds[5:10]]
     out += [_lm(s, BOUNDARY_LR, warmup=100) for s in seeds[:3]]
     # settings never used in design or tuning
     out += [_lm(s, lr, layers=6, heads=4, width=128) for s in seeds[:4] for lr in (5e-3, 1e-2)]

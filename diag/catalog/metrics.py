@@ -122,6 +122,9 @@ _ENTRIES = (
     Metric("grad_ratio_qk_v", "grads", "layer", "", (0.0, None), "Q/K-to-V gradient ratio", log=True),
     *(_update("ratio", x) for x in "qkvo"),  # diag.math.updates, docs/metrics.md#updates
     *(_update("fro", x) for x in "qkvo"),
+    # judged by the detectors from the spectra and the attention (diag.detectors.risk, docs/alerts.md#collapse_risk)
+    Metric("collapse_risk", "attention", "layer", "probability", (0.0, 1.0),
+           "collapse risk: P(malignant collapse of the layer within 50 steps)"),
 )
 METRICS: dict[str, Metric] = {m.name: m for m in _ENTRIES}
 if len(METRICS) != len(_ENTRIES):

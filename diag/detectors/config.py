@@ -1,110 +1,184 @@
-"""Detector thresholds, one dataclass that checks itself. Why each default: docs/alerts.md#defaults."""
+"""Each detector's thresholds, a small dataclass checked by the kinds of its fields; ``AlertConfig`` holds them all.
+
+A field's annotation says what it may hold (``Positive``, ``Fraction``, ``Steps``, ``Samples``, ...): one
+check, :meth:`Checked.__post_init__`, reads the annotations and refuses anything else with a ``ConfigError``
+that names the field, what was wrong and an example. Why each default: docs/alerts.md#defaults.
+
+    AlertConfig(sparse_entropy=0.3)                      # a field by its name: it goes to its detector's config
+    AlertConfig(states=StatesConfig(sparse_entropy=0.3))  # the same
+    cfg.states.sparse_entropy, cfg.sparse_entropy         # the same value
+"""
 
 from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
+from typing import Annotated, get_type_hints
 
 from diag.errors import ConfigError
 
-__all__ = ["AlertConfig"]
-
-_COUNTS = ("collapse_persist", "warn_persist", "spike_warmup", "watch_early_every")  # samples (or steps), >= 1
-_STEPS = ("collapse_dwell", "exit_dwell", "warn_window", "note_horizon", "plateau_window", "watch_hold",
-          "eureka_span", "watch_early")
+__all__ = ["AlertConfig", "Checked", "EarlyUpdatesConfig", "PlateauConfig", "RiskConfig", "SpikeConfig",
+           "StatesConfig"]
 
 
-@dataclass
-class AlertConfig:
-    """Thresholds of every detector; windows and dwells in steps, so the sampling interval does not matter."""
+@dataclass(frozen=True)
+class Kind:
+    """What a field may hold: a number in [lo, hi] (open ends where said), whole for counts."""
 
-    # attention states (collapse.py); the lines scale with the attention's size
-    sparse_entropy: float = 0.5  # nats: at or below, a query spreads its mass over ~1.6 keys or fewer
-    low_rank_frac: float = 0.1  # effective rank <= 1 + 10% of (rows - 1): a few keys serve every query
-    uniform_frac: float = 0.8  # entropy at 80% of uniform attention's over the same keys is "uniform"
-    collapse_persist: int = 2  # samples a head must stay malignant ... (1: at once)
-    collapse_dwell: int = 10  # ... spanning at least this many steps
-    exit_factor: float = 1.5  # hysteresis: an episode ends only beyond 1.5x its entry line ...
-    exit_dwell: int = 50  # ... held for this many steps (and 2 samples)
-    # early warning (warning.py)
-    warn_window: int = 20  # steps over which sigma_1, entropy and rank trends are measured
-    warn_persist: int = 1  # samples the trend must hold (spanning collapse_dwell steps when more than 1)
-    sigma_growth: float = 16.0  # sigma_1(Wq^T Wk) of the head grows by this factor over the window ...
-    entropy_drop: float = 0.25  # ... while its attention entropy falls by this fraction ...
-    rank_drop: float = 0.25  # ... and its attention rank by this fraction ...
-    near_entropy: float = 0.75  # or: attention entropy at or below this many nats ...
-    near_growth: float = 2.0  # ... while sigma_1 still grows by this factor over the window
-    logit_factor: float = 3.0  # ... and its max attention logit at or above this many times ln(keys) ...
-    sec_warn: float = 0.5  # ... with SEC_s at or above this ...
-    tau_warn: float = 0.01  # ... or an update ratio sigma1(dW)/sigma1(W) at or above this
-    # watching closer (the Monitor's default cadence samples attention every 100 steps): when a head's
-    # sigma_1(Wq^T Wk) grows by watch_growth within warn_window steps, or a collapse episode or candidate
-    # is open, attention is sampled with the spectra (every 10 steps) for watch_hold steps more
-    watch_growth: float = 4.0
-    watch_hold: int = 100
-    watch_early: int = 30  # ... and within the run's first 30 steps every watch_early_every steps
-    watch_early_every: int = 2
-    note_ratio: float = 0.25  # info note: an update a quarter of the weights' size (60x tau = 0.004) ...
-    note_horizon: int = 50  # ... within the first 50 steps: "no warmup", not a collapse
-    # plateau and Eureka-moment (plateau.py)
-    plateau_window: int = 200  # steps of loss in the plateau test
-    plateau_rel: float = 0.125  # the mean losses of the window's halves (in steps) differ by at most 12.5%
-    plateau_qk_ratio: float = 0.5  # grad_ratio_qk_v below this: the softmax-induced plateau (a warning)
-    plateau_min_frac: float = 0.25  # a plateau sits at this fraction of the first sampled loss or above
-    plateau_qk_growth: float = 1.6  # sigma_1(Wq^T Wk) grew at most this much over the window (heads' geometric
-    # mean; float("inf"): off) ...
-    plateau_uniformity: float = 0.72  # ... and attention entropy is at least this fraction of uniform's (0: off)
-    eureka_depth: float = 0.425  # the loss at most 1 - this of the plateau's level (when it was flagged) ...
-    eureka_drop: float = 0.25  # ... and this far (relative) below the plateau's own trend ...
-    eureka_noise: float = 2.0  # ... and this many noise deviations of the plateau below it, at 2 samples
-    eureka_span: int = 20  # ... the median loss of the samples of the last this many steps (one batch is noise)
-    # loss spikes (spike.py)
-    spike_sigma: float = 6.0  # loss above EMA + spike_sigma * EMA std is a spike
-    spike_warmup: int = 10  # samples before spikes are judged
+    lo: float = -math.inf
+    hi: float = math.inf
+    lo_open: bool = False
+    hi_open: bool = False
+    whole: str = ""  # "steps" or "samples": a whole number of them
+    meaning: str = ""  # said in the error, e.g. "a fraction: 0.8 is 80%"
+
+    def problem(self, value: float) -> str | None:
+        if self.whole and (not math.isfinite(value) or value != int(value)):
+            return f"expected a whole number of {self.whole}"
+        low = value > self.lo if self.lo_open else value >= self.lo
+        high = value < self.hi if self.hi_open else value <= self.hi
+        if low and high:
+            return None
+        lo, hi = ("(" if self.lo_open else "[") + f"{self.lo:g}", f"{self.hi:g}" + (")" if self.hi_open else "]")
+        return f"expected {self.meaning or 'a number'} in {lo}, {hi}"
+
+
+Positive = Annotated[float, Kind(0, lo_open=True, meaning="a positive number")]
+Fraction = Annotated[float, Kind(0, 1, lo_open=True, hi_open=True, meaning="a fraction (0.25 is 25%)")]
+Share = Annotated[float, Kind(0, 1, meaning="a fraction from 0 to 1 (0.8 is 80%)")]
+Probability = Annotated[float, Kind(0, 1, meaning="a probability")]
+Factor = Annotated[float, Kind(1, meaning="a factor of at least 1")]
+Steps = Annotated[int, Kind(0, whole="steps", meaning="a number of steps")]
+Samples = Annotated[int, Kind(1, whole="samples", meaning="a number of samples")]
+
+
+class Checked:
+    """Validates every field against the ``Kind`` in its annotation (and that it is a number at all)."""
 
     def __post_init__(self) -> None:
+        hints = get_type_hints(type(self), include_extras=True)
         for f in fields(self):
             value = getattr(self, f.name)
+            kinds = [m for m in getattr(hints[f.name], "__metadata__", ()) if isinstance(m, Kind)]
             # a string, None or a bool is a mistake here (an int where a float is expected is fine)
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
-                raise ConfigError(f"AlertConfig.{f.name}={value!r}: expected a number, got {type(value).__name__}; "
-                                  f"pass e.g. AlertConfig({f.name}={f.default!r})")
-            whole = f.name in _COUNTS or f.name in _STEPS
-            if whole and (not math.isfinite(value) or value != int(value)):
-                raise ConfigError(f"AlertConfig.{f.name}={value!r}: expected a whole number of "
-                                  f"{'samples' if f.name in _COUNTS else 'steps'}, e.g. {f.default!r}")
-            if f.name in _COUNTS:
-                if int(value) < 1:
-                    raise ConfigError(f"AlertConfig.{f.name}={value!r}: expected an integer >= 1")
-            elif f.name in _STEPS:
-                if int(value) < 0 or (f.name == "plateau_window" and int(value) < 2):
-                    raise ConfigError(f"AlertConfig.{f.name}={value!r}: expected a number of steps, "
-                                      f"{'>= 2' if f.name == 'plateau_window' else '>= 0'}")
-            elif f.name == "plateau_uniformity":
-                if not 0 <= value <= 1:
-                    raise ConfigError(f"AlertConfig.plateau_uniformity={value!r}: expected a fraction of uniform "
-                                      "attention's entropy between 0 and 1 (0 switches the test off)")
-            elif f.name == "uniform_frac":
-                if not 0 < value <= 1:
-                    raise ConfigError(f"AlertConfig.uniform_frac={value!r}: expected a fraction of uniform "
-                                      "attention's entropy, above 0 and at most 1 (0.8 is 80%)")
-            elif f.name == "exit_factor":
-                if not value >= 1:
-                    raise ConfigError(f"AlertConfig.exit_factor={value!r}: expected a factor >= 1 (the exit line sits "
-                                      "this many times beyond the entry line; under 1 it would sit inside it, and a "
-                                      "head at the same value would be both in and out), e.g. 1.5")
-            elif f.name == "plateau_qk_growth":
-                if not value >= 1:
-                    raise ConfigError(f"AlertConfig.plateau_qk_growth={value!r}: expected a growth factor >= 1 "
-                                      "(float('inf') switches the test off)")
-            elif f.name == "eureka_depth":
-                if not 0 <= value < 1:
-                    raise ConfigError(f"AlertConfig.eureka_depth={value!r}: expected the drop's depth as a fraction of "
-                                      "the plateau's level, at least 0 (0: the trend's line alone) and below 1")
-            elif f.name == "eureka_drop":
-                if not 0 < value < 1:
-                    raise ConfigError(f"AlertConfig.eureka_drop={value!r}: expected the drop under the plateau's "
-                                      "trend as a fraction of it, above 0 and below 1 (0.25 is 25%)")
-            elif not value > 0:
-                raise ConfigError(f"AlertConfig.{f.name}={value!r}: expected a positive number")
+                raise ConfigError(f"{type(self).__name__}.{f.name}={value!r}: expected a number, got "
+                                  f"{type(value).__name__}; pass e.g. {f.name}={f.default!r}")
+            for kind in kinds:
+                problem = kind.problem(float(value))
+                if problem:
+                    raise ConfigError(f"{type(self).__name__}.{f.name}={value!r}: {problem}, e.g. {f.default!r}")
+                if kind.whole:
+                    object.__setattr__(self, f.name, int(value))
+
+
+@dataclass(frozen=True)
+class StatesConfig(Checked):
+    """The attention states (:mod:`diag.detectors.states`): lines per sample, dwells in steps, layers by share."""
+
+    sparse_entropy: Positive = 0.5  # nats: at or below, a query spreads its mass over ~1.6 keys or fewer
+    low_rank_frac: Positive = 0.1  # effective rank <= 1 + 10% of (rows - 1): a few keys serve every query
+    uniform_frac: Annotated[float, Kind(0, 1, lo_open=True, meaning="a fraction of uniform attention's "
+                                        "entropy (0.8 is 80%)")] = 0.8
+    collapse_persist: Samples = 2  # samples a head must stay in a state to establish it ...
+    collapse_dwell: Steps = 10  # ... spanning at least this many steps
+    exit_factor: Annotated[float, Kind(1, meaning="a factor of at least 1 (the exit line sits this many times "
+                                       "beyond the entry line)")] = 1.5
+    exit_dwell: Steps = 50  # an episode ends once its exit test held this many steps (and 2 samples)
+    layer_share: Fraction = 0.5  # a layer is in a state when this share of its heads (and 2 or more) are
+
+
+@dataclass(frozen=True)
+class RiskConfig(Checked):
+    """``collapse_risk`` and the ``collapse_warning`` it raises (:mod:`diag.detectors.risk`)."""
+
+    risk_horizon: Steps = 50  # p = P(a layer's malignant collapse established within this many steps)
+    warn_risk: Probability = 0.5  # collapse_warning when a layer's p reaches this ...
+    risk_clear: Probability = 0.2  # ... and it ends once p stayed under this for exit_dwell steps
+    watch_risk: Probability = 0.2  # the Monitor samples attention closely while a layer's p is this or more ...
+    watch_growth: Factor = 4.0  # ... or a head's sigma_1(Wq^T Wk) grew this much within risk_window steps
+    risk_window: Annotated[int, Kind(1, whole="steps", meaning="a number of steps")] = 20  # trend window
+    update_fresh: Steps = 20  # an update ratio older than this many steps is not used (missing, not stale)
+
+
+@dataclass(frozen=True)
+class EarlyUpdatesConfig(Checked):
+    """The ``large_early_updates`` note (:mod:`diag.detectors.warning`)."""
+
+    note_ratio: Positive = 0.25  # an update a quarter the size of the weights (60x tau = 0.004) ...
+    note_horizon: Steps = 50  # ... within the first 50 steps: "no warmup", not a collapse
+
+
+@dataclass(frozen=True)
+class PlateauConfig(Checked):
+    """``eureka_plateau`` and ``eureka_moment`` (:mod:`diag.detectors.plateau`)."""
+
+    plateau_window: Annotated[int, Kind(2, whole="steps", meaning="a number of steps")] = 200
+    plateau_rel: Positive = 0.125  # the mean losses of the window's halves differ by at most 12.5%
+    plateau_qk_ratio: Positive = 0.5  # grad_ratio_qk_v below this: the softmax-induced plateau
+    plateau_min_frac: Positive = 0.25  # a plateau sits at this fraction of the first sampled loss or above
+    plateau_qk_growth: Factor = 1.6  # sigma_1(Wq^T Wk) grew at most this much over the window (inf: off) ...
+    plateau_uniformity: Share = 0.72  # ... and attention entropy at least this fraction of uniform's (0: off)
+    eureka_depth: Annotated[float, Kind(0, 1, hi_open=True, meaning="the drop's depth as a fraction of the "
+                                        "plateau's level")] = 0.425
+    eureka_drop: Fraction = 0.25  # ... and this far (relative) below the plateau's own trend ...
+    eureka_noise: Positive = 2.0  # ... and this many noise deviations of the plateau below it, at 2 samples
+    eureka_span: Steps = 20  # ... the median loss of the samples of the last this many steps
+
+
+@dataclass(frozen=True)
+class SpikeConfig(Checked):
+    """``loss_spike`` (:mod:`diag.detectors.spike`)."""
+
+    spike_sigma: Positive = 6.0  # loss above EMA + spike_sigma * EMA std is a spike
+    spike_warmup: Samples = 10  # samples before spikes are judged
+
+
+_PARTS = {"states": StatesConfig, "risk": RiskConfig, "early": EarlyUpdatesConfig, "plateau": PlateauConfig,
+          "spike": SpikeConfig}
+_OWNER = {f.name: part for part, cls in _PARTS.items() for f in fields(cls)}
+
+
+class AlertConfig:
+    """Every detector's config. Takes the parts (``states=StatesConfig(...)``) or any field by its name, which
+    goes to its part; reads a field by its name too. Immutable: :meth:`replace` makes a changed copy."""
+
+    __slots__ = tuple(_PARTS)
+
+    def __init__(self, **values: object) -> None:
+        given = {part: values.pop(part) for part in _PARTS if part in values}
+        for part, cls in _PARTS.items():
+            if part in given and not isinstance(given[part], cls):
+                raise ConfigError(f"AlertConfig({part}=...): expected a {cls.__name__}, got "
+                                  f"{type(given[part]).__name__}")
+        unknown = sorted(set(values) - set(_OWNER))
+        if unknown:
+            raise ConfigError(f"AlertConfig: unknown field(s) {unknown}; the fields are {sorted(_OWNER)} "
+                              "(docs/alerts.md#defaults)")
+        for part, cls in _PARTS.items():
+            mine = {k: v for k, v in values.items() if _OWNER[k] == part}
+            base = given.get(part, cls())
+            object.__setattr__(self, part, replace(base, **mine) if mine else base)
+
+    def __getattr__(self, name: str) -> object:
+        part = _OWNER.get(name)
+        if part is None:
+            raise AttributeError(f"AlertConfig has no field {name!r}")
+        return getattr(object.__getattribute__(self, part), name)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"AlertConfig is immutable: use cfg.replace({name}=...)")
+
+    def replace(self, **values: object) -> AlertConfig:
+        return AlertConfig(**{part: getattr(self, part) for part in _PARTS}, **values)
+
+    def fields(self) -> dict[str, object]:
+        """Every field by its name, with its value."""
+        return {name: getattr(self, name) for name in _OWNER}
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, AlertConfig) and all(getattr(self, p) == getattr(other, p) for p in _PARTS)
+
+    def __repr__(self) -> str:
+        return "AlertConfig(" + ", ".join(f"{p}={getattr(self, p)!r}" for p in _PARTS) + ")"

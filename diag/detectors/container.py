@@ -1,12 +1,14 @@
 """The detectors behind one protocol, fanned out by one container that carries their state.
 
 ``Detectors(cfg).observe(obs)`` asks every detector in turn (non-finite values, attention
-states, the collapse warning, the early-update note, loss spikes, the plateau) and returns
-their alerts in that order. ``state_dict()`` is the union of the detectors' states (their
-keys are distinct; checked here) plus ``"version"``; a format-1 state (no version, from
-before the detectors were split) loads what carries over: the spike EMA, the non-finite
-memory, the first loss, the last sigma_1 and update ratio per layer. The rest starts
-afresh, and a warning on the ``diag`` logger says so.
+states, the collapse risk and its warning, the early-update note, loss spikes, the plateau)
+and returns their alerts in that order; each detector takes its own part of ``cfg``.
+``state_dict()`` is the union of the detectors' states (their keys are distinct; checked
+here) plus ``"version"``. Older states load what carries over: format 2 (before the collapse
+risk) the heads' attention episodes (the layers' are derived at the next sample) and every
+other detector's state; format 1 (before the detectors were split) the spike EMA, the
+non-finite memory and the first loss. The rest starts afresh, and a warning on the ``diag``
+logger says so.
 """
 
 from __future__ import annotations
@@ -15,17 +17,18 @@ import json
 import logging
 
 from diag.detectors.base import Alert, Detector, Observation
-from diag.detectors.collapse import AttentionStates
 from diag.detectors.config import AlertConfig
 from diag.detectors.nonfinite import NonFinite
 from diag.detectors.plateau import Plateau
+from diag.detectors.risk import CollapseRisk
 from diag.detectors.spike import LossSpike
-from diag.detectors.warning import CollapseWarning, EarlyUpdates
+from diag.detectors.states import AttentionStates
+from diag.detectors.warning import EarlyUpdates
 from diag.errors import ConfigError
 
 __all__ = ["Detectors", "STATE_VERSION"]
 
-STATE_VERSION = 2
+STATE_VERSION = 3
 log = logging.getLogger("diag")
 
 
@@ -34,9 +37,10 @@ class Detectors:
 
     def __init__(self, cfg: AlertConfig | None = None, extra: list[Detector] | None = None) -> None:
         self.cfg = cfg or AlertConfig()
-        states = AttentionStates(self.cfg)
-        self.detectors: list[Detector] = [NonFinite(), states, CollapseWarning(self.cfg, states.episodes["malignant"]),
-                                          EarlyUpdates(self.cfg), LossSpike(self.cfg), Plateau(self.cfg)]
+        cfg = self.cfg
+        states = AttentionStates(cfg.states)
+        self.detectors: list[Detector] = [NonFinite(), states, CollapseRisk(cfg.risk, states, cfg.states.exit_dwell),
+                                          EarlyUpdates(cfg.early), LossSpike(cfg.spike), Plateau(cfg.plateau)]
         self.detectors += list(extra or [])
         seen: dict[str, str] = {}
         for detector in self.detectors:
@@ -54,6 +58,17 @@ class Detectors:
         for detector in self.detectors:
             alerts += detector.observe(obs)
         return alerts
+
+    def scalars(self) -> dict[str, dict[str, float]]:
+        """What the detectors computed at the last observation, to log beside the signals:
+        ``{metric: {layer label: value}}`` (``collapse_risk``)."""
+        out: dict[str, dict[str, float]] = {}
+        for detector in self.detectors:
+            get = getattr(detector, "scalars", None)
+            for metric, values in (get() if get is not None else {}).items():
+                if values:
+                    out.setdefault(metric, {}).update(values)
+        return out
 
     def wants_attention(self) -> str | None:
         """Why the attention should be sampled closely now (a detector's ``wants_attention``), or None."""
@@ -77,9 +92,11 @@ class Detectors:
                               f"reads ({STATE_VERSION}); upgrade attnscope or start the detectors afresh")
         if version == 1:
             log.warning("diag: detector state of format 1 (before episodes): the spike EMA, the non-finite "
-                        "memory, the first loss, the last sigma_1 and update ratios carry over; collapse and "
-                        "plateau windows start afresh")
-            keep = ("ema", "emvar", "n_loss", "nonfinite", "first_loss", "sigma_prev", "update_ratio")
+                        "memory and the first loss carry over; attention states, the collapse risk and the "
+                        "plateau window start afresh")
+            keep = ("ema", "emvar", "n_loss", "nonfinite", "first_loss")
             state = {k: state[k] for k in keep if k in state}
+        elif version == 2:
+            log.warning("diag: detector state of format 2 (before collapse_risk): the collapse risk starts afresh")
         for detector in self.detectors:
             detector.load_state_dict(state)

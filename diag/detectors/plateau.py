@@ -24,7 +24,7 @@ import math
 import numpy as np
 
 from diag.detectors.base import Alert, Observation
-from diag.detectors.config import AlertConfig
+from diag.detectors.config import PlateauConfig
 
 __all__ = ["Plateau", "fit_trend"]
 
@@ -106,7 +106,7 @@ class Plateau:
     window (``ln_sigma1``: ``{layer: [ln sigma_1 per head]}`` or None, :func:`_log_sigma`); ``recent`` and
     ``below`` keep the first four fields."""
 
-    def __init__(self, cfg: AlertConfig) -> None:
+    def __init__(self, cfg: PlateauConfig) -> None:
         self.cfg = cfg
         self.losses: list[list[float]] = []
         self.first_loss: float | None = None
@@ -139,13 +139,19 @@ class Plateau:
         level = a + b * step
         ratio = _mean(self.losses, 2)
         mid = step - window / 2
-        first = np.mean([p[1] for p in self.losses if p[0] <= mid] or [math.nan])
-        second = np.mean([p[1] for p in self.losses if p[0] > mid])
-        flat = abs(first - second) <= self.cfg.plateau_rel * abs(first)  # the window's halves (in steps)
+        halves = ([p[1] for p in self.losses if p[0] <= mid], [p[1] for p in self.losses if p[0] > mid])
+        first, second = (float(np.mean(h)) if h else math.nan for h in halves)
+        # the window's halves (in steps): the loss fell by at most plateau_rel, and did not rise beyond what its
+        # own noise explains (two standard errors of the difference of the halves' means): a rising loss is no
+        # plateau
+        rise_noise = 2.0 * noise * math.sqrt(sum(1.0 / max(len(h), 1) for h in halves))
+        flat = first - second <= self.cfg.plateau_rel * first and second - first <= rise_noise
         high = self.first_loss is not None and level >= self.cfg.plateau_min_frac * self.first_loss
         growth, uniformity = _growth(self.losses), _mean(self.losses, 5)
-        still = not growth > self.cfg.plateau_qk_growth  # Wq^T Wk static (or no spectra to say otherwise)
-        diffuse = not uniformity < self.cfg.plateau_uniformity  # attention near uniform (or not sampled)
+        # what the alert claims is measured, or the test is switched off: a missing signal (no spectra, no
+        # attention in the window) is missing, not a pass
+        still = math.isinf(self.cfg.plateau_qk_growth) or growth <= self.cfg.plateau_qk_growth
+        diffuse = self.cfg.plateau_uniformity == 0 or uniformity >= self.cfg.plateau_uniformity
         if not (flat and high and ratio <= self.cfg.plateau_qk_ratio and still and diffuse):
             return []
         # the plateau began where the loss came down into its band (a window flat to plateau_rel may still hold
@@ -167,7 +173,7 @@ class Plateau:
                 if sinking >= 0.005 else "")
         return [Alert(step, "eureka_plateau", "warning", "", (
             f"the loss has been on a plateau near {level:.4g} since step {since} (the mean losses of the halves of "
-            f"the last {window} steps differ by {abs(first - second) / abs(first):.1%}) while "
+            f"the last {window} steps differ by {(first - second) / first:.1%}) while "
             f"{', '.join(evidence)}: the model may be stuck before a Eureka-moment.{slow} What to do: {TODO}"),
             {"loss": level, "grad_ratio_qk_v": ratio, "noise": noise, "qk_sigma1_growth": growth,
              "attn_uniformity": uniformity, "loss_sink_per_100": sinking},

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from diag.detectors.base import Alert, Observation
-from diag.detectors.config import AlertConfig
+from diag.detectors.config import SpikeConfig
 from diag.detectors.episodes import Closed, Dwell, Episodes
 
 __all__ = ["LossSpike"]
@@ -26,7 +26,7 @@ class LossSpike:
     """A spike is an episode: opened by a loss above ``EMA + spike_sigma * std``, closed by the first
     sample back under it."""
 
-    def __init__(self, cfg: AlertConfig) -> None:
+    def __init__(self, cfg: SpikeConfig) -> None:
         self.cfg = cfg
         self.ema: float | None = None
         self.emvar = 0.0

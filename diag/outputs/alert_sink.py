@@ -24,7 +24,10 @@ LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "critical": logging.
 
 
 def shown_where(a: Alert) -> str:
-    """Where, once: the heads a layer's record stands for, else ``where``."""
+    """Where, once: a layer's record with the heads it counts (``L02 (H00, H01)``), the heads a record of several
+    heads stands for, else ``where``."""
+    if a.heads and "/" not in a.where:
+        return f"{a.where} ({', '.join(h.split('/')[-1] for h in a.heads)})"
     return ", ".join(a.heads) if a.heads else a.where
 
 

@@ -30,7 +30,7 @@ from diag.outputs.figures import figure, grid_figure
 from diag.outputs.images import finite_range
 from diag.reports.html import LEVEL_COLOURS, docs_link, inline_img, integer_steps, page, table
 
-__all__ = ["Run", "read_run", "write_run_report", "ADVICE", "episodes"]
+__all__ = ["ADVICE", "MOMENTS", "Run", "alert_episodes", "read_run", "split_advice", "write_run_report"]
 
 # kind -> what to do, in one line (the long form, with the evidence, is in docs/alerts.md)
 ADVICE = {
@@ -103,15 +103,28 @@ def read_run(folder: str | Path) -> Run:
     return run
 
 
-def episodes(steps: Sequence[int], gap: float) -> list[tuple[int, int]]:
-    """Consecutive steps (no more than ``gap`` apart) as (first, last) episodes."""
-    out: list[tuple[int, int]] = []
-    for step in sorted(steps):
-        if out and step - out[-1][1] <= gap:
-            out[-1] = (out[-1][0], step)
-        else:
-            out.append((step, step))
-    return out
+MOMENTS = ("eureka_moment", "large_early_updates", "gradient_overflow")  # alerts with no episode: one step
+
+
+def alert_episodes(alerts: Sequence[dict], end: int) -> list[tuple[str, str, str, int, int]]:
+    """(level, kind, where, first step, last step) of every episode: from a firing record's ``since`` (or its
+    step) to the step of its ``resolved`` record of the same kind and place, or to ``end`` (the run's last
+    step) while unresolved. A moment (:data:`MOMENTS`) is its own step."""
+    open_: dict[tuple[str, str], dict] = {}
+    out = []
+    for a in sorted(alerts, key=lambda a: a["step"]):
+        key = (a["kind"], a.get("where", ""))
+        start = a.get("since") if a.get("since") is not None else a["step"]
+        if a["kind"] in MOMENTS:
+            out.append((a["level"], a["kind"], key[1], int(a["step"]), int(a["step"])))
+        elif a.get("status") == "resolved":
+            first = open_.pop(key, None)
+            if first is not None:
+                out.append((first["level"], a["kind"], key[1], int(first["start"]), int(a["step"])))
+        elif key not in open_:
+            open_[key] = {"level": a["level"], "start": start}
+    out += [(v["level"], kind, where, int(v["start"]), int(end)) for (kind, where), v in open_.items()]
+    return sorted(out, key=lambda e: (e[3], e[1], e[2]))
 
 
 def _spacing(run: Run) -> int:
@@ -120,20 +133,18 @@ def _spacing(run: Run) -> int:
 
 
 def _mark_alerts(ax, run: Run, layer_of: str | None = None) -> None:
-    """Shade each alert episode (per kind and place) in its level's colour; one legend entry per level."""
+    """Shade each alert episode from its start to its resolved record (an open one to the run's last step) in
+    its level's colour; a moment is a thin band at its step; one legend entry per level."""
     spacing, seen = _spacing(run), set()
-    groups: dict[tuple[str, str, str], list[int]] = {}
-    for a in run.alerts:
-        where = parse_where(a.get("where", ""))
+    end = max((max(v) for v in run.series.values() if v), default=0)
+    for level, _, where_text, first, last in alert_episodes(run.alerts, end):
+        where = parse_where(where_text)
         if layer_of is not None and where is not None and where[0] != layer_of:
             continue
-        groups.setdefault((a["level"], a["kind"], a.get("where", "")), []).append(int(a["step"]))
-    for (level, _, _), steps in groups.items():
         colour = LEVEL_COLOURS.get(level, "#888888")
-        for first, last in episodes(steps, 2 * spacing):
-            label = None if level in seen else f"{level} alert"
-            seen.add(level)
-            ax.axvspan(first - spacing / 4, last + spacing / 4, color=colour, alpha=0.15, lw=0, label=label)
+        label = None if level in seen else f"{level} alert"
+        seen.add(level)
+        ax.axvspan(first - spacing / 4, last + spacing / 4, color=colour, alpha=0.15, lw=0, label=label)
 
 
 def _curves(run: Run, metric: str, stat: str | None) -> str | None:
@@ -193,13 +204,22 @@ def _timeline(run: Run) -> str | None:
     return inline_img(fig, "each alert at its step, by kind; colour: level")
 
 
+def split_advice(message: str) -> tuple[str, str | None]:
+    """A message's account and its advice (after "What to do:"), or (message, None) when it gives none."""
+    what, sep, todo = message.partition(" What to do: ")
+    return (what, todo) if sep else (message, None)
+
+
 def _alert_table(run: Run) -> str:
+    """Every record once: what happened, and what to do said once (the message's own advice, else the kind's)."""
     if not run.alerts:
         return "<p>No alert was raised in this run.</p>"
-    rows = [[a["step"], a["level"], a["kind"], a.get("where") or "model", a["message"],
-             html.escape(ADVICE.get(a["kind"], "see the docs")) + "<br>" + docs_link("alerts.md", "the-kinds",
-                                                                                   f"docs: {a['kind']}")]
-            for a in run.alerts]
+    rows = []
+    for a in run.alerts:
+        what, todo = split_advice(a["message"])
+        advice = todo if todo is not None else ADVICE.get(a["kind"], "see the docs")
+        rows.append([a["step"], a["level"], a["kind"], a.get("where") or "model", what,
+                     html.escape(advice) + "<br>" + docs_link("alerts.md", "the-kinds", f"docs: {a['kind']}")])
     return table(["step", "level", "kind", "where", "message", "what to do"], rows, raw=(5,),
                  classes=[a["level"] for a in run.alerts])
 

@@ -107,8 +107,10 @@ class CloserLook:
     sample. Off (``period`` None) when attention is already sampled at the shortest period.
     """
 
-    def __init__(self, cadence: Cadence, hold: int, enabled: bool = True, early: int = 0,
-                 early_every: int = 2) -> None:
+    HOLD, EARLY, EARLY_EVERY = 100, 30, 2  # why these: docs/cost.md#watching-closer
+
+    def __init__(self, cadence: Cadence, hold: int = HOLD, enabled: bool = True, early: int = EARLY,
+                 early_every: int = EARLY_EVERY) -> None:
         base = cadence.base
         self.families = frozenset(f for f in ("attention", "spectra") if cadence.periods.get(f, base) > base)
         self.period = base if enabled and "attention" in self.families else None

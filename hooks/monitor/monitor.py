@@ -54,6 +54,7 @@ log = logging.getLogger("diag")
 SIGNALS = ("spectra", "attention", "grads", "updates")
 SPECTRAL_METRICS = family_metrics("spectra")
 GRAD_METRICS = family_metrics("grads")
+REPORTED_NONFINITE = ("loss", "qk_", "grad_")  # tags whose non-finite values the nonfinite_* alerts report
 
 
 class Monitor:
@@ -96,8 +97,8 @@ class Monitor:
         closer_look: when attention is sampled less often than the loss (the default
             cadence), also sample it (and the spectra) with the loss while a head's sigma_1
             grows fast, a collapse is being confirmed or the first updates are large
-            (``AlertConfig.watch_growth``, ``watch_hold``; every ``watch_early_every`` steps within the
-            first ``watch_early``; docs/cost.md#watching-closer). One process only: under DDP/FSDP the ranks would
+            (``RiskConfig.watch_risk`` and ``watch_growth``; for ``CloserLook.HOLD`` steps, every
+            ``CloserLook.EARLY_EVERY`` steps within the first ``CloserLook.EARLY``; docs/cost.md#watching-closer). One process only: under DDP/FSDP the ranks would
             have to agree every sampled step, so it is off there.
     """
 
@@ -158,7 +159,7 @@ class Monitor:
         self.detectors = Detectors(alerts or AlertConfig())
         cfg = self.detectors.cfg
         self._updates_at_once = cfg.note_horizon  # updates of steps before this are measured on the next step
-        self.closer = CloserLook(self.cadence, cfg.watch_hold, early=cfg.watch_early, early_every=cfg.watch_early_every,
+        self.closer = CloserLook(self.cadence,
                                  enabled=bool(closer_look) and world_size() == 1 and "attention" in self.signals)
         if world_size() > 1:
             self.detectors = SharedDetectors(self.detectors, stop_on_critical)
@@ -302,12 +303,22 @@ class Monitor:
             arrays = {label: {m: v for m, v in metrics.items() if not m.startswith("grad_")}
                       for label, metrics in arrays.items()}
         alerts = self.detectors.observe(Observation(step, loss_value, arrays))
+        self._write_judged(step)
         self._look_closer(step)
         if overflow:
             alerts.append(Alert(step, "gradient_overflow", "info", "", f"gradients overflowed at step {step} "
                                 "under fp16 loss scaling; the GradScaler skips this update and lowers its scale"))
         self._guard("tensorboard", self._tensorboard, record, arrays, results, alerts, due)
         self.alert_sink.emit(alerts)
+
+    def _write_judged(self, step: int) -> None:
+        """What the detectors computed from this sample (``collapse_risk`` per layer), beside the signals."""
+        judged = getattr(self.detectors, "scalars", dict)()
+        scalars = {layer_tag(metric, label): float(v) for metric, values in judged.items()
+                   for label, v in values.items()}
+        if scalars:
+            self.last.update(scalars)
+            self.sinks.write(Record(step, scalars))
 
     def _look_closer(self, step: int) -> None:
         """After the detectors judged ``step``: start or extend the closer look if they ask for it."""
@@ -378,7 +389,9 @@ class Monitor:
         self.alert_sink.emit(alerts)
 
     def _check_finite(self, record: Record, skip: Iterable[str] = ()) -> None:
-        skip = tuple(f"{metric}/" for metric in skip)
+        """Non-finite values the detectors do not report: the loss, the weights (every ``qk_`` metric follows
+        them) and the gradients are the ``nonfinite_*`` alerts' (one console line each, not two)."""
+        skip = tuple(f"{metric}/" for metric in skip) + REPORTED_NONFINITE
         bad = [tag for tag, v in record.scalars.items() if not math.isfinite(v) and not tag.startswith(skip)]
         if bad:
             self._warn_once("nonfinite", f"diag: non-finite values at step {record.step} "

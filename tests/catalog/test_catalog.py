@@ -21,7 +21,7 @@ from hooks import Monitor
 from tests.support import zoo
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
-RISK = Metric("collapse_risk", "attention", "layer", "probability", (0.0, 1.0), "collapse risk")
+NEW = Metric("head_agreement", "attention", "layer", "", (0.0, 1.0), "agreement of the heads")
 
 
 def _run(case: zoo.Case, steps: int = 3) -> MemorySink:
@@ -95,30 +95,30 @@ def test_entries_check_themselves_and_name_the_fix():
 
 
 def test_a_new_metric_is_one_entry(monkeypatch, tmp_path):
-    """collapse_risk, one value per layer in [0, 1], added to the catalog and nowhere else: written as one scalar
-    per layer (outside the catalog it would be taken for a per-head metric: max/min/mean and a histogram), given
-    a per-layer run and a chart in its family, and a curve in the run report."""
-    arrays = {"L00": {"qk_sigma1": np.array([1.0, 2.0]), "collapse_risk": np.array([0.25])},
-              "L01": {"qk_sigma1": np.array([3.0, 1.0]), "collapse_risk": np.array([0.75])}}
+    """A new metric (a made-up head_agreement), one value per layer in [0, 1], added to the catalog and nowhere
+    else: written as one scalar per layer (outside the catalog it would be taken for a per-head metric:
+    max/min/mean and a histogram), given a per-layer run and a chart in its family, and a curve in the run report."""
+    arrays = {"L00": {"qk_sigma1": np.array([1.0, 2.0]), "head_agreement": np.array([0.25])},
+              "L01": {"qk_sigma1": np.array([3.0, 1.0]), "head_agreement": np.array([0.75])}}
     unknown = build_record(0, arrays, per_head=False)
-    assert "collapse_risk/L00/max" in unknown.scalars and "collapse_risk/L00" not in unknown.scalars
+    assert "head_agreement/L00/max" in unknown.scalars and "head_agreement/L00" not in unknown.scalars
 
-    monkeypatch.setitem(METRICS, RISK.name, RISK)
+    monkeypatch.setitem(METRICS, NEW.name, NEW)
     records = [build_record(step, arrays, per_head=False) for step in (0, 10, 20)]
     scalars = records[0].scalars
-    assert scalars["collapse_risk/L00"] == 0.25 and scalars["collapse_risk/L01"] == 0.75
-    assert not any(t.startswith("collapse_risk/L00/") for t in [*scalars, *records[0].histograms])
-    assert layer_runs(scalars)["L01"]["by_layer/collapse_risk"] == 0.75
+    assert scalars["head_agreement/L00"] == 0.25 and scalars["head_agreement/L01"] == 0.75
+    assert not any(t.startswith("head_agreement/L00/") for t in [*scalars, *records[0].histograms])
+    assert layer_runs(scalars)["L01"]["by_layer/head_agreement"] == 0.75
     layout = build_layout(scalars)
-    assert layout["attention"] == {"collapse_risk, a line per layer": ["Multiline", [r"^by_layer/collapse_risk$"]]}
+    assert layout["attention"] == {"head_agreement, a line per layer": ["Multiline", [r"^by_layer/head_agreement$"]]}
 
     run = tmp_path / "run"
     run.mkdir()
     lines = [json.dumps({"step": r.step, "tag": t, "value": v}) for r in records for t, v in r.scalars.items()]
     (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     page = write_run_report(run).read_text()
-    assert "collapse_risk per layer over the sampled steps" in page
-    assert page.index("qk_sigma1 (max over heads) per layer") < page.index("collapse_risk per layer")
+    assert "head_agreement per layer over the sampled steps" in page
+    assert page.index("qk_sigma1 (max over heads) per layer") < page.index("head_agreement per layer")
 
 
 def test_every_metric_is_documented():

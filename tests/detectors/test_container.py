@@ -19,20 +19,22 @@ def script():
         collapse = 100 <= step < 250
         e, r = (0.2, 3.0) if collapse else (max(3.5 - 0.03 * max(step - 60, 0), 0.4), max(30 - step / 5, 3.0))
         loss = 5.0 if step == 200 else (2.0 + 0.01 * rng.standard_normal() if step < 300 else 0.8)
-        layers = {"L00": {"attn_entropy": np.array([e, 3.0]), "attn_rank": np.array([r, 30.0]),
+        # both heads of the layer head for collapse (the second a little behind): the layer's risk rises
+        layers = {"L00": {"attn_entropy": np.array([e, 1.1 * e]), "attn_rank": np.array([r, 1.1 * r]),
                           "attn_rows": np.array([64.0]), "attn_entropy_uniform": np.array([4.1]),
-                          "qk_sigma1": np.array([0.1 * 1.08**step, 1.0]), "qk_sec": np.array([0.9, 0.3]),
+                          "qk_sigma1": 0.1 * np.array([1.08**step, 1.07**step]), "qk_sec": np.array([0.9, 0.85]),
+                          "attn_max_logit": np.array([min(0.2 * 1.08**step, 60.0), min(0.2 * 1.07**step, 60.0)]),
                           "grad_ratio_qk_v": np.array([0.1 if step < 290 else 0.6])}}
         yield Observation(step, loss, layers)
         yield Observation(step, None, {"L00": {"update_ratio_q": np.array([0.5 if step == 0 else 0.02])}})
 
 
 def test_resume_at_any_point_continues_identically():
-    # the warning's thresholds of the first draft: this script's head warns under them (the resume is the test)
     # plateau_qk_growth and plateau_uniformity off: the script's collapsing head grows and focuses all along,
-    # which the plateau test would refuse (the plateau's entry is tested in test_plateau.py)
-    cfg = AlertConfig(plateau_window=100, warn_window=40, sigma_growth=12.0, entropy_drop=0.15, warn_persist=2,
-                      plateau_qk_growth=float("inf"), plateau_uniformity=0.0)
+    # which the plateau test would refuse (the plateau's entry is tested in test_plateau.py); a low warn_risk so
+    # that this script's head is warned under the shipped model (the resume is the test)
+    cfg = AlertConfig(plateau_window=100, warn_risk=0.05, risk_clear=0.01, plateau_qk_growth=float("inf"),
+                      plateau_uniformity=0.0)
     observations = list(script())
     whole = Detectors(cfg)
     expected = [(a.step, a.kind, a.status, a.where, a.since) for o in observations for a in whole.observe(o)]
@@ -57,12 +59,12 @@ def test_format_1_state_loads_what_carries_over(caplog):
         det.load_state_dict(old)
     assert "format 1" in caplog.text
     state = det.state_dict()
-    assert state["version"] == 2 and state["ema"] == 2.0 and state["first_loss"] == 2.3
-    assert state["sigma_prev"] == {"L00": [10, [1.0]]} and state["losses"] == []
+    assert state["version"] == 3 and state["ema"] == 2.0 and state["first_loss"] == 2.3
+    assert "sigma_prev" not in state and state["losses"] == []  # the collapse risk starts afresh (issue #31)
     out = det.observe(Observation(20, 1.0, {}))  # the loss was non-finite before the resume: now it ends
     assert [(a.kind, a.status) for a in out] == [("nonfinite_loss", "resolved")]
-    with pytest.raises(ConfigError, match="version 3"):
-        Detectors().load_state_dict({"version": 3})
+    with pytest.raises(ConfigError, match="version 4"):
+        Detectors().load_state_dict({"version": 4})
 
 
 class Counter:

@@ -47,8 +47,10 @@ def _flapping_head(every: int) -> list:
 def test_a_flapping_head_is_one_episode_at_any_sampling_interval():
     for every in (2, 5, 10, 20):
         out = _flapping_head(every)
-        malignant = [(a.status, a.since) for a in out if a.kind == "malignant_collapse"]
-        assert malignant == [("firing", 100), ("resolved", 100)], (every, malignant)
+        # one head in a one-head layer: the head's episode and the layer's, each one firing and one resolved
+        malignant = [(a.status, a.since, a.where) for a in out if a.kind == "malignant_collapse"]
+        assert malignant == [("firing", 100, "L00/H00"), ("firing", 100, "L00"), ("resolved", 100, "L00/H00"),
+                             ("resolved", 100, "L00")], (every, malignant)
         assert not [a for a in out if a.kind == "benign_collapse"], every  # no benign flaps inside the episode
         resolved = [a for a in out if a.kind == "malignant_collapse" and a.status == "resolved"][0]
         assert resolved.values["duration_steps"] == 300 and resolved.level == "info"
@@ -58,6 +60,10 @@ def test_heads_of_a_layer_that_start_together_are_one_record():
     det, out = Detectors(AlertConfig(collapse_persist=1)), []
     for step in (0, 10):
         out += det.observe(Observation(step, None, {"L03": attn([0.1, 0.1, 3.0], [2.0, 2.0, 30.0])}))
-    (alert,) = out
-    assert (alert.kind, alert.where, alert.heads) == ("malignant_collapse", "L03", ("L03/H00", "L03/H01"))
-    assert alert.message.startswith("2 heads together") and alert.values["heads"] == 2
+    # two of three heads (layer_needs: 2) are also the layer's collapse: the heads' record (warning, one for
+    # both) and the layer's (critical)
+    heads, layer = out
+    assert (heads.kind, heads.where, heads.level, heads.heads) == ("malignant_collapse", "L03/H00+H01", "warning",
+                                                                   ("L03/H00", "L03/H01"))
+    assert heads.message.startswith("2 heads together") and heads.values["heads"] == 2
+    assert (layer.where, layer.level, layer.heads) == ("L03", "critical", ("L03/H00", "L03/H01"))

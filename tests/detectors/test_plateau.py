@@ -10,13 +10,17 @@ import pytest
 from diag.detectors import AlertConfig, Detectors, Observation
 from diag.detectors.plateau import Plateau
 
+# the spectra and attention of a softmax plateau: sigma_1(Wq^T Wk) still, attention at 0.9 of uniform's entropy
+# (a missing signal is missing: a plateau is flagged only on what it claims, issue #31)
+STILL = {"qk_sigma1": np.array([1.0]), "attn_entropy": np.array([2.7]), "attn_entropy_uniform": np.array([3.0])}
+
 
 def run(losses, every=1, ratio=0.2, cfg=None, ratio_after=None):
     det, out = Detectors(cfg or AlertConfig(plateau_window=100, eureka_drop=0.1, eureka_noise=4.0,
                                            eureka_depth=0.0)), []
     for step in range(0, len(losses), every):
         r = ratio if ratio_after is None or step < ratio_after[0] else ratio_after[1]
-        out += det.observe(Observation(step, float(losses[step]), {"L00": {"grad_ratio_qk_v": np.array([r])}}))
+        out += det.observe(Observation(step, float(losses[step]), {"L00": {**STILL, "grad_ratio_qk_v": np.array([r])}}))
     return out
 
 
@@ -50,7 +54,7 @@ def test_healthy_qk_gradients_give_no_plateau():
 def _layers(step, ratio, sigma, uniformity):
     """One layer of 2 heads: Q/K:V gradient ratio, sigma_1(Wq^T Wk) per head, attention at ``uniformity`` of
     uniform's entropy (3.0 nats over the same keys)."""
-    return {"L00": {"grad_ratio_qk_v": np.array([ratio]), "qk_sigma1": np.array(sigma, float),
+    return {"L00": {**STILL, "grad_ratio_qk_v": np.array([ratio]), "qk_sigma1": np.array(sigma, float),
                     "attn_entropy": np.array([3.0 * uniformity] * 2), "attn_rank": np.array([20.0] * 2),
                     "attn_rows": np.array([64.0]), "attn_entropy_uniform": np.array([3.0])}}
 
@@ -85,13 +89,23 @@ def test_a_plateau_needs_static_query_key_weights_and_diffuse_attention():
     assert _flat_run(lambda s: [s + 1.0, s + 1.0], 0.85, AlertConfig(plateau_qk_growth=float("inf")))[0].step == 200
 
 
-def test_a_plateau_without_spectra_or_attention_is_judged_on_the_loss_and_gradients():
-    # the Monitor's default cadence reads spectra and attention less often than the loss; a window without them
-    # is not refused (unknown is not evidence against the plateau)
-    assert [a.step for a in run(np.full(400, 1.3))][:1] == [99]
+def test_a_plateau_without_spectra_or_attention_is_not_flagged():
+    """Changed with issue #31: a window without the spectra or the attention passed the entry tests (unknown
+    counted as a pass); now a plateau is flagged only on the evidence it states."""
+    det, out = Detectors(), []
+    for step in range(0, 400, 10):
+        out += det.observe(Observation(step, 1.3, {"L00": {"grad_ratio_qk_v": np.array([0.3])}}))
+    assert out == []
+    assert [a.step for a in run(np.full(400, 1.3))][:1] == [99]  # with them
     # a loss still sinking 2% per 100 steps is flat enough (halves 2% apart) and the message says it sinks
     (first,) = [a for a in run(1.3 * (1 - 0.0002 * np.arange(400))) if a.kind == "eureka_plateau"]
-    assert "sigma_1" not in first.message and "The loss still sinks 2.0% per 100 steps" in first.message
+    assert "The loss still sinks 2.0% per 100 steps" in first.message
+
+
+def test_a_rising_loss_is_no_plateau():
+    """Changed with issue #31: abs() made a loss that rose by up to plateau_rel 'flat'."""
+    assert run(1.3 * (1 + 0.0005 * np.arange(400))) == []  # +10% per 200 steps
+    assert [a.step for a in run(np.full(400, 1.3))][:1] == [99]
 
 
 def test_a_state_saved_before_the_entry_test_read_spectra_and_attention_resumes():
@@ -100,7 +114,7 @@ def test_a_state_saved_before_the_entry_test_read_spectra_and_attention_resumes(
     would have."""
     det = Detectors(AlertConfig())
     for step in range(0, 150, 10):
-        det.observe(Observation(step, 1.3, {"L00": {"grad_ratio_qk_v": np.array([0.3])}}))
+        det.observe(Observation(step, 1.3, {"L00": {**STILL, "grad_ratio_qk_v": np.array([0.3])}}))
     state = det.state_dict()
     assert len(state["loss_points"][0]) == 3  # an older version still reads the points (and ignores the rest)
     del state["loss_signals"]
@@ -143,7 +157,7 @@ def _flat_plateau(every):
     step = 0
     while det.plateau is None:
         loss = 1.3 + 0.03 * (-1) ** (step // every)
-        det.observe(Observation(step, loss, {"L00": {"grad_ratio_qk_v": np.array([0.3])}}))
+        det.observe(Observation(step, loss, {"L00": {**STILL, "grad_ratio_qk_v": np.array([0.3])}}))
         step += every
     return det, step
 
@@ -156,13 +170,13 @@ def test_the_trend_leaves_out_one_sample_far_under_it_but_not_the_plateaus_own_s
     det, step = _flat_plateau(1)
     noise = det.plateau["noise"]
     expected = det.plateau["a"] + det.plateau["b"] * step
-    det.observe(Observation(step, expected - 5 * noise, {"L00": {"grad_ratio_qk_v": np.array([0.3])}}))
+    det.observe(Observation(step, expected - 5 * noise, {"L00": {**STILL, "grad_ratio_qk_v": np.array([0.3])}}))
     assert det.plateau is not None and step not in [p[0] for p in det.losses]
     det, step = _flat_plateau(10)
     noise = det.plateau["noise"]
     for t in (step, step + 10):
         low = det.plateau["a"] + det.plateau["b"] * t - 0.6 * noise
-        det.observe(Observation(t, low, {"L00": {"grad_ratio_qk_v": np.array([0.3])}}))
+        det.observe(Observation(t, low, {"L00": {**STILL, "grad_ratio_qk_v": np.array([0.3])}}))
     assert det.plateau is not None and step + 10 in [p[0] for p in det.losses]
 
 
@@ -172,7 +186,7 @@ def _moments(losses, every=10, cfg=None):
     det, out = Detectors(cfg or AlertConfig()), []
     for step in range(0, len(losses), every):
         ratio = np.array([0.3 if step < 500 else 0.6])
-        out += det.observe(Observation(step, float(losses[step]), {"L00": {"grad_ratio_qk_v": ratio}}))
+        out += det.observe(Observation(step, float(losses[step]), {"L00": {**STILL, "grad_ratio_qk_v": ratio}}))
     return [a for a in out if a.kind == "eureka_moment"], [a for a in out if a.kind == "eureka_plateau"]
 
 
@@ -227,7 +241,7 @@ def test_samples_alternating_around_the_line_never_reach_far_back():
     for i, loss in enumerate(losses):
         step = 20 * i
         ratio = np.array([0.25 if step < 680 else 0.5])  # the share rises only at 680 (0.25: exact means)
-        out += det.observe(Observation(step, loss, {"L00": {"grad_ratio_qk_v": ratio}}))
+        out += det.observe(Observation(step, loss, {"L00": {**STILL, "grad_ratio_qk_v": ratio}}))
     (moment,) = [a for a in out if a.kind == "eureka_moment"]
     assert moment.step == 680 and moment.since == 620
 
@@ -235,13 +249,13 @@ def test_samples_alternating_around_the_line_never_reach_far_back():
 def test_a_sample_over_the_moments_line_between_two_under_it_survives_a_resume():
     det = Detectors(AlertConfig())
     for step, loss in zip(range(0, 560, 20), [1.4] * 25 + [0.78, 0.83]):
-        assert not [a for a in det.observe(Observation(step, loss, {"L00": {"grad_ratio_qk_v": np.array(
+        assert not [a for a in det.observe(Observation(step, loss, {"L00": {**STILL, "grad_ratio_qk_v": np.array(
             [0.3 if step < 500 else 0.6])}})) if a.kind == "eureka_moment"]
     state = json.loads(json.dumps(det.state_dict()))
     assert state["below_gap"] == 1 and len(state["below"]) == 1
     resumed = Detectors(AlertConfig())
     resumed.load_state_dict(state)
-    out = resumed.observe(Observation(540, 0.76, {"L00": {"grad_ratio_qk_v": np.array([0.6])}}))
+    out = resumed.observe(Observation(540, 0.76, {"L00": {**STILL, "grad_ratio_qk_v": np.array([0.6])}}))
     assert [a.since for a in out if a.kind == "eureka_moment"] == [500]
 
 
@@ -261,7 +275,7 @@ def test_a_plateau_saved_before_the_depth_line_takes_its_level_at_the_resume():
     the resume as its level: 0.9 (36% under it) is no moment, 0.6 is."""
     det = Detectors(AlertConfig())
     for step in range(0, 400, 10):
-        det.observe(Observation(step, 1.4, {"L00": {"grad_ratio_qk_v": np.array([0.3])}}))
+        det.observe(Observation(step, 1.4, {"L00": {**STILL, "grad_ratio_qk_v": np.array([0.3])}}))
     state = json.loads(json.dumps(det.state_dict()))
     del state["plateau"]["level"]
     resumed = Detectors(AlertConfig())
@@ -269,7 +283,7 @@ def test_a_plateau_saved_before_the_depth_line_takes_its_level_at_the_resume():
     out = []
     for step in range(400, 600, 10):
         loss = 1.4 if step < 450 else 0.9 if step < 500 else 0.6
-        out += resumed.observe(Observation(step, loss, {"L00": {"grad_ratio_qk_v": np.array([0.3])}}))
+        out += resumed.observe(Observation(step, loss, {"L00": {**STILL, "grad_ratio_qk_v": np.array([0.3])}}))
         if step == 490:
             assert out == [] and resumed.state_dict()["plateau"]["level"] == pytest.approx(1.4)
     (moment,) = [a for a in out if a.kind == "eureka_moment"]

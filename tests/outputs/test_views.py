@@ -25,7 +25,7 @@ from diag.cli.main import main
 from diag.errors import ConfigError
 from diag.outputs.figures import attention_map_figure, layer_head_figures, update_ratio_figure
 from diag.outputs.tb_views import alert_events, constants_table
-from diag.reports.run import episodes, read_run, write_run_report
+from diag.reports.run import alert_episodes, read_run, split_advice, write_run_report
 
 
 def test_every_built_tag_parses_back():
@@ -104,7 +104,7 @@ def _write_run(folder, alerts=True):
         found = [{"step": s, "kind": "malignant_collapse", "level": "critical", "where": "L00/H01",
                   "message": f"collapse at {s}", "values": {}} for s in (30, 40)]
         found.append({"step": 10, "kind": "collapse_warning", "level": "warning", "where": "L01/H00",
-                      "message": "warning <b>", "values": {}})
+                      "message": "warning <b>. What to do: lower the learning rate now", "values": {}})
         (folder / "alerts.jsonl").write_text("".join(json.dumps(a) + "\n" for a in found))
 
 
@@ -116,14 +116,30 @@ def test_run_report_is_one_page_with_curves_heatmaps_and_alerts(tmp_path, capsys
     assert page.count("<img src='data:image/png;base64,") >= 5  # alerts, loss, sigma_1, entropy, heatmap
     assert "collapse at 30" in page and "warning &lt;b&gt;" in page  # messages escaped
     assert "what to do" in page and "go back to a checkpoint" in page
+    assert page.count("lower the learning rate now") == 1  # the message's own advice, said once
     assert "rows are heads, columns sampled steps" in page
     run = read_run(tmp_path / "run")
     assert run.layers() == ["L00", "L01"] and np.isnan(run.curve("attn_entropy/L00/min")[1][2])
 
 
-def test_episodes_join_consecutive_samples():
-    assert episodes([30, 40, 100, 10], gap=20) == [(10, 40), (100, 100)]
-    assert episodes([], gap=10) == []
+def test_an_episode_is_shaded_from_its_start_to_its_resolved_record_or_the_end_of_the_run():
+    """Changed with issue #31: each record's step was shaded (a thin band), not the episode."""
+    alerts = [{"step": 40, "since": 30, "kind": "malignant_collapse", "level": "critical", "where": "L00"},
+              {"step": 90, "since": 30, "kind": "malignant_collapse", "level": "info", "where": "L00",
+               "status": "resolved"},
+              {"step": 60, "since": 55, "kind": "collapse_warning", "level": "warning", "where": "L01"},
+              {"step": 70, "since": 70, "kind": "eureka_moment", "level": "info", "where": ""}]
+    assert alert_episodes(alerts, end=200) == [(("critical", "malignant_collapse", "L00", 30, 90)),
+                                               ("warning", "collapse_warning", "L01", 55, 200),
+                                               ("info", "eureka_moment", "", 70, 70)]
+    assert alert_episodes([], end=10) == []
+
+
+def test_the_alert_table_says_what_to_do_once():
+    """Changed with issue #31: the message's own "What to do" was repeated in the next column."""
+    what, todo = split_advice("collapse risk 0.8: likely. What to do: add warmup")
+    assert (what, todo) == ("collapse risk 0.8: likely.", "add warmup")
+    assert split_advice("no advice here") == ("no advice here", None)
 
 
 def test_run_report_errors_name_the_folder_and_the_fix(tmp_path, capsys):

@@ -1,0 +1,264 @@
+"""The three attention states, defined once: malignant (sparse and low-rank), benign (sparse, full-rank), uniform.
+
+Qi et al.: "malignant entropy collapse" is attention that is *sparse yet low-rank* (every query puts its mass on
+the same one or few keys); it precedes the crash. *Benign* collapse is sparse but full-rank (each query on a
+different key, e.g. near-identity attention in a ViT's first block); training stays stable. Low rank without
+sparsity is uniform attention, a third state. Entropy alone cannot tell them apart; rank is needed too.
+
+The definition, used alike by the live detector (:class:`AttentionStates`) and by the evaluation's ground truth
+(:func:`episodes_of`, over the attention logged at every step), has three parts:
+
+* **lines, per sample and head**: sparse when the attention entropy is at most ``sparse_entropy`` nats; low-rank
+  when the effective rank is at most ``1 + low_rank_frac * (rows - 1)`` (rank 1 is the floor: every row the
+  same); uniform when low-rank with an entropy of at least ``uniform_frac`` of uniform attention's over the same
+  keys. An exit line sits ``exit_factor`` beyond each entry line (hysteresis).
+* **dwell, per head**: a head *enters* a state once the entry test held at ``collapse_persist`` samples spanning
+  ``collapse_dwell`` steps (samples between the lines do not break it; one beyond the exit line does); it *leaves*
+  once the exit test held at 2 samples spanning ``exit_dwell`` steps. ``since`` is the first sample of the dwell.
+* **layers**: a layer is in a state while at least ``layer_share`` of its heads, and at least 2 when it has 2 or
+  more, are in it; it enters at the step the last of those heads entered.
+
+A head entering ``malignant`` is a ``malignant_collapse`` record at level warning (``Lxx/Hyy``: one head can be a
+deliberate pointer head); a layer entering it is the critical record (``Lxx``). Benign and uniform records are
+info at both scopes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from diag.catalog.tags import head_label
+from diag.detectors.base import Alert, Observation
+from diag.detectors.config import StatesConfig
+from diag.detectors.episodes import Closed, Dwell, Episodes, Opened
+
+__all__ = ["AttentionStates", "STATES", "StateEpisode", "attention_state", "episodes_of", "head_key", "lines"]
+
+STATES = ("malignant", "benign", "uniform")
+KINDS = {"malignant": "malignant_collapse", "benign": "benign_collapse", "uniform": "uniform_attention"}
+LEVELS = {("malignant", "head"): "warning", ("malignant", "layer"): "critical"}  # the rest: info
+WHAT = {
+    "malignant_collapse": ("malignant entropy collapse: most queries put their mass on the same one or two keys "
+                           "(sparse and low-rank attention, which precedes the crash in Qi et al.)",
+                           "restart from a checkpoint before step {since} with warmup, a lower learning rate, "
+                           "QK-norm or a spectral step limit",
+                           "one head alone can be a deliberate pointer head: watch whether more heads of the layer "
+                           "follow (then a critical record for the layer) and whether the loss still improves"),
+    "benign_collapse": ("benign entropy collapse: sparse attention, each query on a different key (full rank)",
+                        "usually nothing; watch whether it turns malignant", ""),
+    "uniform_attention": ("uniform attention: near-uniform weights over the keys, low rank",
+                          "look at the head; low rank across layers is the rank collapse of Dong et al.", ""),
+}
+
+
+def head_key(label: str, h: int, n_heads: int) -> str:
+    """``"L03/H05"``: the key (and ``where``) of one head, numbered as its tags are."""
+    return f"{label}/{head_label(h, n_heads)}"
+
+
+def lines(rows: float, cfg: StatesConfig) -> tuple[float, float]:
+    """(sparse entropy line in nats, low-rank line) for attention over ``rows`` rows."""
+    return cfg.sparse_entropy, 1.0 + cfg.low_rank_frac * max(rows - 1.0, 0.0)
+
+
+def attention_state(entropy: float, rank: float, rows: float, cfg: StatesConfig,
+                    uniform_entropy: float = math.inf) -> str:
+    """One sample's state by the entry lines: 'malignant', 'benign', 'uniform' or 'normal'."""
+    sparse_line, rank_line = lines(rows, cfg)
+    if entropy <= sparse_line:
+        return "malignant" if rank <= rank_line else "benign"
+    return "uniform" if rank <= rank_line and entropy >= cfg.uniform_frac * uniform_entropy else "normal"
+
+
+def tests(state: str, e: float, r: float, rows: float, u: float, cfg: StatesConfig) -> tuple[bool, bool]:
+    """(entry test, exit test) of one state for one sample; the exit lines sit exit_factor beyond the entry
+    lines. A sample that is not finite passes neither (it changes nothing)."""
+    if not (math.isfinite(e) and math.isfinite(r)):
+        return False, False
+    sparse_line, rank_line = lines(rows, cfg)
+    f = cfg.exit_factor
+    if state == "malignant":
+        return e <= sparse_line and r <= rank_line, e > f * sparse_line or r > f * rank_line
+    if state == "benign":
+        return e <= sparse_line and r > rank_line, e > f * sparse_line
+    inside = r <= rank_line and e >= cfg.uniform_frac * u
+    return inside, r > f * rank_line or e < (1.0 - f * (1.0 - cfg.uniform_frac)) * u
+
+
+def layer_needs(n_heads: int, cfg: StatesConfig) -> int:
+    """How many heads of a layer of ``n_heads`` must be in a state for the layer to be in it."""
+    return max(min(2, n_heads), math.ceil(cfg.layer_share * n_heads - 1e-9))
+
+
+@dataclass(frozen=True)
+class StateEpisode:
+    """One episode of one state on a head (``where = "L03/H05"``) or a layer (``"L03"``)."""
+
+    state: str
+    where: str
+    since: int  # the first step of the dwell that opened it
+    opened: int  # the step at which the definition has it established (the dwell met)
+    until: int | None  # the step the exit began, None while open at the end of the series
+
+
+class _Machine:
+    """The definition's state machine over a stream of samples, per state: head episodes and layer episodes."""
+
+    def __init__(self, cfg: StatesConfig) -> None:
+        self.cfg = cfg
+        leave = Dwell(2, cfg.exit_dwell)
+        enter = {"malignant": Dwell(cfg.collapse_persist, cfg.collapse_dwell)}
+        self.heads = {s: Episodes(enter.get(s, Dwell(1, 0)), leave) for s in STATES}
+        self.layers: dict[str, dict[str, bool]] = {s: {} for s in STATES}  # state -> layer label -> in it
+
+    def step(self, step: int, label: str, m: dict[str, np.ndarray]) -> list[tuple[str, str, Opened | Closed]]:
+        """The events of one layer's sample: (state, head key or layer label, event)."""
+        rows = float(m["attn_rows"][0])
+        u = float(m["attn_entropy_uniform"][0]) if "attn_entropy_uniform" in m else math.inf
+        entropy, rank = m["attn_entropy"].tolist(), m["attn_rank"].tolist()
+        out = []
+        n = len(entropy)
+        for h, (e, r) in enumerate(zip(entropy, rank)):
+            key = head_key(label, h, n)
+            for state, episodes in self.heads.items():
+                inside, outside = tests(state, e, r, rows, u, self.cfg)
+                if state == "benign" and self.heads["malignant"].since(key) is not None:
+                    inside = False  # a (would-be) malignant head that regains rank for a moment is not benign
+                event = episodes.update(key, step, inside, outside)
+                if event is not None:
+                    out.append((state, key, event))
+        for state, episodes in self.heads.items():
+            active = [h for h in range(n) if episodes.active(head_key(label, h, n))]
+            now = len(active) >= layer_needs(n, self.cfg)
+            was = self.layers[state].get(label, False)
+            if now != was:
+                self.layers[state][label] = now
+                sinces = sorted(episodes.since(head_key(label, h, n)) for h in active)
+                event = Opened(sinces[layer_needs(n, self.cfg) - 1]) if now else Closed(-1, step)
+                out.append((state, label, event))
+        return out
+
+    def state_dict(self) -> dict:
+        return {"heads": {s: e.state_dict() for s, e in self.heads.items()}, "layers": self.layers}
+
+    def load_state_dict(self, state: dict) -> None:
+        for s, e in state.get("heads", {}).items():
+            self.heads[s].load_state_dict(e)
+        self.layers = {s: dict(state.get("layers", {}).get(s, {})) for s in STATES}
+
+
+def _has_attention(m: dict) -> bool:
+    return "attn_entropy" in m and "attn_rank" in m and "attn_rows" in m
+
+
+def episodes_of(observations: Iterable[Observation], cfg: StatesConfig) -> list[StateEpisode]:
+    """Every state episode of a run, heads and layers, from its observations in step order (the evaluation's
+    ground truth reads the attention logged at every step); the same definition as the live detector."""
+    machine = _Machine(cfg)
+    open_: dict[tuple[str, str], tuple[int, int]] = {}
+    done: list[StateEpisode] = []
+    for obs in observations:
+        for label, m in obs.layers.items():
+            if not _has_attention(m):
+                continue
+            for state, where, event in machine.step(obs.step, label, m):
+                if isinstance(event, Opened):
+                    open_[(state, where)] = (event.since, obs.step)
+                else:
+                    since, opened = open_.pop((state, where))
+                    done.append(StateEpisode(state, where, since, opened, event.until))
+    done += [StateEpisode(s, w, since, opened, None) for (s, w), (since, opened) in open_.items()]
+    return sorted(done, key=lambda e: (e.opened, e.where, e.state))
+
+
+class AttentionStates:
+    """Records of the three states on every head and layer (needs the ``attention`` signal)."""
+
+    def __init__(self, cfg: StatesConfig) -> None:
+        self.cfg = cfg
+        self.machine = _Machine(cfg)
+        self.open_since: dict[str, int] = {}  # "state|where" -> since, for the layer records' resolved message
+
+    @property
+    def malignant(self) -> Episodes:
+        """The heads' malignant episodes (the collapse risk stops warning a head or layer already collapsed)."""
+        return self.machine.heads["malignant"]
+
+    def layer_in(self, state: str, label: str) -> bool:
+        return self.machine.layers[state].get(label, False)
+
+    def observe(self, obs: Observation) -> list[Alert]:
+        alerts: list[Alert] = []
+        for label, m in obs.layers.items():
+            if _has_attention(m):
+                events = self.machine.step(obs.step, label, m)
+                heads = [(s, w, e) for s, w, e in events if "/" in w]
+                alerts += group_heads(label, [self._alert(obs.step, s, w, e, m) for s, w, e in heads])
+                alerts += [self._alert(obs.step, s, w, e, m) for s, w, e in events if "/" not in w]
+        return alerts
+
+    def _alert(self, step: int, state: str, where: str, event: Opened | Closed, m: dict) -> Alert:
+        scope = "head" if "/" in where else "layer"
+        kind, level = KINDS[state], LEVELS.get((state, scope), "info")
+        rows = float(m["attn_rows"][0])
+        if scope == "head":
+            h = int(where.split("/")[1][1:])
+            e, r = float(m["attn_entropy"][h]), float(m["attn_rank"][h])
+        else:
+            e, r = float(np.min(m["attn_entropy"])), float(np.min(m["attn_rank"]))
+        values = {"attn_entropy": e, "attn_rank": r, "attn_rows": rows}
+        what, todo, head_note = WHAT[kind]
+        key = f"{state}|{where}"
+        if isinstance(event, Closed):
+            since = self.open_since.pop(key, event.since)
+            values["duration_steps"] = float(event.until - since)
+            return Alert(step, kind, "info", where, f"resolved: {what.split(':')[0]} ended at step {event.until} "
+                         f"after {event.until - since} steps", values, "resolved", since)
+        self.open_since[key] = event.since
+        if scope == "layer":
+            n = len(m["attn_entropy"])
+            heads = [k for k in (head_key(where, h, n) for h in range(n)) if self.machine.heads[state].active(k)]
+            values["heads"] = float(len(heads))
+            message = (f"{len(heads)} of {n} heads of the layer in {what}; entropy down to {e:.2f} nats, effective "
+                       f"rank {r:.1f} of {rows:.0f} rows, since step {event.since}. What to do: "
+                       f"{todo.format(since=event.since)}")
+            return Alert(step, kind, level, where, message, values, "firing", event.since, tuple(heads))
+        note = f"; {head_note}" if head_note else ""
+        message = (f"{what}; entropy {e:.2f} nats, effective rank {r:.1f} of {rows:.0f} rows, since step "
+                   f"{event.since}. What to do: {todo.format(since=event.since)}{note}")
+        return Alert(step, kind, level, where, message, values, "firing", event.since)
+
+    def state_dict(self) -> dict:
+        return {"attention_states": {**self.machine.state_dict(), "open_since": dict(self.open_since)}}
+
+    def load_state_dict(self, state: dict) -> None:
+        mine = state.get("attention_states")
+        if mine is None and "attention_episodes" in state:  # format 2: head episodes only; layers from them
+            mine = {"heads": state["attention_episodes"]}
+        if mine is not None:
+            self.machine.load_state_dict(mine)
+            self.open_since = dict(mine.get("open_since", {}))
+
+
+def group_heads(label: str, alerts: list[Alert]) -> list[Alert]:
+    """Head records of one kind and status that several heads of layer ``label`` share at one step: one
+    record, ``where = "Lxx/H00+H03"`` (never the layer's own ``"Lxx"``, which the layer records use)."""
+    groups: dict[tuple[str, str], list[Alert]] = {}
+    for a in alerts:
+        groups.setdefault((a.kind, a.status), []).append(a)
+    out = []
+    for group in groups.values():
+        if len(group) == 1:
+            out += group
+            continue
+        first = group[0]
+        where = label + "/" + "+".join(a.where.split("/")[1] for a in group)
+        values = {**first.values, "heads": float(len(group))}
+        message = f"{len(group)} heads together (values of {first.where.split('/')[-1]}): {first.message}"
+        out.append(Alert(first.step, first.kind, first.level, where, message, values, first.status,
+                         min(a.since for a in group if a.since is not None), tuple(a.where for a in group)))
+    return out

@@ -1,0 +1,131 @@
+"""Ground truth, never from the detectors' state: what each recorded run did.
+
+* **Attention states** (:func:`states`): :func:`diag.detectors.states.episodes_of` over the attention logged at
+  every step: the one definition of the three states, per head and per layer, that the live detector uses.
+  An *established collapse* is a layer's malignant episode (its ``opened`` step); a run *collapses* when one of
+  its layers does.
+* **Damage** (:func:`damage`): the twin test. A run is *damaged by its attention* when its final loss (the mean
+  of its last 50 steps) is above its QK-norm twin's (same seed, learning rate and schedule) by more than
+  ``DAMAGE_MARGIN`` of the twin's; the damage begins where the two losses separate for good (the first step
+  from which the run's 20-step mean stays above the twin's by that margin).
+* **Accuracy jump** (Eureka task, :func:`accuracy_jump`): the first held-out evaluation above halfway from the
+  no-indicator accuracy to the run's final accuracy; none if the final accuracy is not 0.2 above it.
+* **Plateau by the causal test** (:func:`plateau_by_twin`): a language model's run *has an attention plateau*
+  when its NormSoftmax twin leaves the loss level the run is stuck at much faster (by ``TWIN_LEAD`` of the run's
+  length or more) than the run does.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from diag.detectors.config import StatesConfig
+from diag.detectors.states import StateEpisode, episodes_of
+from evaluation.record import load_observations
+from evaluation.runs import RunSpec
+
+__all__ = ["Run", "load_run", "load_runs", "states", "collapse_onset", "damage", "accuracy_jump"]
+
+DAMAGE_MARGIN = 0.05  # final loss 5% over the twin's: clearly worse (run-to-run spread of twins is ~1%)
+SEPARATION_SPAN = 20
+TWIN_LEAD = 0.25
+
+
+@dataclass
+class Run:
+    spec: RunSpec
+    path: Path
+    info: dict
+    _obs: list | None = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def obs(self) -> list:
+        if self._obs is None:
+            self._obs = load_observations(self.path / "observations.jsonl")
+        return self._obs
+
+    @property
+    def losses(self) -> list[float]:
+        return self.info["losses"]
+
+
+def load_run(path: Path) -> Run:
+    info = json.loads((path / "run.json").read_text())
+    return Run(RunSpec.from_dict(info["config"]), path, info)
+
+
+def load_runs(root: Path, specs: list[RunSpec] | None = None) -> list[Run]:
+    """The complete runs under ``root`` (those of ``specs`` only, when given), in the order of ``specs``."""
+    if specs is None:
+        paths = sorted(p for p in root.iterdir() if (p / "run.json").exists())
+        return [load_run(p) for p in paths]
+    return [load_run(root / s.name) for s in specs if (root / s.name / "run.json").exists()]
+
+
+def states(run: Run, cfg: StatesConfig | None = None) -> list[StateEpisode]:
+    """Every attention-state episode of the run from its every-step attention (cached per config)."""
+    cfg = cfg or StatesConfig()
+    cache = run.__dict__.setdefault("_states", {})
+    if cfg not in cache:
+        cache[cfg] = episodes_of(run.obs, cfg)
+    return cache[cfg]
+
+
+def collapse_onset(run: Run, cfg: StatesConfig | None = None, scope: str = "layer") -> int | None:
+    """The first step at which a layer (or, ``scope="head"``, a head) of the run is established malignant."""
+    steps = [e.opened for e in states(run, cfg) if e.state == "malignant" and ("/" in e.where) == (scope == "head")]
+    return min(steps, default=None)
+
+
+def _mean(xs: list[float]) -> float:
+    xs = [x for x in xs if math.isfinite(x)]
+    return float(np.mean(xs)) if xs else math.inf
+
+
+def damage(run: Run, twin: Run | None) -> tuple[bool | None, int | None]:
+    """(damaged, the step the damage began) against the QK-norm twin; (None, None) without a twin."""
+    if twin is None:
+        return None, None
+    a, b = run.losses, twin.losses
+    final, final_twin = _mean(a[-50:]), _mean(b[-50:])
+    if not final > (1.0 + DAMAGE_MARGIN) * final_twin:
+        return False, None
+    span = SEPARATION_SPAN
+    over = [_mean(a[t : t + span]) > (1.0 + DAMAGE_MARGIN) * _mean(b[t : t + span])
+            for t in range(0, min(len(a), len(b)) - span + 1)]
+    begin = next((t for t in range(len(over)) if all(over[t:])), None)
+    return True, begin
+
+
+def accuracy_jump(info: dict) -> int | None:
+    evals, blind = info["evals"], info["blind"]
+    final = sum(acc for _, _, acc in evals[-3:]) / 3
+    if final < blind + 0.2:
+        return None
+    return next((s for s, _, acc in evals if acc > (blind + final) / 2), None)
+
+
+def leaves(losses: list[float], level: float, span: int = 20) -> int | None:
+    """The first step from which the ``span``-step mean loss stays under ``level`` for the rest of the run."""
+    means = [_mean(losses[t : t + span]) for t in range(0, len(losses) - span + 1)]
+    return next((t for t in range(len(means)) if all(m < level for m in means[t:])), None)
+
+
+def plateau_by_twin(run: Run, twin: Run | None, level: float) -> bool | None:
+    """Whether the NormSoftmax twin leaves ``level`` (a loss the run sat at) much sooner than the run does."""
+    if twin is None:
+        return None
+    mine, theirs = leaves(run.losses, level), leaves(twin.losses, level)
+    if theirs is None:
+        return False
+    mine = len(run.losses) if mine is None else mine
+    return mine - theirs >= TWIN_LEAD * len(run.losses)

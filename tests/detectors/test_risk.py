@@ -1,0 +1,148 @@
+"""collapse_risk: dimensionless features, a missing signal is missing (never stale), a calibrated model read
+from its shipped file, the warning it raises, and its state across a resume."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from diag.detectors import AlertConfig, Detectors, Observation
+from diag.detectors.config import RiskConfig, StatesConfig
+from diag.detectors.risk import FEATURES, TAU, CollapseRisk, HeadTrend, RiskModel, layer_features
+from diag.detectors.states import AttentionStates
+
+F = {name: i for i, name in enumerate(FEATURES)}
+
+
+def sample(sigma, sec, entropy, rank, logit, rows=128.0, keys=4.0, update=None):
+    m = {"qk_sigma1": np.array(sigma, float), "qk_sec": np.array(sec, float),
+         "attn_entropy": np.array(entropy, float), "attn_rank": np.array(rank, float),
+         "attn_max_logit": np.array(logit, float), "attn_rows": np.array([rows]),
+         "attn_entropy_uniform": np.array([keys])}
+    if update is not None:
+        m["update_ratio_q"], m["update_ratio_k"] = np.array([update]), np.array([0.5 * update])
+    return m
+
+
+def features(samples, window=20, fresh=20):
+    trend = HeadTrend(window)
+    x = None
+    for step, m in samples:
+        trend.add(step, m)
+        x = layer_features(trend, step, m, fresh)
+    return x
+
+
+def test_features_are_dimensionless():
+    """Scaling every sigma_1 by c (another width, another init) and every logit and ln(keys) by the same factor
+    (longer sequences) leaves the features as they are."""
+    base = [(0, sample([0.1, 0.2], [0.3, 0.4], [3.0, 3.5], [40, 60], [2.0, 1.0], update=0.05)),
+            (10, sample([0.4, 0.3], [0.6, 0.45], [2.0, 3.4], [20, 58], [8.0, 1.5])),
+            (20, sample([1.6, 0.4], [0.8, 0.5], [1.0, 3.3], [8, 55], [20.0, 2.0]))]
+    x = features(base)
+    c = 7.0
+    scaled = [(s, {**m, "qk_sigma1": c * m["qk_sigma1"], "attn_max_logit": 2 * m["attn_max_logit"],
+                   "attn_entropy": 2 * m["attn_entropy"], "attn_entropy_uniform": 2 * m["attn_entropy_uniform"]})
+              for s, m in base]
+    np.testing.assert_allclose(features(scaled), x, rtol=1e-12)
+    # by hand: head 0 grew 16x over 20 steps; entropy fell from 0.75 to 0.25 of uniform; SEC rose 0.5
+    assert x[0, F["growth"]] == pytest.approx(math.log(16.0))
+    assert x[0, F["entropy_frac"]] == pytest.approx(0.25) and x[0, F["entropy_slope"]] == pytest.approx(-0.5)
+    assert x[0, F["sec_rise"]] == pytest.approx(0.5) and x[0, F["logit_frac"]] == pytest.approx(5.0)
+    assert x[0, F["rank_frac"]] == pytest.approx(7 / 127)
+
+
+def test_growth_is_per_window_at_any_sampling_interval():
+    """sigma_1 doubling every 10 steps: ln 4 per 20-step window, whether sampled every 2 or every 10 steps."""
+    def run(every):
+        return features([(s, sample([2 ** (s / 10)], [0.5], [2.0], [20], [3.0])) for s in range(0, 41, every)])
+    assert run(2)[0, F["growth"]] == pytest.approx(math.log(4.0))
+    assert run(10)[0, F["growth"]] == pytest.approx(math.log(4.0))
+
+
+def test_an_update_ratio_older_than_update_fresh_is_missing_not_stale():
+    """Changed with issue #31: the update ratio of step 0 (sampled every 100 steps) no longer stands in for the
+    steps after it."""
+    seq = [(0, sample([0.1], [0.3], [3.0], [40], [2.0], update=0.8))] + \
+          [(s, sample([0.1 * (1 + s / 10)], [0.3], [3.0], [40], [2.0])) for s in range(10, 41, 10)]
+    fresh = features(seq[:2])
+    assert fresh[0, F["update_missing"]] == 0.0 and fresh[0, F["log_update"]] == pytest.approx(math.log(0.8 / TAU))
+    stale = features(seq)
+    assert stale[0, F["update_missing"]] == 1.0 and stale[0, F["log_update"]] == 0.0
+
+
+def test_no_features_without_spectra_and_attention_at_the_sample():
+    m = sample([0.1], [0.3], [3.0], [40], [2.0])
+    spectra_only = {k: v for k, v in m.items() if k.startswith("qk_")}
+    assert features([(0, m), (10, spectra_only)]) is None
+    attention_only = {k: v for k, v in m.items() if k.startswith("attn_")}
+    assert features([(0, m), (10, attention_only)]) is None
+
+
+def toy_model(weight: float = 4.0) -> RiskModel:
+    """A model whose head logit is ``weight`` times the standardised drop of the entropy fraction."""
+    w = np.zeros(len(FEATURES))
+    w[F["entropy_frac"]] = -weight
+    return RiskModel(np.full(len(FEATURES), 0.0), np.ones(len(FEATURES)), w, 1.0, 1.0, 0.0, 50,
+                     trust=[[0.5, 19, 9], [0.8, 10, 8]])
+
+
+def test_layer_probability_needs_its_share_of_heads():
+    """Two risky heads of four make a layer's probability (layer_needs: 2); one does not."""
+    model = toy_model()
+    one = np.zeros((4, len(FEATURES)))
+    one[0, F["entropy_frac"]] = -1.0
+    two = one.copy()
+    two[1, F["entropy_frac"]] = -1.0
+    assert model.layer_probability(two, 2) > 0.99 > 0.75 > model.layer_probability(one, 2)
+
+
+def test_warning_states_the_probability_and_what_such_runs_did():
+    states = AttentionStates(StatesConfig())
+    risk = CollapseRisk(RiskConfig(), states, 50, toy_model())
+    alerts = []
+    for step, e in ((0, 0.9), (10, 0.5), (20, 0.1)):
+        m = sample([0.1, 0.1], [0.3, 0.3], [e * 4.0] * 2, [60, 60], [2.0, 2.0])
+        alerts += risk.observe(Observation(step, None, {"L00": m}))
+    (warning,) = alerts
+    assert (warning.kind, warning.level, warning.where, warning.step) == ("collapse_warning", "warning", "L00", 20)
+    assert "collapse risk 0.65" in warning.message and "of 19 design and tuning runs whose risk reached 0.50, 9 " \
+        "collapsed within 50 steps" in warning.message
+    assert warning.values["collapse_risk"] == risk.scalars()["collapse_risk"]["L00"]
+    assert risk.wants_attention().startswith("collapse risk")
+
+
+def test_the_shipped_model_reads_and_the_detectors_log_the_risk():
+    model = RiskModel.shipped()
+    assert model.weights.shape == (len(FEATURES),) and model.horizon == RiskConfig().risk_horizon
+    assert RiskModel.from_dict(json.loads(json.dumps(model.to_dict()))).to_dict() == model.to_dict()
+    det = Detectors(AlertConfig())
+    for step in (0, 10):
+        det.observe(Observation(step, None, {"L00": sample([0.1, 0.12], [0.3, 0.3], [3.0, 3.0], [60, 60],
+                                                           [2.0, 2.0])}))
+    p = det.scalars()["collapse_risk"]["L00"]
+    assert 0.0 <= p <= 1.0
+
+
+def test_risk_resumes_from_its_state():
+    seq = [(s, sample([0.1 * 1.5 ** (s / 10)] * 2, [0.3 + s / 100] * 2, [3.0 - s / 20] * 2, [60 - s] * 2,
+                      [2.0 + s] * 2, update=0.3 if s == 0 else None)) for s in range(0, 50, 10)]
+    whole = Detectors()
+    expected = []
+    for s, m in seq:
+        whole.observe(Observation(s, None, {"L00": m}))
+        expected.append(whole.scalars().get("collapse_risk", {}).get("L00"))
+    first = Detectors()
+    got = []
+    for s, m in seq[:2]:
+        first.observe(Observation(s, None, {"L00": m}))
+        got.append(first.scalars().get("collapse_risk", {}).get("L00"))
+    second = Detectors()
+    second.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    for s, m in seq[2:]:
+        second.observe(Observation(s, None, {"L00": m}))
+        got.append(second.scalars().get("collapse_risk", {}).get("L00"))
+    assert got == expected

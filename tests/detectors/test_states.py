@@ -1,0 +1,134 @@
+"""The attention states, defined once: lines per sample, dwell per head, share per layer; the live detector and
+the evaluation's ground truth (episodes_of over the attention logged at every step) are the same definition."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from diag.detectors import AlertConfig, Detectors, Observation
+from diag.detectors.config import StatesConfig
+from diag.detectors.states import AttentionStates, attention_state, episodes_of, layer_needs, lines
+
+
+def attn(entropy, rank, rows=64.0, uniform=3.5):
+    return {"attn_entropy": np.array(entropy, float), "attn_rank": np.array(rank, float),
+            "attn_rows": np.array([rows]), "attn_entropy_uniform": np.array([uniform])}
+
+
+def test_low_rank_line_scales_with_rows_so_short_attention_can_be_malignant():
+    cfg = StatesConfig()
+    # 5 tokens (a small ViT): every query on the same key has effective rank ~1; 10% of 5 rows would be 0.5
+    assert lines(5, cfg)[1] == 1.4
+    assert attention_state(0.1, 1.05, 5, cfg) == "malignant"
+    assert attention_state(0.1, 4.0, 5, cfg) == "benign"
+    assert lines(1, cfg)[1] == 1.0 and lines(128, cfg)[1] == 1 + 0.1 * 127
+    assert attention_state(3.0, 1.5, 64, cfg, uniform_entropy=3.5) == "uniform"
+    assert attention_state(1.0, 1.5, 64, cfg, uniform_entropy=3.5) == "normal"  # low rank, not flat: a sink key
+    assert attention_state(3.0, 1.5, 64, cfg) == "normal"  # without the uniform reference: never "uniform"
+
+
+def test_reference_states_from_an_explicit_attention_matrix():
+    """The lines applied to real matrices: entropy and effective rank computed by hand (float64)."""
+    def state(a):
+        p = a / a.sum(1, keepdims=True)
+        entropy = float(np.mean(-(p * np.log(np.where(p > 0, p, 1))).sum(1)))
+        s = np.linalg.svd(p, compute_uv=False)
+        q = s / s.sum()
+        rank = float(np.exp(-(q * np.log(np.where(q > 0, q, 1))).sum()))
+        return attention_state(entropy, rank, len(a), StatesConfig(), np.log(len(a)))
+    n = 5
+    one_key = np.full((n, n), 1e-4)
+    one_key[:, 0] = 1.0  # every query on key 0: sparse and rank ~1
+    assert state(one_key) == "malignant"
+    assert state(np.eye(n) + 1e-4) == "benign"  # each query on its own key: sparse, full rank
+    assert state(np.ones((n, n))) == "uniform"
+
+
+@pytest.mark.parametrize(("heads", "share", "needs"), [(1, 0.5, 1), (2, 0.5, 2), (4, 0.5, 2), (12, 0.5, 6),
+                                                        (12, 0.25, 3), (3, 0.5, 2)])
+def test_a_layer_needs_its_share_of_heads_and_two_of_them(heads, share, needs):
+    assert layer_needs(heads, StatesConfig(layer_share=share)) == needs
+
+
+def run(script, cfg=None, every=1):
+    """Observations of one layer, one per step; returns (alerts of the live detector, episodes_of)."""
+    obs = [Observation(step, None, {"L00": m}) for step, m in script if step % every == 0]
+    det = AttentionStates(cfg or StatesConfig())
+    return [a for o in obs for a in det.observe(o)], episodes_of(obs, cfg or StatesConfig())
+
+
+def test_one_head_is_a_warning_and_the_layer_is_critical_when_its_share_of_heads_follows():
+    """Head 0 collapses at step 0 and stays; head 1 at step 30: a head record (warning) each, and the layer's
+    critical record once both are in (the second head's dwell met at step 40)."""
+    script = [(s, attn([0.1, 0.1 if s >= 30 else 2.0], [2.0, 2.0 if s >= 30 else 40.0])) for s in range(0, 61)]
+    alerts, episodes = run(script)
+    firing = [(a.step, a.kind, a.level, a.where, a.since) for a in alerts if a.status == "firing"]
+    assert firing == [(10, "malignant_collapse", "warning", "L00/H00", 0),
+                      (40, "malignant_collapse", "warning", "L00/H01", 30),
+                      (40, "malignant_collapse", "critical", "L00", 30)]
+    layer = next(a for a in alerts if a.level == "critical")
+    assert layer.heads == ("L00/H00", "L00/H01") and "2 of 2 heads" in layer.message
+    assert [(e.where, e.since, e.opened, e.until) for e in episodes if e.state == "malignant"] == [
+        ("L00/H00", 0, 10, None), ("L00", 30, 40, None), ("L00/H01", 30, 40, None)]
+
+
+def test_a_layer_whose_single_head_collapses_gets_no_critical_record():
+    """The issue's false critical: one head of two malignant is a head-level record only."""
+    script = [(s, attn([0.1, 2.0], [2.0, 40.0])) for s in range(0, 200, 5)]
+    alerts, episodes = run(script)
+    assert {(a.level, a.where) for a in alerts} == {("warning", "L00/H00")}
+    assert all("/" in e.where for e in episodes)
+
+
+def test_live_detector_and_ground_truth_agree_on_a_noisy_run_at_every_step():
+    """Random walks around the lines: the detector fed every step opens and closes exactly the episodes
+    that episodes_of finds (one definition, not two)."""
+    rng = np.random.default_rng(0)
+    e = np.clip(0.6 + np.cumsum(rng.normal(0, 0.08, (400, 3)), 0), 0.01, 4.0)
+    r = np.clip(8.0 + np.cumsum(rng.normal(0, 0.8, (400, 3)), 0), 1.0, 64.0)
+    script = [(s, attn(e[s], r[s])) for s in range(400)]
+    alerts, episodes = run(script)
+    opened = sorted((a.where, a.since, a.step) for a in alerts if a.status == "firing" and "+" not in a.where)
+    assert opened == sorted((ep.where, ep.since, ep.opened) for ep in episodes)
+    assert len(episodes) >= 4  # the walk does cross the lines
+
+
+def test_flapping_inside_the_exit_line_is_one_episode():
+    cfg = StatesConfig()
+    # between the entry line (0.5 nats) and the exit line (0.75): changes nothing
+    script = [(s, attn([0.1 if s % 20 < 10 else 0.6], [2.0])) for s in range(0, 200)]
+    alerts, _ = run(script, cfg)
+    assert [(a.status, a.where) for a in alerts] == [("firing", "L00/H00"), ("firing", "L00")]  # a 1-head layer
+
+
+def test_detectors_report_the_states_through_alert_config_fields():
+    det = Detectors(AlertConfig(collapse_persist=1, sparse_entropy=0.2))
+    out = det.observe(Observation(0, None, {"L00": attn([0.3], [2.0])}))
+    assert out == []  # 0.3 nats is over the configured 0.2 line
+    out = det.observe(Observation(1, None, {"L00": attn([0.1], [2.0])}))
+    assert [(a.kind, a.where, a.level) for a in out] == [("malignant_collapse", "L00/H00", "warning"),
+                                                          ("malignant_collapse", "L00", "critical")]
+
+
+def test_malignant_message_says_where_since_what_to_do_and_not_the_location_twice():
+    det = Detectors(AlertConfig(collapse_persist=2))
+    out = []
+    for step in (0, 10, 20):
+        m = {"attn_entropy": np.array([0.1, 2.0]), "attn_rank": np.array([2.0, 40.0]), "attn_rows": np.array([64.0])}
+        out += det.observe(Observation(step, None, {"L02": m}))
+    (a,) = out
+    assert (a.step, a.since, a.where, a.anchor) == (10, 0, "L02/H00", "docs/alerts.md#malignant_collapse")
+    assert "since step 0" in a.message and "What to do:" in a.message and "L02" not in a.message
+    assert "pointer head" in a.message
+
+
+def test_states_resume_from_a_saved_state_identically():
+    script = [(s, attn([0.1, 0.1 if s >= 30 else 2.0], [2.0, 2.0 if s >= 30 else 40.0])) for s in range(0, 80, 2)]
+    whole, _ = run(script)
+    first = AttentionStates(StatesConfig())
+    out = [a for s, m in script[:12] for a in first.observe(Observation(s, None, {"L00": m}))]
+    second = AttentionStates(StatesConfig())
+    second.load_state_dict(first.state_dict())
+    out += [a for s, m in script[12:] for a in second.observe(Observation(s, None, {"L00": m}))]
+    assert out == whole
