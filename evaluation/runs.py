@@ -55,6 +55,7 @@ class RunSpec:
     heads: int = 0
     width: int = 0
     corpus: str = "stdlib"  # lm: "stdlib" or "pydoc"
+    context: int = 0  # lm: the context length (0: the demo's 128)
     model: str = ""  # hf: "gpt2", "llama", "bert" or "vit"
     threads: int = 1  # torch threads: another reduction order gives the same run other rounding
     every: int = 1  # the Monitor's interval (hf: 0, the default cadence)
@@ -81,6 +82,8 @@ class RunSpec:
             parts.append(f"{self.layers}x{self.heads}x{self.width}")
         if self.corpus != "stdlib":
             parts.append(self.corpus)
+        if self.context:
+            parts.append(f"ctx{self.context}")
         if self.threads != 1:
             parts.append(f"t{self.threads}")
         return "-".join(parts) + f"-s{self.seed}"
@@ -145,7 +148,8 @@ def train_lm(spec: RunSpec, out: Path) -> dict:
     chars = sorted(set(text))
     stoi = {ch: i for i, ch in enumerate(chars)}
     data = torch.tensor([stoi[ch] for ch in text], dtype=torch.long)  # (N,)
-    shape = {k: v for k, v in (("n_layer", spec.layers), ("n_head", spec.heads), ("n_embd", spec.width)) if v}
+    shape = {k: v for k, v in (("n_layer", spec.layers), ("n_head", spec.heads), ("n_embd", spec.width),
+                               ("block_size", spec.context)) if v}
     cfg = GPTConfig(vocab_size=len(chars), **shape)
     torch.manual_seed(spec.seed)
     gen = torch.Generator().manual_seed(spec.seed)

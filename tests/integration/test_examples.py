@@ -8,6 +8,7 @@ in tests/integration/test_timm.py, in .venv-timm.)
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -126,43 +127,40 @@ def test_analyze_checkpoints(tmp_path):
     assert written_alerts(tmp_path / "analyze" / "alerts.jsonl")  # the sigma_1 growth warning, as live
 
 
-def test_evaluate_healthy_trains_each_third_party_model_with_a_zero_configuration_monitor():
-    """The script of docs/alerts.md#healthy-runs, shortened: every model is monitored (its per-head tags are
-    logged), its loss falls, and its row is in the table."""
-    out = run_evaluation("healthy", "--seeds", "0", "--steps", "30")
-    rows = [line for line in out.splitlines() if line.startswith("| ") and line.split("|")[1].strip() in
-            ("gpt2", "llama", "neox")]
-    assert [r.split("|")[1].strip() for r in rows] == ["gpt2", "llama", "neox"]
-    runs = [line for line in out.splitlines() if " seed 0: loss " in line]
-    assert len(runs) == 3, out
-    for line in runs:
-        first, last = (float(x) for x in line.split("loss ")[1].split(" in ")[0].split(" -> "))
-        assert last < first, line
-        assert int(line.split(" s, ")[1].split(" tags")[0]) > 100, line  # 4 layers x 4 heads x ~9 metrics
-
-
-def test_evaluate_healthy_records_what_the_monitor_passed_its_detectors(tmp_path):
-    """``--out`` (docs/alerts.md#healthy-runs): the recorder wraps the detectors without hiding any of their
-    interface (the closer look asks them ``wants_attention`` every step: a recorder without it made every
-    update sample fail), and evaluation/detectors.py loads and judges the recording. 25 steps raise no
-    alert; that a replay raises the live alerts is tests/detectors/test_replay.py's test."""
+@pytest.mark.parametrize("model", ["gpt2", "llama", "bert", "vit"])
+def test_evaluation_records_each_healthy_family_with_a_zero_configuration_monitor(tmp_path, model):
+    """The healthy side of docs/alerts.md#evaluation, shortened: each family is monitored with no arguments
+    (its per-head tags reach the detectors), the recorder keeps what they saw at the default cadence
+    (the closer look asks them ``wants_attention`` every step: a recorder hiding it made every update sample
+    fail), its loss falls, and evaluation/detectors.py judges the recording: 30 steps raise no alert."""
     import warnings
 
     from evaluation import detectors as evaluate_detectors
-    from evaluation import healthy as evaluate_healthy
-    from hooks.demo import load_text
+    from evaluation.runs import RunSpec, record
+    from evaluation.truth import load_run
 
-    data = torch.frombuffer(bytearray(load_text(max_chars=50_000).encode()), dtype=torch.uint8).long()
+    spec = RunSpec("hf", 3, 1e-3, 30, model=model, every=0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        evaluate_healthy.train("neox", 3, 25, data, out=tmp_path)
+        run = load_run(record(spec, tmp_path))
     assert not [w for w in caught if "failed at this step" in str(w.message)], [str(w.message) for w in caught]
-    (run,) = evaluate_detectors.load_runs(tmp_path)
-    assert run.name == "healthy-neox-s3" and run.task == "healthy" and len(run.info["losses"]) == 25
+    assert run.name == f"hf-{model}-lr0.001-s3" and len(run.losses) == 30
+    assert sum(run.losses[-5:]) < sum(run.losses[:5])
     assert [o.step for o in run.obs if o.loss is not None] == [0, 10, 20]  # the default cadence's loss samples
-    assert any("update_ratio_q" in m for o in run.obs for m in o.layers.values())
-    row = evaluate_detectors.judge_healthy(run, evaluate_detectors.AlertConfig(), "default")
-    assert row["healthy"] and row["warnings"] == [] and row["plateau_alerts"] == 0
+    layers = [m for o in run.obs for m in o.layers.values()]
+    assert any("update_ratio_q" in m for m in layers) and any(len(m.get("attn_entropy", ())) == 4 for m in layers)
+    row = evaluate_detectors.judge_hf(run, evaluate_detectors.AlertConfig(), "default", None)
+    assert row["bad"] == [] and row["plateau_alerts"] == 0
+
+
+def test_the_normsoftmax_twin_of_a_language_model_trains(tmp_path):
+    """The causal twin of a language model's plateau (evaluation/healthy.py): NormSoftmax as a transformers
+    attention function, with causal rows of one key (no spread: its gradient must stay finite)."""
+    from evaluation.runs import RunSpec, record
+    from evaluation.truth import load_run
+
+    run = load_run(record(RunSpec("hf", 0, 1e-3, 20, model="gpt2", every=0, twin="normsoftmax"), tmp_path))
+    assert all(math.isfinite(x) for x in run.losses) and sum(run.losses[-5:]) < sum(run.losses[:5])
 
 
 def test_zero_config_sweep_prints_one_row_per_model_and_attention():

@@ -1,80 +1,67 @@
-"""Short versions of the two reproductions behind the alerts (evaluation/alerts.py runs the long ones).
+"""Short versions of the reproductions behind the alerts (evaluation/seeds.py lists the long ones).
 
-Collapse: the demo GPT without warmup warns at step 10 and its warmup twin stays silent. Eureka: the 2x2-digits
-task labels what it claims, the ViT and its NormSoftmax twin are monitored, and at initialisation the softmax
-ViT shows Hoffmann et al.'s small Q/K-to-V gradient ratio that NormSoftmax removes. The measures the evaluation
-table is built from (established collapse, divergence, accuracy jump, no-indicator accuracy) are checked on
-scripted inputs against direct definitions.
+Collapse: the demo GPT without warmup gets the large-early-updates note and its warmup twin stays silent.
+Eureka: the 2x2-digits task labels what it claims, the ViT and its NormSoftmax twin are monitored, and at
+initialisation the softmax ViT shows Hoffmann et al.'s small Q/K-to-V gradient ratio that NormSoftmax removes.
+The ground truth of evaluation/truth.py (damage against the QK-norm twin, the plateau's twin test, the
+accuracy jump, the no-indicator accuracy) is checked on scripted inputs against direct definitions; the
+attention states' ground truth is the detectors' own definition (tests/detectors/test_states.py).
 """
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from diag.detectors import AlertConfig  # noqa: E402
-from evaluation import collapse as evaluate_collapse
 from evaluation import eureka
+from evaluation.runs import RunSpec
+from evaluation.truth import Run, damage, leaves, plateau_by_twin
+from hooks.demo import DemoRun, train
 
 # ------------------------------------------------------------------ collapse
 
 
 @pytest.mark.parametrize("warmup", [0, 100])
-def test_demo_warns_without_warmup_and_not_with_it(tmp_path, warmup):
-    row = evaluate_collapse.run(seed=0, warmup=warmup, steps=41, logdir=tmp_path / "run")
+def test_demo_notes_large_first_updates_without_warmup_and_is_quiet_with_it(tmp_path, warmup):
+    """Changed with issue #17: this asserted collapse_warning at step 10, the first sample of every no-warmup run
+    (the bug the issue names). The honest signal at step 0 is the info note on large first updates."""
+    monitor, losses = train(DemoRun(logdir=tmp_path / "run", steps=41, warmup=warmup, quiet=True))
+    alerts = monitor.alert_sink.history
+    notes = [a.step for a in alerts if a.kind == "large_early_updates"]
     if warmup:
-        assert row["warning"] is None and row["critical"] is None, row["raised"]
-        assert row["raised"] == [] and row["note"] is None
+        assert alerts == [] and notes == []
     else:
-        # Changed with issue #17: this asserted collapse_warning at step 10, the first sample of every no-warmup
-        # run (the bug the issue names). The honest signal at step 0 is the info note on large first updates.
-        assert row["note"] == 0, row["raised"]
-    assert math.isfinite(row["loss"]) and row["divergence"] is None
+        assert notes == [0], alerts
+    assert all(math.isfinite(x) for x in losses)
 
 
-def _metrics(states):
-    """{step: tags} for one layer of two heads from (step, [(entropy, rank), ...]) with 64 rows."""
-    return {step: {"attn_rows/L00": 64.0,
-                   **{f"attn_entropy/L00/H{h:02d}": e for h, (e, _) in enumerate(heads)},
-                   **{f"attn_rank/L00/H{h:02d}": r for h, (_, r) in enumerate(heads)}}
-            for step, heads in states}
+def _run(losses: list[float]) -> Run:
+    return Run(RunSpec("lm", 0, 5e-3, len(losses)), Path("/nonexistent"), {"losses": losses})
 
 
-def test_established_collapse_is_the_start_of_a_long_malignant_stretch():
-    ok, bad, sparse = (2.0, 30.0), (0.2, 2.0), (0.2, 40.0)  # normal, malignant, benign (sparse, full rank)
-    states = [(0, [ok, ok]), (10, [bad, ok]), (20, [ok, bad]), (30, [bad, bad]), (40, [bad, bad]),
-              (50, [ok, bad]), (60, [bad, bad])]
-    # H00 is malignant at 10, 30-40 and 60 (runs of 1, 2, 1 samples); H01 from 20 to the end (5 samples)
-    assert evaluate_collapse.established_collapse(_metrics(states)) == (20, "L00/H01")  # default: 5 samples
-    assert evaluate_collapse.established_collapse(_metrics(states), min_samples=6) == (None, "")
-    assert evaluate_collapse.established_collapse(_metrics(states[:6]), min_samples=2) == (20, "L00/H01")
-    h00_only = [(step, [e, ok]) for step, (e, _) in states]
-    assert evaluate_collapse.established_collapse(_metrics(h00_only), min_samples=2) == (30, "L00/H00")
-    benign = [(s, [sparse, ok]) for s in range(0, 60, 10)]
-    assert evaluate_collapse.established_collapse(_metrics(benign)) == (None, "")
-    stricter = AlertConfig(sparse_entropy=0.1)  # the state follows the configured thresholds
-    assert evaluate_collapse.established_collapse(_metrics(states), stricter) == (None, "")
+def test_damage_is_a_final_loss_clearly_over_the_twins_from_where_they_separate_for_good():
+    twin = _run([2.0] * 200)
+    # 15% over the twin from step 100 on; an excursion at 20-29 ends, so it is not where the damage begins
+    run = _run([2.0] * 20 + [3.0] * 10 + [2.0] * 70 + [2.3] * 100)
+    assert damage(run, twin) == (True, 87)  # the first 20-step mean over 1.05 x 2.0 that stays over: 7 of 2.3
+    assert damage(twin, run) == (False, None)
+    assert damage(_run([2.0] * 150 + [2.06] * 50), twin) == (False, None)  # 3% over: within the twins' spread
+    assert damage(run, None) == (None, None)
 
 
-def test_behind_twin():
-    twin = [2.0] * 200
-    # above 1.1 x the twin from step 100 on; a brief excursion at 20-29 does not count (it ends)
-    run = [2.0] * 20 + [3.0] * 10 + [2.0] * 70 + [2.5] * 100
-    # the 50-step window ending at t (exclusive) first exceeds 2.2 when 21 of its 50 values are 2.5: t = 121
-    assert evaluate_collapse.behind_twin(run, twin) == 120
-    assert evaluate_collapse.behind_twin(twin, run) is None
-    assert evaluate_collapse.behind_twin(run[:150] + [2.0] * 50, twin) is None
-
-
-def test_divergence():
-    falling = [3.0 - 0.01 * t for t in range(100)]
-    assert evaluate_collapse.divergence(falling) is None
-    assert evaluate_collapse.divergence(falling[:50] + [float("nan")]) == 50
-    # flat at 2.0, then 3.5: the 10-step mean first exceeds 1.5 x 2.0 when 7 of its 10 losses are 3.5
-    assert evaluate_collapse.divergence([2.0] * 30 + [3.5] * 10) == 36
+def test_the_twin_test_of_a_plateau():
+    run = _run([3.0] * 150 + [2.5] * 50 + [1.5] * 200)
+    quick = _run([3.0] * 20 + [1.5] * 380)
+    slow = _run([3.0] * 90 + [1.5] * 310)
+    # the first 20-step mean under 2.8 that stays under: 9 of 2.5 (run), 3 of 1.5 (quick)
+    assert leaves(run.losses, 2.8) == 139 and leaves(quick.losses, 2.8) == 3
+    assert plateau_by_twin(run, quick, 2.8) is True  # 136 steps sooner: >= 25% of 400
+    assert plateau_by_twin(run, slow, 2.8) is False
+    assert plateau_by_twin(run, _run([3.0] * 400), 2.8) is False and plateau_by_twin(run, None, 2.8) is None
 
 
 # ------------------------------------------------------------------ Eureka

@@ -1,0 +1,221 @@
+"""The tables and the figure of docs/alerts.md#evaluation, from the recorded runs of one set, in one command.
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m evaluation.report RUNS_DIR --set report \\
+        --figure docs/img/collapse_risk_calibration.png
+
+Prints, in markdown: the collapse runs at every cadence (critical records against the established collapses,
+``collapse_warning`` against them, leads); the twin test (damage against the QK-norm twin, and whether an alert
+came before it); ``collapse_risk``'s Brier score and skill over two baselines, and its calibration in bins with
+90% intervals; ``collapse_warning`` away from the boundary learning rate; the Eureka runs; the healthy runs with
+the NormSoftmax twin's verdict on each plateau alert. A run counts once in each figure (per cadence where the
+figure is per cadence). Nothing here tunes anything: the thresholds are AlertConfig's defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from diag.detectors import AlertConfig, Detectors, Observation
+from evaluation import detectors as judge
+from evaluation.seeds import BOUNDARY_LR, SETS
+from evaluation.truth import Run, load_runs, states
+from hooks import SIGNALS
+from hooks.monitor.cadence import CloserLook, resolve_cadence
+
+BINS = ((0.0, 0.2), (0.2, 0.8), (0.8, 1.0000001))
+
+
+@dataclass
+class Forecast:
+    run: str
+    lr: float
+    warmup: int
+    twin: str
+    task: str
+    step: int
+    label: str
+    p: float
+    y: int
+
+
+def forecasts(run: Run, cfg: AlertConfig | None = None) -> list[Forecast]:
+    """Every ``collapse_risk`` the Monitor at its default cadence would have logged on this run, with its outcome:
+    the layer's malignant collapse established within the horizon (samples of a layer already collapsed are left
+    out)."""
+    cfg = cfg or AlertConfig()
+    det = Detectors(cfg)
+    cadence = resolve_cadence(None, None, SIGNALS)
+    closer = CloserLook(cadence)
+    onsets: dict[str, list[tuple[int, int | None]]] = {}
+    for e in states(run, cfg.states):
+        if e.state == "malignant" and "/" not in e.where:
+            onsets.setdefault(e.where, []).append((e.opened, e.until))
+    out = []
+    for o in run.obs:
+        if o.loss is None and all(judge.family(k) == "updates" for m in o.layers.values() for k in m):
+            if cadence.is_due("updates", o.step):
+                det.observe(o)
+                closer.update(o.step, det.wants_attention())
+            continue
+        due = cadence.due(o.step) | closer.adds(o.step)
+        if not due:
+            continue
+        layers = {label: {k: v for k, v in m.items() if judge.family(k) in due} for label, m in o.layers.items()}
+        det.observe(Observation(o.step, o.loss if "loss" in due else None, layers))
+        closer.update(o.step, det.wants_attention())
+        for label, p in det.scalars().get("collapse_risk", {}).items():
+            y = _outcome(onsets.get(label, []), o.step, cfg.risk.risk_horizon)
+            if y >= 0:
+                out.append(Forecast(run.name, run.spec.lr, run.spec.warmup, run.spec.twin, run.spec.task, o.step,
+                                    label, p, y))
+    return out
+
+
+def _outcome(episodes: list[tuple[int, int | None]], t: int, horizon: int) -> int:
+    for opened, until in episodes:
+        if opened <= t and (until is None or until > t):
+            return -1
+        if t < opened <= t + horizon:
+            return 1
+    return 0
+
+
+def brier(p: np.ndarray, y: np.ndarray) -> float:
+    return float(np.mean((p - y) ** 2))
+
+
+def lr_base_rate(fs: list[Forecast]) -> np.ndarray:
+    """The frequency of the outcome among the forecasts of the same task and learning rate (the set's own
+    climatology: the baseline knows the outcome rate of every learning rate exactly)."""
+    groups: dict[tuple, list[int]] = {}
+    for f in fs:
+        groups.setdefault((f.task, f.lr, f.warmup, f.twin), []).append(f.y)
+    rate = {k: float(np.mean(v)) for k, v in groups.items()}
+    return np.array([rate[(f.task, f.lr, f.warmup, f.twin)] for f in fs])
+
+
+def config_model(train: list[Forecast]):
+    """A logistic model of the outcome on the configuration alone: ln lr, warmup, QK-norm, ln(step + 1)."""
+    from sklearn.linear_model import LogisticRegression
+
+    def x(fs):
+        return np.array([[math.log(f.lr), float(f.warmup > 0), float(f.twin == "qknorm"), math.log(f.step + 1)]
+                         for f in fs])
+
+    model = LogisticRegression(C=1.0, max_iter=1000).fit(x(train), np.array([f.y for f in train]))
+    return lambda fs: model.predict_proba(x(fs))[:, 1]
+
+
+def interval90(k: int, n: int) -> tuple[float, float]:
+    """The Jeffreys 90% interval of a frequency k / n."""
+    from scipy.stats import beta
+
+    if n == 0:
+        return (math.nan, math.nan)
+    lo = 0.0 if k == 0 else float(beta.ppf(0.05, k + 0.5, n - k + 0.5))
+    hi = 1.0 if k == n else float(beta.ppf(0.95, k + 0.5, n - k + 0.5))
+    return lo, hi
+
+
+def risk_tables(fs: list[Forecast], design: list[Forecast]) -> list[str]:
+    p, y = np.array([f.p for f in fs]), np.array([f.y for f in fs], float)
+    b = brier(p, y)
+    base = brier(lr_base_rate(fs), y)
+    cfg_p = config_model(design)(fs) if design and len({f.y for f in design}) == 2 else np.full(len(fs), y.mean())
+    conf = brier(cfg_p, y)
+    out = [f"{len(fs)} forecasts on {len({f.run for f in fs})} runs, {int(y.sum())} followed by a collapse within "
+           "the horizon.", "",
+           "| forecast | Brier score | skill of collapse_risk over it |", "|---|---|---|",
+           f"| collapse_risk | {b:.4f} | - |",
+           f"| the learning rate's base rate (this set's own frequency per setting) | {base:.4f} | "
+           f"{1 - b / base:.3f} |" if base > 0 else "| base rate | 0 | - |",
+           f"| configuration only (ln lr, warmup, QK-norm, ln step; fitted on the design runs) | {conf:.4f} | "
+           f"{1 - b / conf:.3f} |" if conf > 0 else "| configuration | 0 | - |", "",
+           "| predicted | forecasts | mean predicted | observed frequency | its 90% interval | inside |",
+           "|---|---|---|---|---|---|"]
+    for lo, hi in BINS:
+        mask = (p >= lo) & (p < hi)
+        n, k = int(mask.sum()), int(y[mask].sum())
+        a, c = interval90(k, n)
+        mean = float(p[mask].mean()) if n else math.nan
+        inside = "-" if not n else "yes" if a <= mean <= c else "no"
+        out.append(f"| [{lo:.1f}, {min(hi, 1.0):.1f}{']' if hi > 1 else ')'} | {n} | {mean:.3f} | "
+                   f"{k / n if n else math.nan:.3f} | {a:.3f}-{c:.3f} | {inside} |")
+    return out
+
+
+def figure(fs: list[Forecast], path: Path) -> None:
+    """Predicted against observed in ten bins, with the 90% intervals and the count per bin."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    p, y = np.array([f.p for f in fs]), np.array([f.y for f in fs], float)
+    edges = np.linspace(0, 1, 11)
+    fig = Figure(figsize=(5.5, 4.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.plot([0, 1], [0, 1], color="#888888", lw=1, ls="--", label="perfect calibration")
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        mask = (p >= lo) & (p < hi if hi < 1 else p <= hi)
+        n = int(mask.sum())
+        if not n:
+            continue
+        k = int(y[mask].sum())
+        a, c = interval90(k, n)
+        x = float(p[mask].mean())
+        ax.errorbar(x, k / n, yerr=[[k / n - a], [c - k / n]], fmt="o", color="#1f77b4", capsize=3)
+        ax.annotate(str(n), (x, k / n), textcoords="offset points", xytext=(6, -10), fontsize=7)
+    ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="collapse_risk (mean in the bin)",
+           ylabel="observed frequency of a collapse within 50 steps",
+           title="collapse_risk on the report runs (90% intervals; n per bin)")
+    ax.legend(loc="upper left", fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def warning_table(rows: list[dict]) -> list[str]:
+    """collapse_warning away from the boundary learning rate, at the default cadence: per run."""
+    rs = [r for r in rows if r["kind"] == "collapse" and r["every"] == "default" and r["lr"] != BOUNDARY_LR]
+    est = [r for r in rs if r["onset"] is not None]
+    none = [r for r in rs if r["onset"] is None]
+    warned = [r for r in est if r["warned"]]
+    leads = sorted(r["lead"] for r in warned)
+    return ["| runs | collapses | caught before the onset | false alarms (runs without a layer collapse) | "
+            "warnings leading by 5 steps or more | leads (steps) |", "|---|---|---|---|---|---|",
+            f"| {len(rs)} | {len(est)} | {len(warned)}/{len(est)} | "
+            f"{sum(r['false_warning'] for r in none)}/{len(none)} | "
+            f"{sum(r['lead'] >= 5 for r in warned)}/{len(warned)} | "
+            f"{'-' if not leads else f'{leads[0]}-{leads[-1]} (median {leads[len(leads) // 2]})'} |"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", type=Path)
+    parser.add_argument("--set", default="report", choices=sorted(SETS))
+    parser.add_argument("--figure", type=Path, help="write the calibration figure here")
+    args = parser.parse_args()
+    runs = load_runs(args.runs, SETS[args.set])
+    design = load_runs(args.runs, SETS["design"])
+    print(f"{args.set}: {len(runs)} runs of {len(SETS[args.set])} planned\n")
+    rows = judge.rows_of(runs, AlertConfig())
+    for title, table in (("Collapse runs", judge.collapse_table), ("The twin test", judge.damage_table),
+                         ("collapse_warning away from the boundary", warning_table),
+                         ("Eureka runs", judge.eureka_table), ("Healthy runs", judge.healthy_table),
+                         ("Collapse runs one by one", judge.runs_table)):
+        print(f"### {title}\n\n" + "\n".join(table(rows)) + "\n")
+    collapsing = [r for r in runs if r.spec.task in ("lm", "vit") and r.spec.steps <= 400]
+    fs = [f for r in collapsing for f in forecasts(r)]
+    design_fs = [f for r in design if r.spec.task in ("lm", "vit") and r.spec.steps <= 400 for f in forecasts(r)]
+    print("### collapse_risk\n\n" + "\n".join(risk_tables(fs, design_fs)) + "\n")
+    if args.figure:
+        figure(fs, args.figure)
+        print(f"figure: {args.figure}")
+
+
+if __name__ == "__main__":
+    main()
