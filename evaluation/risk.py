@@ -10,8 +10,9 @@ of :mod:`diag.detectors.risk` per head. The label of a head (layer) at step ``t`
 one definition of the states (:mod:`evaluation.truth`), is established at a step in ``(t, t + horizon]``;
 samples of a head (layer) already established are left out (the risk is of an onset).
 
-``fit``: a logistic regression per head (standardised features, L2, scikit-learn), then a one-feature logistic
-fit of the layer's label on its ``k``-th largest head logit (``k`` heads make a layer collapse). ``report``:
+``fit``: a logistic regression per head (standardised features, L2 with C = 0.1, scikit-learn), then a
+one-feature logistic fit of the layer's label on its ``k``-th largest head logit (``k`` heads make a layer
+collapse), cross-fitted by seed; samples at the closer look's steps and at the default cadence's. ``report``:
 Brier score and its skill over two baselines fitted on the design runs (the base rate per learning rate, and
 a configuration-only model: learning rate, warmup, QK-norm), calibration in bins, and per-run warning figures.
 """
@@ -36,8 +37,15 @@ from evaluation.truth import Run, load_runs, states
 HORIZON = RiskConfig().risk_horizon
 
 
-def fit_steps(step: int) -> bool:
+def dense_steps(step: int) -> bool:
+    """Where a closer look samples spectra and attention together: every 10 steps, every 2 in the first 30."""
     return step % 10 == 0 or (step < 30 and step % 2 == 0)
+
+
+def sparse_steps(step: int) -> bool:
+    """Where the default cadence samples them together without a closer look: every 100 steps (the spectra
+    every 20 in between feed the trends)."""
+    return step % 20 == 0
 
 
 def updates_due(step: int) -> bool:
@@ -76,11 +84,14 @@ def _label(episodes: list[tuple[int, int | None]], t: int, horizon: int) -> int:
     return 0
 
 
-def samples_of(run: Run, cfg: RiskConfig | None = None, horizon: int = HORIZON) -> list[Sample]:
+def samples_of(run: Run, cfg: RiskConfig | None = None, horizon: int = HORIZON, dense: bool = True) -> list[Sample]:
+    """The samples of one run: ``dense``, where a closer look samples (every 10 steps, every 2 in the first 30);
+    else where the default cadence alone samples (attention every 100 steps, spectra every 20)."""
     cfg = cfg or RiskConfig()
     st = StatesConfig()
     heads, layers = _onsets(run, st)
     trends: dict[str, HeadTrend] = {}
+    due = dense_steps if dense else sparse_steps
     out = []
     for o in run.obs:
         updates = o.loss is None and all(k.startswith("update_") for m in o.layers.values() for k in m)
@@ -88,9 +99,11 @@ def samples_of(run: Run, cfg: RiskConfig | None = None, horizon: int = HORIZON) 
             if updates_due(o.step):
                 observe_features(trends, o, cfg.risk_window, cfg.update_fresh)
             continue
-        if not fit_steps(o.step):
+        if not due(o.step):
             continue
-        for label, x in observe_features(trends, Observation(o.step, o.loss, o.layers), cfg.risk_window,
+        layers_now = o.layers if dense or o.step % 100 == 0 else {
+            label: {k: v for k, v in m.items() if not k.startswith("attn_")} for label, m in o.layers.items()}
+        for label, x in observe_features(trends, Observation(o.step, o.loss, layers_now), cfg.risk_window,
                                          cfg.update_fresh).items():
             n = x.shape[0]
             head_y = np.array([_label(heads.get(head_key(label, h, n), []), o.step, horizon) for h in range(n)])
@@ -103,18 +116,37 @@ def collapse_runs(root: Path, set_name: str) -> list[Run]:
     return [r for r in load_runs(root, SETS[set_name]) if r.spec.task in ("lm", "vit") and r.spec.steps <= 400]
 
 
-def fit(samples: list[Sample], c: float = 1.0) -> RiskModel:
+def _head_model(samples: list[Sample], c: float) -> RiskModel:
     from sklearn.linear_model import LogisticRegression
 
     xs = np.concatenate([s.x[s.head_y >= 0] for s in samples])
     ys = np.concatenate([s.head_y[s.head_y >= 0] for s in samples])
     mean, scale = xs.mean(0), xs.std(0)
     scale[scale == 0] = 1.0
-    head = LogisticRegression(C=c, max_iter=2000).fit((xs - mean) / scale, ys)
-    model = RiskModel(mean, scale, head.coef_[0], float(head.intercept_[0]), 1.0, 0.0, HORIZON)
-    layer = [(float(np.sort(model.head_logits(s.x))[::-1][s.k - 1]), s.layer_y) for s in samples if s.layer_y >= 0]
-    z = np.array([[v] for v, _ in layer])
-    top = LogisticRegression(C=100.0, max_iter=2000).fit(z, np.array([y for _, y in layer]))
+    head = LogisticRegression(C=c, max_iter=3000).fit((xs - mean) / scale, ys)
+    return RiskModel(mean, scale, head.coef_[0], float(head.intercept_[0]), 1.0, 0.0, HORIZON)
+
+
+def _kth_logit(model: RiskModel, s: Sample) -> float:
+    return float(np.sort(model.head_logits(s.x))[::-1][s.k - 1])
+
+
+def fit(samples: list[Sample], c: float = 0.1) -> RiskModel:
+    """The head model on every sample; the layer's mapping from its k-th head logit fitted on logits each made
+    by a head model that did not see that run's seed (cross-fitting: in-sample logits are overconfident, and
+    the mapping would pass that on)."""
+    from sklearn.linear_model import LogisticRegression
+
+    model = _head_model(samples, c)
+    seed_of = {s.run: s.run.rsplit("-s", 1)[1] for s in samples}
+    z, y = [], []
+    for seed in sorted(set(seed_of.values())):
+        other = _head_model([s for s in samples if seed_of[s.run] != seed], c)
+        for s in samples:
+            if seed_of[s.run] == seed and s.layer_y >= 0:
+                z.append(_kth_logit(other, s))
+                y.append(s.layer_y)
+    top = LogisticRegression(C=100.0, max_iter=2000).fit(np.array(z)[:, None], np.array(y))
     model.layer_scale, model.layer_bias = float(top.coef_[0][0]), float(top.intercept_[0])
     return model
 
@@ -123,26 +155,47 @@ def brier(p: np.ndarray, y: np.ndarray) -> float:
     return float(np.mean((p - y) ** 2))
 
 
+def trust(runs: list[Run], levels=(0.2, 0.5, 0.8)) -> list[list[float]]:
+    """What followed a layer's risk first reaching each level at the default cadence (with the model now
+    shipped): [level, runs in which some layer reached it, of which that layer collapsed within the horizon]."""
+    from evaluation.report import forecasts
+
+    rows = []
+    fs = [f for r in runs for f in forecasts(r)]
+    for level in levels:
+        reached: dict[str, int] = {}
+        for f in fs:
+            if f.p >= level and f.run not in reached:
+                reached[f.run] = f.y
+        rows.append([level, len(reached), sum(reached.values())])
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=("fit", "explore"))
     parser.add_argument("runs", type=Path)
     parser.add_argument("--set", default="design")
+    parser.add_argument("--trust", nargs="+", default=["design", "tuning"],
+                        help="the sets whose runs the warning's message quotes (default: design tuning)")
     parser.add_argument("--out", type=Path, default=MODEL_FILE)
     args = parser.parse_args()
     runs = collapse_runs(args.runs, args.set)
-    samples = [s for r in runs for s in samples_of(r)]
+    samples = [s for r in runs for dense in (True, False) for s in samples_of(r, dense=dense)]
     print(f"{len(runs)} runs, {len(samples)} layer samples, "
           f"{sum(s.layer_y == 1 for s in samples)} layer positives, "
           f"{sum(int((s.head_y == 1).sum()) for s in samples)} head positives")
     model = fit(samples)
-    model.fitted_on = f"{args.set} runs of evaluation/seeds.py ({len(runs)} runs)"
+    model.fitted_on = f"the {args.set} runs of evaluation/seeds.py ({len(runs)} runs)"
     for name, w in zip(FEATURES, model.weights):
         print(f"  {name:20s} {w:+.3f}")
     print(f"  layer: scale {model.layer_scale:.3f} bias {model.layer_bias:.3f}")
     if args.command == "fit":
         args.out.write_text(json.dumps(model.to_dict(), indent=1) + "\n")
-        print(f"wrote {args.out}")
+        quoted = [r for name in args.trust for r in collapse_runs(args.runs, name)]
+        model.trust = trust(quoted)
+        args.out.write_text(json.dumps(model.to_dict(), indent=1) + "\n")
+        print(f"trust over {len(quoted)} runs: {model.trust}\nwrote {args.out}")
 
 
 if __name__ == "__main__":

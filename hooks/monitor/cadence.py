@@ -92,6 +92,22 @@ def resolve_cadence(every: int | None, cadence: Mapping[str, int] | None, signal
     return Cadence(periods)
 
 
+@dataclass(frozen=True)
+class CloserLookConfig:
+    """How the closer look samples (docs/cost.md#watching-closer): for ``hold`` steps after the detectors last
+    asked, and every ``early_every`` steps within the run's first ``early`` steps."""
+
+    hold: int = 100
+    early: int = 30
+    early_every: int = 2
+
+    def __post_init__(self) -> None:
+        for name, low in (("hold", 0), ("early", 0), ("early_every", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"CloserLookConfig({name}={value!r}): expected an integer >= {low}")
+
+
 class CloserLook:
     """Attention (and the spectra) sampled at the cadence's shortest period while the detectors ask for it
     (docs/cost.md#watching-closer).
@@ -107,10 +123,8 @@ class CloserLook:
     sample. Off (``period`` None) when attention is already sampled at the shortest period.
     """
 
-    HOLD, EARLY, EARLY_EVERY = 100, 30, 2  # why these: docs/cost.md#watching-closer
-
-    def __init__(self, cadence: Cadence, hold: int = HOLD, enabled: bool = True, early: int = EARLY,
-                 early_every: int = EARLY_EVERY) -> None:
+    def __init__(self, cadence: Cadence, hold: int = CloserLookConfig.hold, enabled: bool = True,
+                 early: int = CloserLookConfig.early, early_every: int = CloserLookConfig.early_every) -> None:
         base = cadence.base
         self.families = frozenset(f for f in ("attention", "spectra") if cadence.periods.get(f, base) > base)
         self.period = base if enabled and "attention" in self.families else None

@@ -43,7 +43,7 @@ from diag.outputs.sinks import FanOut, JsonlSink, Record, Sink, TensorBoardSink,
 from diag.outputs.tb_views import TensorBoardViews
 from hooks.capture.compiled import EagerCapture
 from hooks.layout.discover import AttentionLayer, discover, unconfirmable
-from hooks.monitor.cadence import CloserLook, resolve_cadence
+from hooks.monitor.cadence import CloserLook, CloserLookConfig, resolve_cadence
 from hooks.monitor.distributed import SharedDetectors, rank, world_size
 from hooks.monitor.weightside import WeightSide
 
@@ -97,8 +97,9 @@ class Monitor:
         closer_look: when attention is sampled less often than the loss (the default
             cadence), also sample it (and the spectra) with the loss while a head's sigma_1
             grows fast, a collapse is being confirmed or the first updates are large
-            (``RiskConfig.watch_risk`` and ``watch_growth``; for ``CloserLook.HOLD`` steps, every
-            ``CloserLook.EARLY_EVERY`` steps within the first ``CloserLook.EARLY``; docs/cost.md#watching-closer). One process only: under DDP/FSDP the ranks would
+            (``RiskConfig.watch_risk`` and ``watch_growth``; for ``CloserLookConfig.hold`` steps, every
+            ``early_every`` steps within the first ``early``; pass a ``CloserLookConfig`` to change them;
+            docs/cost.md#watching-closer). One process only: under DDP/FSDP the ranks would
             have to agree every sampled step, so it is off there.
     """
 
@@ -124,7 +125,7 @@ class Monitor:
         images: bool | None = None,
         image_every: int | None = None,
         grad_scaler: torch.amp.GradScaler | None = None,
-        closer_look: bool = True,
+        closer_look: bool | CloserLookConfig = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ConfigError(f"Monitor(model=...) needs an nn.Module, got {type(model).__name__}")
@@ -159,7 +160,8 @@ class Monitor:
         self.detectors = Detectors(alerts or AlertConfig())
         cfg = self.detectors.cfg
         self._updates_at_once = cfg.note_horizon  # updates of steps before this are measured on the next step
-        self.closer = CloserLook(self.cadence,
+        look = closer_look if isinstance(closer_look, CloserLookConfig) else CloserLookConfig()
+        self.closer = CloserLook(self.cadence, look.hold, early=look.early, early_every=look.early_every,
                                  enabled=bool(closer_look) and world_size() == 1 and "attention" in self.signals)
         if world_size() > 1:
             self.detectors = SharedDetectors(self.detectors, stop_on_critical)
