@@ -217,7 +217,9 @@ def test_the_command_line_reads_a_bigcode_folder_exactly_with_no_options(tmp_pat
     model.save_pretrained(tmp_path / "bigcode")
     code = main(["analyze", str(tmp_path / "bigcode"), "--json", "--out", str(tmp_path / "out"), "--no-report"])
     summary = json.loads(capsys.readouterr().out)
-    assert code == 0 and summary["heads"]["source"] == "model" and summary["assumptions"] == []
+    assert code == 0 and summary["heads"]["source"] == "model"
+    (positional,) = summary["assumptions"]  # no layout assumption; the folder's step is its position, stated
+    assert "position in the series" in positional and summary["checkpoints"][0]["step_from"] == "position"
     assert [la["packing"] for la in summary["layers"]] == ["fused_per_head"] * 2
     reference = _reference_spectra(model, "gpt-bigcode-multi-head")
     for la, ref in zip(summary["layers"], reference):
