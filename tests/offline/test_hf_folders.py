@@ -193,7 +193,7 @@ def test_config_that_contradicts_the_weights_is_refused(tmp_path, capsys):
 
 
 def test_a_large_model_is_probed_on_a_small_twin_and_every_layer_gets_its_layout(tmp_path, monkeypatch):
-    """Above MAX_TWIN_PARAMS the twin has 2 layers and a small vocabulary; the layouts reach all 4 layers."""
+    """Above MAX_TWIN_PARAMS the twin has 1 layer and a small vocabulary; the layouts reach all 4 layers."""
     import hooks.checkpoint.search as hf_layout
 
     monkeypatch.setattr(hf_layout, "MAX_TWIN_PARAMS", 1000)
