@@ -13,15 +13,17 @@ import argparse
 import contextlib
 import json
 import logging
+import shutil
 import sys
 from pathlib import Path
 
 import numpy as np
 
-from diag.cli.common import positive, tensorboard_command
+from diag.cli.common import kv_map_arg, positive, tensorboard_command
 from diag.errors import DiagError
 from diag.math.metrics import DEFAULT_SEC_TOP
 from diag.offline.series import Analysis, analyze_checkpoints
+from diag.offline.store import FOLDER as STORE_FOLDER
 from diag.outputs.sinks import JsonlSink, Sink, TensorBoardSink, check_logdir
 
 __all__ = ["add_parser", "run"]
@@ -49,7 +51,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     analyze.add_argument("--heads", type=positive, metavar="N", help="shorthand: attention heads per layer, every "
                          "layer alike (overrides the config); the packing and pairing it assumes are printed")
     analyze.add_argument("--kv-heads", type=positive, metavar="G", help="shorthand: key/value heads (grouped-query "
-                         "attention; query head h assumed to pair with key/value head h // (N/G))")
+                         "attention; query head h assumed to pair with key/value head h // (N/G), stated in the "
+                         "output; --kv-map sets another pairing)")
+    analyze.add_argument("--kv-map", type=kv_map_arg, metavar="MAP", help="the grouped-query pairing, which the "
+                         "weights cannot tell: 'grouped' (query head h with key/value head h // (N/G), as Hugging "
+                         "Face's repeat_kv), 'tiled' (h %% G, as Tensor.repeat) or one key/value head per query head "
+                         "('0,1,0,1'); refused where the layouts know the pairing and it differs")
+    analyze.add_argument("--model", metavar="MODULE:CALLABLE", help="your own model class, for a bare state dict: "
+                         "MODULE:CALLABLE (e.g. mypkg.model:build, a file's folder on PYTHONPATH or the current "
+                         "one) returns the model; it is built on the meta device (no weights allocated) and its "
+                         "attention layers found as the live Monitor finds them. Your code, named here; never code "
+                         "from a checkpoint")
+    analyze.add_argument("--jobs", type=positive, default=1, metavar="N", help="worker processes for a series "
+                         "(default: 1); the outputs equal one process's")
+    analyze.add_argument("--resume", action="store_true", help="continue an analysis in --out that was stopped: "
+                         "checkpoints already computed (kept in --out/per-checkpoint) are not computed again, and "
+                         "the outputs are written anew, equal to an uninterrupted run's")
     analyze.add_argument("--sec-top", type=positive, default=DEFAULT_SEC_TOP, metavar="S",
                          help=f"s of the spectral energy concentration SEC_s (default: {DEFAULT_SEC_TOP})")
     analyze.add_argument("--json", action="store_true", help="print a JSON summary on stdout (for scripts)")
@@ -59,14 +76,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     analyze.add_argument("--probe", metavar="FILE", help="also measure attention: run the model built from a "
                          "Hugging Face config.json on these inputs (token ids, or text with the folder's tokenizer)")
 
-def _prepare_out(out: Path, overwrite: bool) -> str | None:
+def _prepare_out(out: Path, overwrite: bool, resume: bool) -> str | None:
     """None when ``out`` is ready; else the reason it is not (the policy of every output folder:
-    :func:`diag.outputs.sinks.check_logdir`)."""
+    :func:`diag.outputs.sinks.check_logdir`). ``resume`` keeps the computed checkpoints (``per-checkpoint/``)
+    and replaces the outputs, which are written again from them; ``overwrite`` replaces both."""
+    units = out / STORE_FOLDER
+    if overwrite and resume:
+        return "pass either --overwrite (start again) or --resume (continue), not both"
+    if not (overwrite or resume) and units.is_dir() and any(units.iterdir()):
+        return (f"{out} holds a stopped analysis ({STORE_FOLDER}/); pass --resume to continue it, --overwrite to "
+                "replace it, or another folder")
     try:
-        check_logdir(out, overwrite=overwrite, how="--overwrite to replace it")
+        check_logdir(out, overwrite=overwrite or resume,
+                     how="--overwrite to replace it, or --resume to continue the analysis it holds")
     except DiagError as err:
         return str(err)
-    if overwrite and (out / "report").is_dir():
+    if overwrite and units.is_dir():
+        shutil.rmtree(units)
+    if (overwrite or resume) and (out / "report").is_dir():
         for old in (out / "report").iterdir():
             if old.is_file() and old.suffix in (".png", ".html"):
                 old.unlink()
@@ -87,6 +114,15 @@ def _model_layout():
     from hooks.checkpoint.search import ModelLayouts
 
     return ModelLayouts()
+
+
+def _user_model(spec: str | None):
+    """``--model``: the user's model built on the meta device by ``hooks`` (imported only here)."""
+    if spec is None:
+        return None
+    from hooks.checkpoint.usermodel import UserModel
+
+    return UserModel(spec)
 
 
 def _progress(quiet: bool):
@@ -129,7 +165,7 @@ def _describe(analysis: Analysis, out: Path, report: Path | None) -> str:
         f"analysed {len(steps)} checkpoint(s), steps {steps[0]}..{steps[-1]}; {len(analysis.layers)} attention "
         f"layers ({la.layout.adapter}, {la.layout.n_heads} heads of {la.layout.head_dim}); "
         f"{analysis.heads.note if analysis.heads else ''}",
-        *(analysis.heads.assumptions if analysis.heads else ()),
+        *analysis.assumptions,
         _table(analysis),
         f"alerts: {len(analysis.alerts)}"
         + "".join(f"\n  step {a.step} {a.level} {a.kind} {a.where}: {a.message}" for a in analysis.alerts),
@@ -140,33 +176,41 @@ def _describe(analysis: Analysis, out: Path, report: Path | None) -> str:
     return "\n".join(head)
 
 
+def _analyze(args: argparse.Namespace, out: Path, probe, user_model) -> Analysis | None:
+    """The analysis written to ``out``; None (after one ``error:`` line) when the options cannot be used."""
+    sinks: list[Sink] = [TensorBoardSink(out), JsonlSink(out / "metrics.jsonl")]
+    progress = _progress(args.quiet)
+    try:
+        with _log_above_progress(progress is not None):
+            return analyze_checkpoints(args.paths, heads=args.heads, kv_heads=args.kv_heads,
+                                       sec_top=args.sec_top, sinks=sinks, alerts_path=out / "alerts.jsonl",
+                                       progress=progress, probe=probe, layout=args.layout,
+                                       model_layout=_model_layout(), kv_map=args.kv_map, user_model=user_model,
+                                       jobs=args.jobs, store=out / STORE_FOLDER)
+    except DiagError as err:  # --layout unreadable, or given with --heads
+        print(f"error: {err}", file=sys.stderr)
+        return None
+    finally:
+        for sink in sinks:
+            sink.close()
+
+
 def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
-    reason = _prepare_out(out, args.overwrite)
+    reason = _prepare_out(out, args.overwrite, args.resume)
     if reason:
         print(f"error: {reason}", file=sys.stderr)
         return 2
     if args.quiet:
         logging.getLogger("diag").setLevel(logging.WARNING)
     try:
-        probe = _probe(args.probe)
+        probe, user_model = _probe(args.probe), _user_model(args.model)
     except DiagError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    sinks: list[Sink] = [TensorBoardSink(out), JsonlSink(out / "metrics.jsonl")]
-    progress = _progress(args.quiet)
-    try:
-        with _log_above_progress(progress is not None):
-            analysis = analyze_checkpoints(args.paths, heads=args.heads, kv_heads=args.kv_heads,
-                                           sec_top=args.sec_top, sinks=sinks, alerts_path=out / "alerts.jsonl",
-                                           progress=progress, probe=probe, layout=args.layout,
-                                           model_layout=_model_layout())
-    except DiagError as err:  # --layout unreadable, or given with --heads
-        print(f"error: {err}", file=sys.stderr)
+    analysis = _analyze(args, out, probe, user_model)
+    if analysis is None:
         return 2
-    finally:
-        for sink in sinks:
-            sink.close()
     for _, message in analysis.failures:
         print(f"error: {message}", file=sys.stderr)
     if not analysis.analysed:
@@ -180,8 +224,8 @@ def run(args: argparse.Namespace) -> int:
             report = write_report(analysis, out / "report")
         except (DiagError, OSError) as err:
             print(f"error: the report was not written: {err}", file=sys.stderr)
-    if args.quiet and not args.json and analysis.heads is not None:
-        for assumption in analysis.heads.assumptions:  # never silent about what was assumed
+    if args.quiet and not args.json:
+        for assumption in analysis.assumptions:  # never silent about what was assumed
             print(f"note: {assumption}", file=sys.stderr)
     if args.json:
         summary = analysis.summary()

@@ -8,7 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
-__all__ = ["at_least", "every", "non_negative", "positive", "show_diag_log", "tensorboard_command"]
+__all__ = ["at_least", "every", "kv_map_arg", "non_negative", "positive", "show_diag_log", "tensorboard_command"]
 
 
 def tensorboard_command(logdir: str | Path) -> str:
@@ -46,6 +46,17 @@ def every(text: str) -> int | None:
         return positive(text)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1 or 'default', got {text!r}") from None
+
+
+def kv_map_arg(text: str) -> str:
+    """``--kv-map``: ``grouped``, ``tiled`` or comma-separated key/value heads (one per query head)."""
+    if text in ("grouped", "tiled"):
+        return text
+    parts = text.replace(" ", "").split(",")
+    if not all(p.isascii() and p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"expected 'grouped', 'tiled' or comma-separated key/value head numbers "
+                                         f"such as 0,1,0,1 (one per query head), got {text!r}")
+    return ",".join(str(int(p)) for p in parts)
 
 
 def show_diag_log() -> None:

@@ -202,9 +202,12 @@ def _nothing_found(shapes: Mapping[str, tuple[int, ...]], heads: Heads) -> str:
     tried = "; ".join(a.describes for a in ADAPTERS)
     if heads.source == "--heads":
         fix = ("The head counts passed do not fit these tensors' rows: check --heads/--kv-heads, or pass "
-               "--layout FILE naming each layer's weights (docs/analyze.md#layout-files)")
+               "--model MODULE:CALLABLE naming the model's code, or --layout FILE naming each layer's weights "
+               "(docs/analyze.md#layout-files)")
     else:
-        fix = ("Pass --layout FILE naming each layer's weights and packing (docs/analyze.md#layout-files), or "
+        fix = ("Pass --model MODULE:CALLABLE naming the model's code (built on the meta device; its heads and "
+               "pairing are then the model's own), or the run's attnscope_layout.json (Monitor.save_layout), or "
+               "--layout FILE naming each layer's weights and packing (docs/analyze.md#layout-files), or "
                "--heads N (and --kv-heads G for grouped-query) if one of the adapters above fits the keys")
     return (
         f"unknown layout: no attention weights recognised with {read} ({heads.source}) among {len(shapes)} "

@@ -8,10 +8,13 @@ A *checkpoint* is one of:
   (``save_pretrained`` output, ``checkpoint-500/`` of the HF Trainer).
 
 A folder that is not a model folder is a *series*: every checkpoint file and model
-folder directly inside it. A series is ordered by step: the step written in the
-name (``step_100``, ``iter-100``, ``checkpoint-500``, ``ckpt100``) or else the one
-stored inside (``iter_num``, ``step``, ``global_step``; ``trainer_state.json``;
-safetensors metadata), or else the last number in the name.
+folder directly inside it. A series is ordered by step (:func:`step_of`): the step
+stored with the checkpoint (``iter_num``, ``step``, ``global_step``, ... in a
+container; ``trainer_state.json``; safetensors metadata), else a name that reads as a
+step (``step-1000``, ``checkpoint-1000``, ``iter_0001000``, ``global_step1000``,
+``ckpt100``, or a name of digits only). Any other number in a name is no step (a folder
+``llama8b`` is not step 8, ``gpt2.pt`` not step 2); a series none of whose checkpoints
+has a step is ordered by position, which the analysis states.
 """
 
 from __future__ import annotations
@@ -25,7 +28,14 @@ from pathlib import Path
 from typing import Any
 
 from diag.offline.layoutfile import LayoutFile, find_layout_file, parse_layout, read_layout_file
-from diag.offline.loaders import CheckpointError, TensorSource, load_torch, open_safetensors, unwrap_state_dict
+from diag.offline.loaders import (
+    CheckpointError,
+    TensorSource,
+    is_zip_format,
+    load_torch,
+    open_safetensors,
+    unwrap_state_dict,
+)
 
 __all__ = ["Checkpoint", "CheckpointError", "find_checkpoints", "open_checkpoint", "step_of", "TORCH_SUFFIXES"]
 
@@ -39,8 +49,10 @@ WEIGHT_FILES = (
 STEP_KEYS = ("iter_num", "step", "global_step", "iteration", "num_updates")
 CONFIG_KEYS = ("model_args", "config", "hyper_parameters", "hparams")
 LAYOUT_KEY = "attnscope_layout"  # a checkpoint dict's entry holding the run's layout file
+# A name that reads as a step: a keyword and its number (global_step1000 is step1000), or digits only.
 _NAMED_STEP = re.compile(r"(?:step|iter|iteration|checkpoint|ckpt)[-_=]?(\d+)", re.IGNORECASE)
-_LAST_NUMBER = re.compile(r"(\d+)(?!.*\d)")
+_DIGITS = re.compile(r"\d+")
+STEP_NAMES = "step-1000, checkpoint-1000, iter_0001000, global_step1000"
 
 
 @dataclass
@@ -97,20 +109,28 @@ def find_checkpoints(args: Iterable[str]) -> tuple[list[Path], list[tuple[str, C
     return paths, failed
 
 
-def step_from_name(path: Path, keyword_only: bool = False) -> int | None:
+def step_from_name(path: Path) -> int | None:
+    """The step a name states (see the module docstring), or None: other numbers in a name are no step."""
     name = path.name if path.is_dir() else path.name.split(".")[0]
-    match = _NAMED_STEP.search(name) or (None if keyword_only else _LAST_NUMBER.search(name))
-    return int(match.group(1)) if match else None
+    match = _NAMED_STEP.search(name)
+    if match:
+        return int(match.group(1))
+    return int(name) if _DIGITS.fullmatch(name) and len(name) <= 18 else None
 
 
-def step_of(path: Path) -> int | None:
-    """The training step of a checkpoint: in its name, else stored inside, else any number in its name."""
-    step = step_from_name(path, keyword_only=True)
-    if step is None and path.name in WEIGHT_FILES:  # checkpoint-500/model.safetensors: the folder's step
-        step = step_from_name(path.parent, keyword_only=True)
-    if step is None:
-        step = open_checkpoint(path).stored_step
-    return step if step is not None else step_from_name(path)
+def step_of(path: Path, ckpt: Checkpoint | None = None) -> tuple[int | None, str]:
+    """The training step of a checkpoint and where it was read: ``"metadata"`` (stored with it), ``"name"``, or
+    (None, "") when neither holds one. A weights file of a model folder (``checkpoint-500/model.safetensors``)
+    has the folder's ``trainer_state.json`` and name. ``ckpt``: the checkpoint, if already open."""
+    step = (ckpt or open_checkpoint(path)).stored_step
+    if step is None and path.name in WEIGHT_FILES and (path.parent / "trainer_state.json").is_file():
+        step = _stored_step(_read_json(path.parent / "trainer_state.json"))
+    if step is not None:
+        return step, "metadata"
+    step = step_from_name(path)
+    if step is None and path.name in WEIGHT_FILES:
+        step = step_from_name(path.parent)
+    return (step, "name") if step is not None else (None, "")
 
 
 def _int_value(value: Any) -> int | None:
@@ -143,22 +163,30 @@ def _config_beside(path: Path) -> tuple[dict[str, Any], str]:
     return (_read_json(beside), "config.json") if beside.is_file() else ({}, "")
 
 
-def _open_torch(path: Path) -> Checkpoint:
+def _torch_source(path: Path) -> tuple[TensorSource, dict[str, Any]]:
+    """A PyTorch file's tensors and the container's other entries. A zip-format file is loaded again
+    (memory-mapped) for each read, so no mapping outlives a read; a legacy one stays as read, whole."""
     state, meta = unwrap_state_dict(load_torch(path), path)
+    if not is_zip_format(path):
+        return TensorSource.from_dict(state), meta
+    return TensorSource.reloading(state, lambda: unwrap_state_dict(load_torch(path), path)[0]), meta
+
+
+def _open_torch(path: Path) -> Checkpoint:
+    tensors, meta = _torch_source(path)
     config, source = _config(meta)
     if not config:
         config, source = _config_beside(path)
     layout = None
     if isinstance(meta.get(LAYOUT_KEY), dict):  # saved inside by the Lightning callback
         layout = parse_layout(meta[LAYOUT_KEY], f"{path} ({LAYOUT_KEY})")
-    return Checkpoint(path, "pytorch", TensorSource.from_dict(state), config, source, _stored_step(meta), layout)
+    return Checkpoint(path, "pytorch", tensors, config, source, _stored_step(meta), layout)
 
 
 def _open_file(path: Path) -> tuple[TensorSource, dict[str, Any]]:
     if path.suffix == ".safetensors":
         return open_safetensors(path)
-    state, meta = unwrap_state_dict(load_torch(path), path)
-    return TensorSource.from_dict(state), meta
+    return _torch_source(path)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

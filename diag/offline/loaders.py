@@ -5,10 +5,17 @@
   whole). A pickle that names anything but tensors and plain containers is
   refused by PyTorch's weights-only unpickler before any of it runs.
 * ``.safetensors``: ``safetensors.safe_open``: shapes from the header, a tensor is
-  read (memory-mapped) only when asked for.
+  read only when asked for, with ``pread`` where safetensors has it (no mapping of
+  the file).
 
 A :class:`TensorSource` maps clean names (``module.`` and ``_orig_mod.`` removed)
-to shapes and tensors, whatever the file format.
+to shapes and tensors, whatever the file format. Memory stays with what the caller
+holds: a tensor read is the caller's own copy, and no mapping of the file grows with
+what was read (the pages of a memory-mapped file count in a process's resident memory
+as long as the mapping lives, so a 70B checkpoint read layer by layer through one
+mapping would end with all of its attention weights resident). A zip-format PyTorch file is
+therefore loaded again (memory-mapped, only its pickle parsed) for each :meth:`TensorSource.read`,
+and the mapping dropped after the copy.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from __future__ import annotations
 import pickle
 import re
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +32,8 @@ from torch import Tensor
 
 from diag.errors import DiagError
 
-__all__ = ["CheckpointError", "TensorSource", "clean_key", "load_torch", "open_safetensors", "unwrap_state_dict"]
+__all__ = ["CheckpointError", "TensorSource", "clean_key", "is_zip_format", "load_torch", "open_safetensors",
+           "unwrap_state_dict"]
 
 # Containers that wrap a state dict, in the order they are tried.
 STATE_KEYS = ("state_dict", "model_state_dict", "model", "module", "net", "network")
@@ -41,23 +49,51 @@ def clean_key(key: str) -> str:
     return _PREFIX.sub("", key).replace("._orig_mod.", ".")
 
 
-class TensorSource:
-    """Names -> (shape, reader); tensors are read only when :meth:`get` asks for them."""
+ReadMany = Callable[[list[str]], dict[str, Tensor]]
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]], read: Callable[[str], Tensor]) -> None:
+
+class TensorSource:
+    """Names -> (shape, reader); tensors are read only when :meth:`read` or :meth:`get` asks for them."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], read: ReadMany) -> None:
         self.shapes, self._read = shapes, read
 
     @classmethod
     def from_dict(cls, tensors: Mapping[str, Tensor]) -> TensorSource:
-        table = {clean_key(str(k)): v for k, v in tensors.items() if isinstance(v, Tensor)}  # pickles allow int keys
-        return cls({k: tuple(v.shape) for k, v in table.items()}, table.__getitem__)
+        table = _table(tensors)
+        return cls({k: tuple(v.shape) for k, v in table.items()}, lambda names: {n: table[n] for n in names})
+
+    @classmethod
+    def reloading(cls, tensors: Mapping[str, Tensor], load: Callable[[], Mapping[str, Tensor]]) -> TensorSource:
+        """Shapes from ``tensors`` (then dropped); each :meth:`read` calls ``load()`` (a memory-mapped state
+        dict) and copies out what it asks for, so the mapping lives only as long as the read."""
+
+        def read(names: list[str]) -> dict[str, Tensor]:
+            table = _table(load())
+            return {n: table[n].clone() for n in names}
+
+        return cls({k: tuple(v.shape) for k, v in _table(tensors).items()}, read)
 
     def merged(self, other: TensorSource) -> TensorSource:
         shapes = {**self.shapes, **other.shapes}
-        return TensorSource(shapes, lambda k: (self if k in self.shapes else other).get(k))
+
+        def read(names: list[str]) -> dict[str, Tensor]:
+            mine = [n for n in names if n in self.shapes]
+            return {**self.read(mine), **other.read([n for n in names if n not in self.shapes])}
+
+        return TensorSource(shapes, read)
+
+    def read(self, names: Iterable[str]) -> dict[str, Tensor]:
+        """The named tensors (one opening of the file for all of them where the format reopens)."""
+        names = list(dict.fromkeys(names))
+        return self._read(names) if names else {}
 
     def get(self, name: str) -> Tensor:
-        return self._read(name)
+        return self.read([name])[name]
+
+
+def _table(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    return {clean_key(str(k)): v for k, v in tensors.items() if isinstance(v, Tensor)}  # pickles allow int keys
 
 
 def _refused(path: Path) -> CheckpointError:
@@ -80,6 +116,16 @@ def _unsafe(message: str, path: Path) -> bool:
     with open(path, "rb") as f:
         head = f.read(2)
     return len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5
+
+
+def is_zip_format(path: Path) -> bool:
+    """Whether ``torch.save`` wrote the file in its zip format (the default since torch 1.6), which
+    ``torch.load`` can memory-map; the legacy format is read whole."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(2) == b"PK"
+    except OSError:
+        return False
 
 
 def load_torch(path: Path) -> Any:
@@ -168,7 +214,7 @@ def open_safetensors(path: Path) -> tuple[TensorSource, dict[str, str]]:
     except ImportError as err:  # pragma: no cover - an optional dependency
         raise CheckpointError(f"{path}: reading .safetensors needs `pip install safetensors`") from err
     try:
-        handle = safe_open(str(path), framework="pt", device="cpu")
+        handle = _safe_open(safe_open, path)
         names = list(handle.keys())
         shapes = {clean_key(n): tuple(handle.get_slice(n).get_shape()) for n in names}
         meta = dict(handle.metadata() or {})
@@ -178,4 +224,13 @@ def open_safetensors(path: Path) -> tuple[TensorSource, dict[str, str]]:
             "re-copy or re-save it"
         ) from None
     raw = {clean_key(n): n for n in names}
-    return TensorSource(shapes, lambda k: handle.get_tensor(raw[k])), meta
+    return TensorSource(shapes, lambda wanted: {k: handle.get_tensor(raw[k]) for k in wanted}), meta
+
+
+def _safe_open(safe_open: Any, path: Path) -> Any:
+    """The file opened for ``pread`` reads where this safetensors has them (0.7 and later): a tensor read is
+    a copy and nothing of the file stays mapped; else memory-mapped."""
+    try:
+        return safe_open(str(path), framework="pt", device="cpu", backend="pread")
+    except TypeError:  # pragma: no cover - safetensors without the backend option
+        return safe_open(str(path), framework="pt", device="cpu")

@@ -14,6 +14,11 @@ the update spans every step in between.
 Records go through :mod:`diag.outputs.records` (the Monitor's tag scheme) to any sinks,
 and each record's arrays to the detectors. A checkpoint that fails is reported
 and the series goes on.
+
+The work is split in three: the plan (:mod:`diag.offline.plan`: steps and layers, from headers), the
+units (:mod:`diag.offline.units`: one checkpoint at a time, one layer at a time, against the checkpoint
+before it; in worker processes with ``jobs``, :mod:`diag.offline.jobs`; kept on disk with ``store``,
+:mod:`diag.offline.store`), and the records, written here in step order from the units.
 """
 
 from __future__ import annotations
@@ -23,27 +28,23 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
-from torch import Tensor
-
 from diag.detectors import Alert, AlertConfig, Detectors, Observation
-from diag.errors import ConfigError, DiagError, SpecError
+from diag.errors import ConfigError
 from diag.layouts.statedict import Heads, StateDictLayer
-from diag.layouts.vocab import QKVLayout, split_projections, split_qkv
-from diag.math.metrics import DEFAULT_SEC_TOP, layer_spectra
-from diag.math.updates import UpdateTracker
-from diag.offline.checkpoint import Checkpoint, find_checkpoints, open_checkpoint, step_of
-from diag.offline.layers import ModelLayoutFn, choose_layers
+from diag.layouts.vocab import QKVLayout
+from diag.math.metrics import DEFAULT_SEC_TOP
+from diag.offline.checkpoint import STEP_KEYS, STEP_NAMES
+from diag.offline.jobs import Pool
+from diag.offline.layers import ModelLayoutFn
 from diag.offline.layoutfile import LayoutEntry, LayoutFile, read_layout_file
+from diag.offline.plan import LayoutChoice, Planned, make_plan
+from diag.offline.store import UnitStore, fingerprint
+from diag.offline.units import ProbeFn, UnitResult, compute_unit
 from diag.outputs.alert_sink import AlertSink
-from diag.outputs.records import LayerArrays, build_record, host_arrays, per_head_default
+from diag.outputs.records import LayerArrays, build_record, per_head_default
 from diag.outputs.sinks import FanOut, Record, Sink
 
-__all__ = ["Analysis", "analyze_checkpoints", "order_checkpoints"]
-
-Projections = dict[str, Tensor]  # a layer's matrices: "q", "k", "v" per head, "o" (see split_projections)
-# ``--probe``: attention arrays per layer label of a checkpoint (see hooks/checkpoint/probe.py).
-ProbeFn = Callable[[Checkpoint, list[StateDictLayer]], LayerArrays]
+__all__ = ["Analysis", "ProbeFn", "analyze_checkpoints"]
 
 
 @dataclass
@@ -58,18 +59,31 @@ class Analysis:
     records: list[Record] = field(default_factory=list)
     alerts: list[Alert] = field(default_factory=list)
     failures: list[tuple[str, str]] = field(default_factory=list)  # (path, one-line message)
+    positions: list[str] = field(default_factory=list)  # checkpoints whose step is their position in the series
 
     @property
     def steps(self) -> list[int]:
         return [step for _, step in self.analysed]
 
+    @property
+    def assumptions(self) -> list[str]:
+        """What could not be read from the checkpoints: the layouts' assumptions, steps taken from positions."""
+        stated = [] if self.heads is None else list(self.heads.assumptions)
+        if self.positions:
+            shown = ", ".join(self.positions[:3]) + (", ..." if len(self.positions) > 3 else "")
+            stated.append(f"assumed: the step of each checkpoint is its position in the series (0, 1, ...; {shown})"
+                          f": none has a step stored with it ({', '.join(STEP_KEYS)}) or in its name "
+                          f"({STEP_NAMES}); the steps written are these positions")
+        return stated
+
     def summary(self) -> dict:
         """A JSON-ready summary: checkpoints, layers, final metrics, alerts, failures."""
         return {
-            "checkpoints": [{"path": p, "step": s} for p, s in self.analysed],
+            "checkpoints": [{"path": p, "step": s, **({"step_from": "position"} if p in self.positions else {})}
+                            for p, s in self.analysed],
             "failures": [{"path": p, "error": e} for p, e in self.failures],
             "heads": None if self.heads is None else {"source": self.heads.source, "note": self.heads.note},
-            "assumptions": [] if self.heads is None else list(self.heads.assumptions),
+            "assumptions": self.assumptions,
             "layers": [{"label": la.label, "module": la.name, "adapter": la.layout.adapter,
                         "heads": la.layout.n_heads, "kv_heads": la.layout.kv_heads,
                         "head_dim": la.layout.head_dim, "packing": la.layout.packing,
@@ -85,11 +99,7 @@ class Analysis:
 
 def _kv_map(layout: QKVLayout) -> list[int] | None:
     """The query-to-KV-head pairing the analysis used (None: one KV head per query head)."""
-    g, h = layout.kv_heads, layout.n_heads
-    if g == h:
-        return None
-    explicit = layout.kv_map
-    return list(explicit) if explicit is not None else [i // (h // g) for i in range(h)]
+    return None if layout.kv_heads == layout.n_heads else list(layout.kv_index)
 
 
 def _num(x: float) -> float | None:
@@ -97,91 +107,84 @@ def _num(x: float) -> float | None:
     return float(x) if math.isfinite(x) else None
 
 
-def order_checkpoints(paths: Sequence[Path]) -> tuple[list[tuple[Path, int]], list[tuple[str, str]]]:
-    """(path, step) sorted by step; a checkpoint whose step cannot be read, or repeats one, fails."""
-    ordered, failures = [], []
-    for i, path in enumerate(paths):
-        try:
-            step = step_of(path)
-        except DiagError as err:
-            failures.append((str(path), str(err)))
-            continue
-        ordered.append((i, path, i if step is None else step))
-    ordered.sort(key=lambda t: (t[2], t[0]))
-    kept: list[tuple[Path, int]] = []
-    for _, path, step in ordered:
-        if kept and kept[-1][1] == step:
-            failures.append((str(path), f"{path}: step {step} again (also {kept[-1][0]}); a series needs one "
-                             "checkpoint per step: pass one of them"))
+class _Units:
+    """Each analysable checkpoint's unit, against the last checkpoint that succeeded before it: from the store,
+    from a worker (which computed it against the checkpoint planned before it), or computed here."""
+
+    def __init__(self, entries: list[Planned], sec_top: int, probe: ProbeFn | None, store: UnitStore | None,
+                 jobs: int) -> None:
+        self.sec_top, self.probe = sec_top, probe
+        identity = getattr(probe, "identity", None)
+        self.probe_id = None if probe is None else identity() if callable(identity) else None
+        self.store = store if probe is None or self.probe_id is not None else None  # an unnamed probe: no store
+        ok = [e for e in entries if e.error is None]
+        self.planned = {e.path: (ok[i - 1] if i else None) for i, e in enumerate(ok)}
+        self.futures: dict[Path, object] = {}
+        self.pool = Pool(jobs, sec_top, probe, self.store) if jobs > 1 and len(ok) > 1 else None
+        if self.pool is not None:
+            for entry in ok:
+                previous = self.planned[entry.path]
+                key = self._key(entry, previous)
+                if key is None or self.store is None or not self.store.has(key):
+                    self.futures[entry.path] = self.pool.submit(entry, previous, key)
+
+    def _key(self, entry: Planned, previous: Planned | None) -> str | None:
+        if self.store is None:
+            return None
+        return fingerprint(entry, previous, self.sec_top, self.probe_id)
+
+    def result(self, entry: Planned, previous: Planned | None) -> UnitResult:
+        key = self._key(entry, previous)
+        cached = None if key is None or self.store is None else self.store.load(key)
+        if cached is not None:
+            return cached
+        future = self.futures.pop(entry.path, None)
+        if future is not None and self.planned[entry.path] is previous:
+            result = future.result()
         else:
-            kept.append((path, step))
-    return kept, failures
+            result = compute_unit(entry, previous, self.sec_top, self.probe)
+            if key is not None and self.store is not None and not result.previous_failed:
+                self.store.save(key, result)
+        if result.previous_failed:  # the checkpoint before was analysed but cannot be read now: no update
+            return self.result(entry, None)
+        return result
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
 
 
 class _Series:
-    """The state carried from one checkpoint to the next."""
+    """The records, in step order, from the units."""
 
-    def __init__(self, out: Analysis, heads: int | None, kv_heads: int | None, sec_top: int,
-                 sinks: FanOut, alert_sink: AlertSink, detectors: Detectors, probe: ProbeFn | None,
-                 layout: LayoutFile | None = None, model_layout: ModelLayoutFn | None = None) -> None:
-        self.out, self.n_heads, self.kv_heads, self.sec_top = out, heads, kv_heads, sec_top
-        self.probe, self.layout, self.model_layout = probe, layout, model_layout
-        self.sinks, self.alert_sink, self.detectors = sinks, alert_sink, detectors
-        self.previous: tuple[int, list[Projections]] | None = None
-        self.update_tracker = UpdateTracker()  # the live Monitor's computation, warm across the series
+    def __init__(self, out: Analysis, sinks: FanOut, alert_sink: AlertSink, detectors: Detectors) -> None:
+        self.out, self.sinks, self.alert_sink, self.detectors = out, sinks, alert_sink, detectors
+        self.previous: Planned | None = None
         self.per_head = True
 
-    def add(self, path: Path, step: int) -> None:
-        ckpt = open_checkpoint(path)
-        try:
-            layers, heads = choose_layers(ckpt, self.layout, self.n_heads, self.kv_heads, self.model_layout)
-        except SpecError as err:
-            raise SpecError(f"{path}: {str(err).removeprefix(f'{path}: ')}") from None
-        self._check_same(path, layers)
-        weights = [_weights(ckpt, layer) for layer in layers]
-        mats = [split_projections(w, layer.layout) for w, layer in zip(weights, layers)]
-        with torch.no_grad():
-            spectra = layer_spectra([_query_key(w, la.layout, m) for w, la, m in zip(weights, layers, mats)],
-                                    self.sec_top)
-            updates = self._updates(mats)
-        if not self.out.layers:
-            self.out.layers, self.out.heads = layers, heads
-            self.per_head = per_head_default(sum(la.layout.n_heads for la in layers))
-        if updates is not None:
-            self._emit(self.previous[0], host_arrays(list(zip((la.label for la in layers), updates))), True)
-        arrays = host_arrays([(la.label, m) for la, m in zip(layers, spectra)])
-        if self.probe is not None:
-            self._add_probe(path, ckpt, layers, arrays)
-        self._emit(step, arrays, False)
-        self.previous = (step, mats)
-        self.out.analysed.append((str(path), step))
-
-    def _add_probe(self, path: Path, ckpt: Checkpoint, layers: list[StateDictLayer], arrays: LayerArrays) -> None:
-        """Attention arrays from the probe, merged per layer; a probe failure leaves the weights' metrics."""
-        try:
-            attention = self.probe(ckpt, layers)
-        except DiagError as err:
-            message = str(err).removeprefix(f"{path}: ")
-            self.out.failures.append((str(path), f"{path}: probe: {message}"))
+    def add(self, entry: Planned, units: _Units) -> None:
+        if entry.error is not None:
+            self.out.failures.append((str(entry.path), entry.error))
             return
-        for label, metrics in attention.items():
+        result = units.result(entry, self.previous)
+        if result.error is not None:
+            self.out.failures.append((str(entry.path), result.error))
+            return
+        if not self.out.layers:
+            self.out.layers, self.out.heads = list(entry.layers or ()), entry.heads
+            self.per_head = per_head_default(sum(la.layout.n_heads for la in self.out.layers))
+        if result.updates is not None and self.previous is not None:
+            self._emit(self.previous.step, result.updates, True)
+        arrays = {label: dict(metrics) for label, metrics in result.spectra.items()}
+        if result.probe_error is not None:
+            self.out.failures.append((str(entry.path), result.probe_error))
+        for label, metrics in (result.probe or {}).items():
             arrays.setdefault(label, {}).update(metrics)
-
-    def _check_same(self, path: Path, layers: list[StateDictLayer]) -> None:
-        if self.out.layers and [(la.name, la.layout) for la in layers] != [
-            (la.name, la.layout) for la in self.out.layers
-        ]:
-            first = self.out.analysed[0][0]
-            raise SpecError(
-                f"{path}: mismatched shapes: its attention layers ({len(layers)}) differ in names or shapes "
-                f"from those of {first} ({len(self.out.layers)}); analyse checkpoints of one model per run"
-            )
-
-    def _updates(self, mats: list[Projections]) -> list[dict[str, Tensor]] | None:
-        if self.previous is None:
-            return None
-        tracker = self.update_tracker
-        return tracker.measure(tracker.snapshot(self.previous[1]), mats)
+        self._emit(entry.step, arrays, False)
+        self.previous = entry
+        self.out.analysed.append((str(entry.path), entry.step))
+        if entry.step_from == "position":
+            self.out.positions.append(str(entry.path))
 
     def _emit(self, step: int, arrays: LayerArrays, update: bool) -> None:
         (self.out.updates if update else self.out.spectra)[step] = arrays
@@ -193,19 +196,6 @@ class _Series:
         self.alert_sink.emit(alerts)
 
 
-def _query_key(weights: dict[str, Tensor], layout: QKVLayout, mats: Projections) -> tuple[Tensor, Tensor]:
-    """Q (H, D, E) and K, as the live Monitor pairs them: K row h is query head h's key head where the layout
-    has an explicit query-to-KV-head map; else K (G, D, E), query head h with key head h // (H/G)."""
-    if layout.kv_map is not None:
-        q, k, _ = split_qkv(weights, layout, paired=True)
-        return q, k
-    return mats["q"], mats["k"]
-
-
-def _weights(ckpt: Checkpoint, layer: StateDictLayer) -> dict[str, Tensor]:
-    return {rel: ckpt.tensors.get(key) for rel, key in layer.keys().items()}
-
-
 def _layout_file(layout: str | Path | LayoutFile | Mapping[str, QKVLayout] | None) -> LayoutFile | None:
     if layout is None or isinstance(layout, LayoutFile):
         return layout
@@ -214,6 +204,21 @@ def _layout_file(layout: str | Path | LayoutFile | Mapping[str, QKVLayout] | Non
             raise ConfigError("analyze_checkpoints(layout={...}): expected {module pattern: QKVLayout}")
         return LayoutFile(tuple(LayoutEntry(k, v) for k, v in layout.items()), "layout=")
     return read_layout_file(layout)
+
+
+def _check_options(layout: object, heads: int | None, kv_heads: int | None, kv_map: str | None,
+                   user_model: ModelLayoutFn | None, jobs: int) -> None:
+    if layout is not None and (heads is not None or kv_heads is not None):
+        raise ConfigError("analyze_checkpoints: pass either layout= (--layout) or heads=/kv_heads= (--heads, "
+                          "--kv-heads), not both: the layout already holds the head counts")
+    if kv_map is not None and layout is not None:
+        raise ConfigError("analyze_checkpoints: pass either layout= (--layout) or kv_map= (--kv-map), not both: "
+                          "a layout file states each layer's pairing in its kv_map field")
+    if user_model is not None and (layout is not None or heads is not None or kv_heads is not None):
+        raise ConfigError("analyze_checkpoints: user_model= (--model) finds the layouts and head counts of the "
+                          "model it builds; pass it without layout=/heads=/kv_heads= (--layout, --heads, --kv-heads)")
+    if not isinstance(jobs, int) or jobs < 1:
+        raise ConfigError(f"analyze_checkpoints(jobs={jobs!r}): expected a whole number of processes >= 1")
 
 
 def analyze_checkpoints(
@@ -229,6 +234,10 @@ def analyze_checkpoints(
     probe: ProbeFn | None = None,
     layout: str | Path | LayoutFile | Mapping[str, QKVLayout] | None = None,
     model_layout: ModelLayoutFn | None = None,
+    kv_map: str | None = None,
+    user_model: ModelLayoutFn | None = None,
+    jobs: int = 1,
+    store: str | Path | None = None,
 ) -> Analysis:
     """Analyse checkpoints (files, folders, globs) in step order; see the module docstring.
 
@@ -239,27 +248,26 @@ def analyze_checkpoints(
     ``layout``: a layout file (path or :class:`LayoutFile`) or a Monitor-style spec
     ``{module pattern: QKVLayout}`` for every checkpoint; else each checkpoint's own
     (see :mod:`diag.offline.layers`). ``model_layout`` finds the layouts of a Hugging
-    Face folder's model (``hooks.checkpoint.search.ModelLayouts``).
+    Face folder's model (``hooks.checkpoint.search.ModelLayouts``); ``user_model`` those of the
+    user's own model (``hooks.checkpoint.usermodel.UserModel``, ``--model``). ``kv_map``: the
+    grouped-query pairing where the layouts assume one (``"grouped"``, ``"tiled"`` or ``"0,1,0,1"``).
+    ``jobs``: worker processes (the results are those of one). ``store``: a folder where each
+    checkpoint's arrays are kept; a later call with the same checkpoints and options reads them
+    instead of computing them again (how ``--out`` resumes).
     """
-    if layout is not None and (heads is not None or kv_heads is not None):
-        raise ConfigError("analyze_checkpoints: pass either layout= (--layout) or heads=/kv_heads= (--heads, "
-                          "--kv-heads), not both: the layout already holds the head counts")
-    spec = _layout_file(layout)
-    out = Analysis()
-    found, failed = find_checkpoints(str(p) for p in paths)
-    out.failures += [(arg, str(err)) for arg, err in failed]
-    ordered, failed_steps = order_checkpoints(found)
-    out.failures += failed_steps
+    _check_options(layout, heads, kv_heads, kv_map, user_model, jobs)
+    choice = LayoutChoice(_layout_file(layout), heads, kv_heads, model_layout, kv_map, user_model)
+    plan = make_plan(paths, choice)
+    out = Analysis(failures=list(plan.failures))
     fan = FanOut(list(sinks))
-    series = _Series(out, heads, kv_heads, sec_top, fan, AlertSink(fan, alerts_path), Detectors(alerts), probe,
-                     spec, model_layout)
-    for path, step in progress(ordered) if progress else ordered:
-        try:
-            series.add(path, step)
-        except DiagError as err:
-            out.failures.append((str(path), str(err)))
-        except (RuntimeError, OSError, ValueError) as err:  # a tensor that cannot be read or split
-            out.failures.append((str(path), f"{path}: failed while reading its attention weights ({err}); "
-                                 "the file is corrupt or its shapes do not fit the layout"))
+    series = _Series(out, fan, AlertSink(fan, alerts_path), Detectors(alerts))
+    units = _Units(plan.entries, sec_top, probe, None if store is None else UnitStore(store), jobs)
+    try:
+        for entry in progress(plan.entries) if progress else plan.entries:
+            series.add(entry, units)
+    finally:
+        units.close()
+    if units.store is not None:
+        units.store.forget_others()
     fan.flush()
     return out

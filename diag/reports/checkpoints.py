@@ -127,6 +127,7 @@ def _page(analysis: Analysis, figures: list[tuple[str, str]]) -> str:
     alerts = [[a.step, a.level, a.kind, a.where, a.message] for a in analysis.alerts]
     parts = [
         f"<p>{len(analysis.analysed)} checkpoint(s), steps {analysis.steps}. {html.escape(note)}.</p>",
+        "".join(f"<p>{html.escape(a)}</p>" for a in analysis.assumptions),  # never silent about what was assumed
         "<h2>Layers</h2>" + table(["layer", "module", "adapter", "heads", "kv heads", "head dim"], layers),
         "".join(f"<h2>{html.escape(t)}</h2><img src='{f}' alt='{html.escape(t)}'>" for f, t in figures),
         f"<h2>Alerts ({len(alerts)})</h2>",

@@ -16,6 +16,7 @@ folder holds a tokenizer.
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import torch
@@ -84,6 +85,16 @@ class Probe:
         self.layers: list[AttentionLayer] = []
         self.ids: Tensor | None = None
 
+    def identity(self) -> str:
+        """What the arrays depend on besides the checkpoint: the inputs' bytes and the capture's settings (the
+        name of a stored unit, :mod:`diag.offline.store`)."""
+        digest = hashlib.sha256(self.inputs.read_bytes()).hexdigest()
+        return f"probe {digest} seqs={self.attn_seqs} rank_rows={self.attn_rank_rows}"
+
+    def __getstate__(self) -> dict:
+        """Sent to a worker process (``--jobs``) without the model it built: the worker builds its own."""
+        return {**self.__dict__, "model": None, "layers": [], "ids": None}
+
     def __call__(self, ckpt: Checkpoint, layers: list[StateDictLayer]) -> LayerArrays:
         try:
             return self._measure(ckpt, layers)
@@ -119,7 +130,7 @@ class Probe:
 
     def _load(self, ckpt: Checkpoint) -> None:
         assert self.model is not None
-        state = {k: ckpt.tensors.get(k) for k in ckpt.tensors.shapes}
+        state = ckpt.tensors.read(ckpt.tensors.shapes)
         with torch.no_grad():
             result = self.model.load_state_dict(state, strict=False)
         own = {f"{la.name}.{n}" for la in self.layers for n in la.layout.param_names}

@@ -17,8 +17,14 @@ decides among them on a twin with random float64 weights:
 Each module gets its recorded inputs from an unperturbed forward, so every layer is
 tested on its own in one forward per candidate. A module with no candidate that passes
 is left out; a folder none of whose modules passes gives ``SpecError`` naming what was
-read. Large models are probed with a twin of at most :data:`PROBE_LAYERS` layers and the
-layouts carried to every layer of the same name pattern.
+read. Large models (over :data:`MAX_TWIN_PARAMS`) are probed on a twin of :data:`PROBE_LAYERS`
+layer whose feed-forward widths (:data:`FFN_KEYS`), vocabulary and position tables are cut to
+what the probe's forward needs (the attention module keeps the model's width and heads: its
+shapes are what is tested), and the layouts carried to every layer of the same name pattern.
+So the probe's memory is one attention module in float64 plus a constant, whatever the
+model's depth, feed-forward width or vocabulary (a 70B-shaped model: about 1.3 GB, was 17.6);
+a config that cannot be built or run so cut is probed as before: 2 layers of full width, the
+vocabulary cut.
 """
 
 from __future__ import annotations
@@ -42,9 +48,15 @@ from hooks.layout.discover import module_view
 
 __all__ = ["ModelLayouts", "model_layouts"]
 
-PROBE_LAYERS = 2  # layers of the random twin when the model is larger than MAX_TWIN_PARAMS
+PROBE_LAYERS = 1  # layers of the random twin when the model is larger than MAX_TWIN_PARAMS
 MAX_TWIN_PARAMS = 50_000_000
 PROBE_VOCAB = 1024  # vocabulary of the twin of a large model
+PROBE_FFN = 32  # feed-forward width of the twin of a large model
+PROBE_POSITIONS = 64  # position-table length of the twin of a large model (the probe's sequences have 8 tokens)
+LAYER_KEYS = ("num_hidden_layers", "num_layers", "encoder_layers", "decoder_layers", "n_layer", "n_layers")
+FFN_KEYS = ("intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "n_inner", "d_ff",
+            "moe_intermediate_size", "shared_expert_intermediate_size", "intermediate_size_mlp", "ffn_hidden_size")
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len")
 
 
 def _config(config: dict[str, Any]):
@@ -65,10 +77,10 @@ def _config(config: dict[str, Any]):
     return cfg, cls
 
 
-def _build(cfg, cls, device: str) -> nn.Module:
+def _build(cfg, cls, device: str, dtype: torch.dtype | None = None) -> nn.Module:
     build = cls.from_config if cls.__name__.startswith("Auto") else cls._from_config
     with torch.device(device):
-        return build(cfg, attn_implementation="eager")
+        return build(cfg, attn_implementation="eager", **({} if dtype is None else {"dtype": dtype}))
 
 
 def _dims(cfg) -> tuple[int, int, int] | None:
@@ -172,26 +184,64 @@ def _pattern(name: str) -> str:
     return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", name)
 
 
-def _twin(cfg, cls, meta: nn.Module) -> nn.Module:
-    """A float64 model with random weights: the same config, or at most PROBE_LAYERS layers when large."""
+def _cut(cfg, level: int):
+    """A copy of the config, cut for the probe. Level 2: :data:`PROBE_LAYERS` layers and the widths of all but
+    the attention modules cut (feed-forward, vocabulary, position tables); level 1 (a config level 2 cannot
+    build or run): 2 layers and the vocabulary; level 0: the config itself. Per-layer lists follow the layers."""
     cfg = cfg.__class__.from_dict(cfg.to_dict())
-    if sum(p.numel() for p in meta.parameters()) > MAX_TWIN_PARAMS:
-        for key in ("num_hidden_layers", "num_layers", "encoder_layers", "decoder_layers"):
-            if isinstance(getattr(cfg, key, None), int):
-                setattr(cfg, key, min(getattr(cfg, key), PROBE_LAYERS))
-        if isinstance(getattr(cfg, "vocab_size", None), int) and cfg.vocab_size > PROBE_VOCAB:
-            cfg.vocab_size = PROBE_VOCAB  # the embedding tables hold no attention; token ids are drawn below it
-            for key in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
-                if isinstance(getattr(cfg, key, None), int) and getattr(cfg, key) >= PROBE_VOCAB:
-                    setattr(cfg, key, 0)
+    if level == 0:
+        return cfg
+    _cut_layers(cfg, PROBE_LAYERS if level == 2 else 2)
+    for keys, limit in ((FFN_KEYS, PROBE_FFN), (POSITION_KEYS, PROBE_POSITIONS)) if level == 2 else ():
+        for key in keys:
+            if isinstance(getattr(cfg, key, None), int) and getattr(cfg, key) > limit:
+                setattr(cfg, key, limit)
+    if isinstance(getattr(cfg, "vocab_size", None), int) and cfg.vocab_size > PROBE_VOCAB:
+        cfg.vocab_size = PROBE_VOCAB  # the embedding tables hold no attention; token ids are drawn below it
+        for key in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
+            if isinstance(getattr(cfg, key, None), int) and getattr(cfg, key) >= PROBE_VOCAB:
+                setattr(cfg, key, 0)
+    return cfg
+
+
+def _cut_layers(cfg, keep: int) -> None:
+    for key in LAYER_KEYS:
+        layers = getattr(cfg, key, None)
+        if isinstance(layers, int) and layers > keep:
+            setattr(cfg, key, keep)
+            for name, value in list(vars(cfg).items()):  # e.g. layer_types: one entry per layer
+                if isinstance(value, list) and len(value) == layers:
+                    setattr(cfg, name, value[:keep])
+
+
+def _twin(cfg, cls, level: int) -> nn.Module:
+    """A float64 model with random weights, of the config :func:`_cut` to ``level``."""
+    cfg = _cut(cfg, level)
     with torch.random.fork_rng(devices=[]):  # the caller's random state is left as it was
         torch.manual_seed(0)
-        twin = _build(cfg, cls, "cpu").double().eval()
+        twin = _build(cfg, cls, "cpu", torch.float64).double().eval()  # built in float64: no float32 copy
         with torch.no_grad():  # logits of order 1 (a model's init may make them ~0: softmax then hides scaling)
             for p in twin.parameters():
                 if p.dim() >= 2:
                     p.normal_(0.0, p.shape[-1] ** -0.5)
     return twin
+
+
+def _probe(cfg, cls, meta: nn.Module, cands: dict[str, list[QKVLayout]]):
+    """(twin, verdicts, blind modules) from the smallest twin that runs; None when none does."""
+    large = sum(p.numel() for p in meta.parameters()) > MAX_TWIN_PARAMS
+    for level in (2, 1) if large else (0,):
+        try:
+            twin = _twin(cfg, cls, level)
+            batch = _batch(twin, twin.config)
+            if batch is None:
+                return None
+            names = {n for n, _ in twin.named_modules()}
+            found, blind = verdicts(twin, batch, {n: c for n, c in cands.items() if n in names})
+            return twin, found, blind
+        except Exception:  # noqa: BLE001 - a config that cannot be cut, or a model that cannot run the probe
+            continue
+    return None
 
 
 def _saved_names(twin: nn.Module) -> dict[str, str]:
@@ -262,15 +312,11 @@ def model_layouts(config: dict[str, Any], where: str) -> tuple[list[LayoutEntry]
     cands = {n: c for n, m in meta.named_modules() if n and (c := _candidates(_view(n, m), *dims))}
     if not cands:
         return None
-    try:
-        twin = _twin(cfg, cls, meta)
-        batch = _batch(twin, twin.config)
-        if batch is None:
-            return None
-        twin_names = {n for n, _ in twin.named_modules()}
-        found, blind = verdicts(twin, batch, {n: c for n, c in cands.items() if n in twin_names})
-    except Exception:  # noqa: BLE001 - the model cannot run the probe: the keys path takes over, stating its guesses
+    probed = _probe(cfg, cls, meta, cands)
+    if probed is None:  # the model cannot run the probe: the keys path takes over, stating its guesses
         return None
+    twin, found, blind = probed
+    twin_names = {n for n, _ in twin.named_modules()}
     entries, notes = _entries(cands, found, blind, meta, where, twin_names)
     names = _saved_names(twin)
     return [_renamed(e, names) for e in entries] if names else entries, notes

@@ -11,6 +11,7 @@ them in one forward per candidate. Used by :mod:`hooks.checkpoint.search`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
@@ -19,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from diag.errors import DiagError
-from diag.layouts.vocab import QKVLayout, bias_names, split_qkv, split_qkv_bias
+from diag.layouts.vocab import QKVLayout, bias_names, qkv_views, split_qkv, split_qkv_bias
 
 __all__ = ["verdicts"]
 
@@ -40,29 +41,28 @@ def _ids(tensors: dict[str, Tensor]) -> tuple[dict[str, Tensor], list[tuple[str,
     return markers, spans
 
 
-def _scales(layout: QKVLayout, params: dict[str, Tensor], with_k: bool) -> dict[str, Tensor]:
+def _scales(layout: QKVLayout, params: dict[str, Tensor], with_k: bool, weights: bool = True) -> dict[str, Tensor]:
     """Per weight (and bias) of the layout, a factor per element: query head h's c_g, key head g's 1/c_g
     (g the key head h pairs with). Found by splitting tensors of element numbers with the layout itself,
-    so every packing (fused, interleaved, transposed, 3-D) is handled as the analysis will read it."""
+    so every packing (fused, interleaved, transposed, 3-D) is handled as the analysis will read it.
+    ``weights=False``: the biases only."""
     h, g = layout.n_heads, layout.kv_heads
-    c = torch.linspace(1.7, 0.4, g, dtype=torch.float64)  # (G,)
-    pairing = layout.kv_map  # query head -> key head; None: h // (H/G)
-    pair = torch.tensor(pairing) if pairing is not None else torch.arange(h) // (h // g)
-    weights = {n: params[n] for n in layout.param_names}
+    q_factor, k_factor = _factors(layout)
+    tensors_w = {n: params[n] for n in layout.param_names} if weights else {}
     biases = {n: params[b] for n in layout.param_names for b in bias_names(n) if b in params}
     out: dict[str, Tensor] = {}
-    for tensors, split in ((weights, split_qkv), (biases, split_qkv_bias)):
+    for tensors, split in ((tensors_w, split_qkv), (biases, split_qkv_bias)):
         if not tensors:
             continue
         markers, spans = _ids(tensors)
         q_ids, k_ids = split(markers, layout)[:2]
         scale = torch.ones(spans[-1][2], dtype=torch.float64)
         if q_ids is not None:
-            scale[q_ids.reshape(h, -1).long()] *= c[pair][:, None]
+            scale[q_ids.reshape(h, -1).long()] *= q_factor[:, None]
         if with_k and k_ids is not None:
-            scale[k_ids.reshape(g, -1).long()] /= c[:, None]
+            scale[k_ids.reshape(g, -1).long()] *= k_factor[:, None]
         for name, a, b in spans:
-            target = name if tensors is weights else next(x for x in bias_names(name) if x in params)
+            target = name if tensors is tensors_w else next(x for x in bias_names(name) if x in params)
             out[target] = scale[a:b].view(tensors[name].shape)
     return out
 
@@ -70,28 +70,66 @@ def _scales(layout: QKVLayout, params: dict[str, Tensor], with_k: bool) -> dict[
 def _applies(module: nn.Module, layout: QKVLayout) -> bool:
     """Whether the layout can split the module's tensors at all (a bias of another length, a shape that does
     not divide): a candidate that cannot is no candidate."""
-    try:
-        _scales(layout, dict(module.named_parameters()), True)
+    params = dict(module.named_parameters())
+    try:  # the weights split as meta tensors (no memory: a 70B model's query weight is 0.5 GB), the biases really
+        q, k, _ = split_qkv({n: torch.empty(params[n].shape, device="meta") for n in layout.param_names}, layout)
+        q.reshape(layout.n_heads, -1), k.reshape(layout.kv_heads, -1)
+        _scales(layout, params, True, weights=False)
     except (RuntimeError, ValueError, IndexError, KeyError, DiagError):
         return False
     return True
 
 
+def _factors(layout: QKVLayout) -> tuple[Tensor, Tensor]:
+    """Query head h's factor c_g and key head g's 1/c_g (g the key head h pairs with): :func:`_scales`'s."""
+    c = torch.linspace(1.7, 0.4, layout.kv_heads, dtype=torch.float64)  # (G,)
+    return c[torch.tensor(layout.kv_index)], 1.0 / c
+
+
+def _views(layout: QKVLayout, params: dict[str, Tensor]) -> tuple[Tensor, Tensor] | None:
+    """Q and K as views of the module's own weights ((H, D, E) or (groups, heads per group, D, E)), or None
+    where a packing gives a copy."""
+    q, k, _ = qkv_views({n: params[n].data for n in layout.param_names}, layout)
+    stores = {params[n].untyped_storage().data_ptr() for n in layout.param_names}
+    if any(t.untyped_storage().data_ptr() not in stores for t in (q, k)):
+        return None
+    return q, k
+
+
+def _scale_views(views: tuple[Tensor, Tensor], layout: QKVLayout, with_k: bool, undo: bool) -> None:
+    """Scale Q's heads (and K's) in place; ``undo`` divides back (within one rounding of the weights: the test
+    compares outputs to 1e-6, and nothing of the twin's weights outlives the probe)."""
+    q_factor, k_factor = _factors(layout)
+    for view, factor in ((views[0], q_factor), (views[1], k_factor)) if with_k else ((views[0], q_factor),):
+        factor = factor.to(view.dtype).reshape(*view.shape[:-2], 1, 1)
+        view.div_(factor) if undo else view.mul_(factor)
+
+
 @contextmanager
 def _scaled(module: nn.Module, layout: QKVLayout, with_k: bool) -> Iterator[None]:
-    """The module's query (and key) heads scaled as :func:`_scales` says, biases alike; restored after."""
+    """The module's query (and key) heads scaled as :func:`_scales` says, biases alike; restored after.
+
+    The weights are scaled in place through views of them (no copy of a weight: at a 70B model's width one
+    query projection is 0.5 GB in float64); a packing whose split is a copy, and the biases, go through
+    :func:`_scales` with saved copies."""
     params = dict(module.named_parameters())
-    saved = {}
+    views = _views(layout, params)
+    saved, scaled = {}, False
     try:
         with torch.no_grad():
-            for name, s in _scales(layout, params, with_k).items():
+            for name, s in _scales(layout, params, with_k, weights=views is None).items():
                 saved[name] = params[name].detach().clone()
                 params[name].mul_(s.to(params[name].dtype))
+            if views is not None:
+                _scale_views(views, layout, with_k, undo=False)
+                scaled = True
         yield
     finally:
         with torch.no_grad():
             for n, value in saved.items():
                 params[n].copy_(value)
+            if scaled:
+                _scale_views(views, layout, with_k, undo=True)
 
 
 def _first_tensor(output: Any) -> Tensor | None:
@@ -154,7 +192,8 @@ def _change(got: list, base: list) -> float:
     for a, b in zip(got, base):
         if a is None or b is None or a.shape != b.shape:
             return float("inf")
-        worst = max(worst, float((a - b).abs().max() / b.abs().max().clamp_min(1e-300)))
+        change = float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+        worst = max(worst, change if math.isfinite(change) else float("inf"))  # NaN: max() would drop it
     return worst if len(got) == len(base) and got else float("inf")
 
 

@@ -193,7 +193,7 @@ def test_config_that_contradicts_the_weights_is_refused(tmp_path, capsys):
 
 
 def test_a_large_model_is_probed_on_a_small_twin_and_every_layer_gets_its_layout(tmp_path, monkeypatch):
-    """Above MAX_TWIN_PARAMS the twin has 2 layers and a small vocabulary; the layouts reach all 4 layers."""
+    """Above MAX_TWIN_PARAMS the twin has 1 layer and a small vocabulary; the layouts reach all 4 layers."""
     import hooks.checkpoint.search as hf_layout
 
     monkeypatch.setattr(hf_layout, "MAX_TWIN_PARAMS", 1000)
@@ -217,7 +217,9 @@ def test_the_command_line_reads_a_bigcode_folder_exactly_with_no_options(tmp_pat
     model.save_pretrained(tmp_path / "bigcode")
     code = main(["analyze", str(tmp_path / "bigcode"), "--json", "--out", str(tmp_path / "out"), "--no-report"])
     summary = json.loads(capsys.readouterr().out)
-    assert code == 0 and summary["heads"]["source"] == "model" and summary["assumptions"] == []
+    assert code == 0 and summary["heads"]["source"] == "model"
+    (positional,) = summary["assumptions"]  # no layout assumption; the folder's step is its position, stated
+    assert "position in the series" in positional and summary["checkpoints"][0]["step_from"] == "position"
     assert [la["packing"] for la in summary["layers"]] == ["fused_per_head"] * 2
     reference = _reference_spectra(model, "gpt-bigcode-multi-head")
     for la, ref in zip(summary["layers"], reference):

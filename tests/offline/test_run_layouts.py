@@ -297,9 +297,11 @@ def test_grouped_query_pairing_assumed_by_kv_heads_is_stated(tmp_path, capsys):
     summary = json.loads(capsys.readouterr().out)
     assert code == 0 and "2 key/value heads (--kv-heads)" in summary["heads"]["note"]
     assert summary["layers"][0]["kv_map"] == [0, 0, 1, 1] and summary["layers"][0]["packing"] == "separate"
-    every, pairing = summary["assumptions"]
+    every, pairing, position = summary["assumptions"]
     assert "every attention layer has 4 heads" in every and "one entry per stage" in every
-    assert "h // 2" in pairing and "kv_map" in pairing
+    assert "h // 2" in pairing and "weights cannot tell" in pairing and "--kv-map tiled" in pairing
+    assert "attnscope_layout.json" in pairing and "--model module:callable" in pairing
+    assert "position in the series" in position
 
 
 class TiledGQA(nn.Module):
