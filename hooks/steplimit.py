@@ -378,7 +378,7 @@ def _blocks(layers: list, model: nn.Module | None) -> list[tuple[str, str, Calla
     """(block prefix, label, the layer's current layout, {param id: name in layout}) per attention layer.
 
     The layout is read when a step is bounded, not now: a layout discovered from names is provisional until the
-    first forward reads it from the computation and may replace it (hooks/layout/read.py ``adopt``)."""
+    first forward reads it from the computation and the layer's book may replace it (hooks/layout/book.py)."""
     names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
     out = []
     for layer in layers:

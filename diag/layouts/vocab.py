@@ -11,7 +11,7 @@ gives W_O, whose update ratio is measured with those of Q, K and V.
 from __future__ import annotations
 
 import numbers
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -28,6 +28,8 @@ __all__ = [
     "split_projections",
     "split_qkv_bias",
     "bias_names",
+    "biases_of",
+    "qk_heads",
     "shape_problem",
 ]
 
@@ -405,3 +407,22 @@ def split_qkv_bias(biases: Mapping[str, Tensor], layout: QKVLayout) -> tuple[Ten
         return None, None
     q, k, _ = _fused_rows(fused[:, None], layout)
     return q[..., 0], k[..., 0]
+
+
+def biases_of(params: Mapping[str, Tensor], names: Iterable[str]) -> dict[str, Tensor]:
+    """The bias of each weight in ``names`` that ``params`` holds (named as :func:`bias_names` says), by the
+    weight's name."""
+    out = {}
+    for name in names:
+        found = next((b for b in bias_names(name) if b in params), None)
+        if found is not None:
+            out[name] = params[found]
+    return out
+
+
+def qk_heads(params: Mapping[str, Tensor], layout: QKVLayout) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """Per-head query and key weights (H, D, E), (G, D, E) (unpaired) and their biases (H, D), (G, D) or None,
+    from a module's parameters by name (weights and biases alike)."""
+    wq, wk, _ = split_qkv(params, layout)
+    bq, bk = split_qkv_bias(biases_of(params, layout.param_names), layout)
+    return wq, wk, bq, bk

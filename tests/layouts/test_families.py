@@ -590,16 +590,16 @@ def test_training_is_bit_identical_with_monitor_over_many_steps(name, tmp_path):
 
 def test_layout_check_runs_once_per_layer(monkeypatch):
     """The float64 projection check settles a layer's layout once; later sampled steps skip it."""
-    import hooks.capture.capture as capture_module
+    from hooks.layout.book import LayoutBook
 
     calls = []
-    real = capture_module.check_call
+    real = LayoutBook._judge
 
-    def counting(layer, *args, **kwargs):
+    def counting(self, layer, *args, **kwargs):
         calls.append(layer.index)
-        return real(layer, *args, **kwargs)
+        return real(self, layer, *args, **kwargs)
 
-    monkeypatch.setattr(capture_module, "check_call", counting)
+    monkeypatch.setattr(LayoutBook, "_judge", counting)
     case = zoo.nanogpt()
     mem = MemorySink()
     monitor = Monitor(case.model, every=1, sinks=[mem], signals=("attention",))
