@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
+from diag.layouts.packings import packing_of
 from diag.math.attention import AttentionStats, stats_from_logits, valid_query_rows
 from hooks.capture.kernels import (
     Product,
@@ -106,11 +107,9 @@ class _Mode(TorchFunctionMode):
 
 
 def _key_weight(layer: AttentionLayer) -> Tensor | None:
-    """The key projection's weight where it is a parameter of its own (separate, q_kv)."""
-    lay = layer.layout
-    if lay.packing not in ("separate", "q_kv") or lay.k is None:
-        return None
-    return dict(layer.module.named_parameters()).get(lay.k)
+    """The key projection's weight where it is a parameter of its own (its packing says which: separate, q_kv)."""
+    name = packing_of(layer.layout).key_weight(layer.layout)
+    return None if name is None else dict(layer.module.named_parameters()).get(name)
 
 
 def _attention_mask(module: nn.Module, args: tuple, kwargs: dict) -> Tensor | None:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from torch import nn
 
 from diag.layouts.generic import ModuleView, head_count
+from diag.layouts.packings import PACKINGS
 from diag.layouts.patterns import generalise, patterns_for, spec_text
 from diag.layouts.vocab import QKVLayout
 
@@ -46,17 +47,14 @@ def _weights(view: ModuleView) -> str:
 
 
 def _fused_specs(view: ModuleView) -> list[QKVLayout]:
-    """Candidate layouts of one fused (3E, E) or (E, 3E) weight, with the module's head count."""
+    """Candidate layouts of the first weight that can hold Q, K and V with the module's head count, one per
+    packing that allows it (a fused (3E, E) or (E, 3E) weight: [all Q | all K | all V] or per head)."""
     heads = head_count(view)
-    out = []
     for name, shape in view.params.items():
-        if len(shape) != 2 or 3 * min(shape) != max(shape) or heads is None or min(shape) % heads:
-            continue
-        transposed = shape[0] < shape[1]
-        for packing in ("fused", "fused_per_head"):
-            out.append(QKVLayout(heads, min(shape) // heads, q=name, packing=packing, transposed=transposed))
-        break
-    return out
+        out = [layout for packing in PACKINGS.values() for layout in packing.implied(name, tuple(shape), heads)]
+        if out:
+            return out
+    return []
 
 
 def suspects_text(model: nn.Module, view_of: Callable[[str, nn.Module], ModuleView], limit: int = 6) -> str:
