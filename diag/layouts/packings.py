@@ -108,9 +108,10 @@ class Packing:
         """What the weights' names and shapes cannot confirm about this packing's rows, or None."""
         return None
 
-    def implied(self, name: str, shape: tuple[int, ...], heads: int | None) -> list[QKVLayout]:
-        """Layouts of this packing that one weight ``name`` of ``shape`` could hold with ``heads`` query heads
-        (one weight holding Q, K and V); [] where it cannot tell."""
+    def implied(self, params: Mapping[str, tuple[int, ...]], heads: int | None) -> list[QKVLayout]:
+        """Layouts of this packing that a module's weights (name -> shape, in registration order) imply, with
+        ``heads`` query heads where the shapes do not say; [] where they cannot tell. What a refusal offers,
+        and the first proposal for a module only the computation found."""
         return []
 
 
@@ -177,6 +178,24 @@ class Separate(_Three):
     def key_weight(self, layout):
         return layout.k
 
+    def implied(self, params, heads):
+        """The first three weights (rows, E) of one width whose rows hold H, G, G heads of one size."""
+        from diag.layouts.vocab import QKVLayout, bias_names
+
+        biases = {b for name in params for b in bias_names(name)}  # a (heads, D) bias is no projection
+        by_width: dict[int, list[str]] = {}
+        for name, shape in params.items():
+            if len(shape) == 2 and name not in biases:
+                by_width.setdefault(shape[1], []).append(name)
+        for names in by_width.values():
+            if len(names) < 3 or not heads:
+                continue
+            (rq, _), (rk, _), (rv, _) = (params[n] for n in names[:3])
+            d = rq // heads
+            if rq % heads == 0 and rk == rv and rk % d == 0 and heads % (rk // d) == 0:
+                return [QKVLayout(heads, d, *names[:3], n_kv_heads=rk // d)]
+        return []
+
 
 class Heads3D(_Three):
     name, doc = "heads_3d", "three 3-D per-head weights (H, D, E), (G, D, E), (G, D, E); (H, E, D) transposed"
@@ -191,6 +210,25 @@ class Heads3D(_Three):
                 return (f"{name!r} has shape {shape}, but {layout.describe()} needs a 3-D per-head weight {want} "
                         f"with heads={heads}, D={layout.head_dim}")
         return None
+
+    def implied(self, params, heads):
+        """The first three 3-D weights of one shape (H, a, b), (G, a, b), (G, a, b), H a multiple of G: per head
+        (heads, D, E), or (heads, E, D) where a > b (a head is narrower than the model); both where a == b."""
+        from diag.layouts.vocab import QKVLayout
+
+        by_tail: dict[tuple[int, ...], list[str]] = {}
+        for name, shape in params.items():
+            if len(shape) == 3:
+                by_tail.setdefault(tuple(shape[1:]), []).append(name)
+        for (a, b), names in by_tail.items():  # the first three of a shape (W_O may share it: registered last)
+            if len(names) < 3:
+                continue
+            names = names[:3]
+            h, g, g2 = (params[n][0] for n in names)
+            if g == g2 and h % g == 0:
+                return [QKVLayout(h, b if t else a, *names, packing=self.name, n_kv_heads=g, transposed=t)
+                        for t in ((True,) if a > b else (False,) if a < b else (False, True))]
+        return []
 
     def split(self, tensors, layout):
         parts = [_heads_3d(tensors[n], layout.transposed) for n in (layout.q, layout.k, layout.v)]
@@ -261,12 +299,15 @@ class _OneWeight(Packing):
         """Q, K, V rows of one weight given as rows (R, E), in any shape that reshapes to heads."""
         raise NotImplementedError
 
-    def implied(self, name, shape, heads):
-        if len(shape) != 2 or 3 * min(shape) != max(shape) or heads is None or min(shape) % heads:
-            return []
+    def implied(self, params, heads):
+        """The first weight (3E, E) or (E, 3E) whose width the head count divides."""
         from diag.layouts.vocab import QKVLayout
 
-        return [QKVLayout(heads, min(shape) // heads, q=name, packing=self.name, transposed=shape[0] < shape[1])]
+        for name, shape in params.items():
+            if len(shape) == 2 and 3 * min(shape) == max(shape) and heads and min(shape) % heads == 0:
+                return [QKVLayout(heads, min(shape) // heads, q=name, packing=self.name,
+                                  transposed=shape[0] < shape[1])]
+        return []
 
 
 class Fused(_OneWeight):
@@ -307,7 +348,7 @@ class FusedPerGroup(_OneWeight):
             start += size[role]
         return parts["q"], parts["k"], parts["v"]
 
-    def implied(self, name, shape, heads):
+    def implied(self, params, heads):
         return []  # its key/value head count is not in one weight's shape; with G == H it is fused_per_head
 
     def views(self, tensors, layout):
@@ -336,8 +377,8 @@ class FusedPerHead(FusedPerGroup):
     def rows(self, layout):
         return {layout.q: 3 * layout.n_heads * layout.head_dim}
 
-    def implied(self, name, shape, heads):
-        return _OneWeight.implied(self, name, shape, heads)
+    def implied(self, params, heads):
+        return _OneWeight.implied(self, params, heads)
 
 
 for _packing in (Separate(), Fused(), FusedPerHead(), FusedPerGroup(), QKV(), Heads3D()):

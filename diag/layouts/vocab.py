@@ -274,11 +274,14 @@ def shape_problem(layout: QKVLayout, shapes: Mapping[str, tuple[int, ...]]) -> s
 def bias_names(weight: str) -> tuple[str, ...]:
     """Names the bias of a weight may have, most likely first.
 
-    ``q_proj.weight`` -> ``q_proj.bias``; ``in_proj_weight`` -> ``in_proj_bias``; ``qkv`` -> ``qkv_bias``.
+    ``q_proj.weight`` -> ``q_proj.bias``; ``in_proj_weight`` -> ``in_proj_bias``; ``qkv`` -> ``qkv_bias``; a raw
+    parameter named ``W...`` -> ``b...`` (``W_Q`` -> ``b_Q``, ``attn.Wq`` -> ``attn.bq``).
     """
     if weight.endswith("weight"):
         return (weight.removesuffix("weight") + "bias",)
-    return (weight + "_bias", weight + ".bias")
+    path, _, stem = weight.rpartition(".")
+    named = (f"{path}.b{stem[1:]}" if path else f"b{stem[1:]}",) if stem[:1] in ("W", "w") and len(stem) > 1 else ()
+    return (weight + "_bias", weight + ".bias") + named
 
 
 def split_qkv_bias(biases: Mapping[str, Tensor], layout: QKVLayout) -> tuple[Tensor | None, Tensor | None]:

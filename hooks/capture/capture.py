@@ -45,13 +45,14 @@ from hooks.capture.kernels import (
     Product,
     Seen,
     Unsupported,
+    clamp_call,
     excluded_keys,
     is_attention_call,
     product_operands,
     read_call,
 )
 from hooks.layout.book import LayoutBook
-from hooks.layout.confirm import Inputs, Observation, module_inputs
+from hooks.layout.confirm import Elementwise, Inputs, Observation, module_inputs
 from hooks.layout.discover import AttentionLayer
 
 __all__ = ["AttentionCapture", "Seen"]
@@ -69,6 +70,7 @@ def _attn_implementation(module) -> str | None:
 
 _PRODUCTS = 4  # products remembered per module forward
 _KEY_CALLS = 4  # calls of the key projection remembered per module forward
+_CLAMPS = 4  # distinct clamps remembered per module forward
 
 
 class _Mode(TorchFunctionMode):
@@ -80,7 +82,9 @@ class _Mode(TorchFunctionMode):
     where it is a module of its own (``separate`` and ``q_kv`` packings), to keep what the
     ``F.linear`` calls with it read (``key_inputs``, the last few): keys computed from something other
     than the module's input (Twins', PVT's and SegFormer's keys come from a strided convolution of
-    it) are then checked against what they were really projected from.
+    it) are then checked against what they were really projected from. ``between``: the clamps to constant
+    bounds (``clamp``, ``clip``, ``hardtanh``) the forward made, which the layout book tries between the
+    projections and the kernel (MPT's and OLMo's ``clip_qkv``).
     """
 
     def __init__(self, capture: AttentionCapture, key_weight: Tensor | None = None) -> None:
@@ -89,10 +93,14 @@ class _Mode(TorchFunctionMode):
         self.products: tuple[Product, ...] = ()
         self.key_weight = key_weight
         self.key_inputs: list[Tensor] = []
+        self.between: tuple[Elementwise, ...] = ()  # clamps to constant bounds seen in this forward
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        clamp = clamp_call(func, args, kwargs)
+        if clamp is not None and Elementwise(*clamp) not in self.between:
+            self.between = self.between[-(_CLAMPS - 1):] + (Elementwise(*clamp),)
         if self.key_weight is not None and func is F.linear:
             weight = args[1] if len(args) > 1 else kwargs.get("weight")
             if weight is self.key_weight and args and isinstance(args[0], Tensor):
@@ -237,6 +245,8 @@ class AttentionCapture:
                     self.problems.pop(layer.index, None)
                 elif layer.index not in self.results and layer.index not in self.problems:
                     self.problems[layer.index] = "no attention call (SDPA, softmax or MHA) was seen"
+                    self.layouts.unconfirmable_call(layer, "its forward made no attention call the capture reads "
+                                                    "(SDPA, a softmax over 3-D to 5-D logits, MHA)")
                 elif calls > 1:
                     self.notes[layer.index] = (
                         f"its forward made {calls} attention calls (SDPA, softmax or MHA); only the first is "
@@ -278,16 +288,17 @@ class AttentionCapture:
                         "projections' width), so only shapes were checked against the layout")
         except Unsupported as err:
             self.problems[layer.index] = str(err)
-            self.layouts.unreadable(layer, str(err))
+            self.layouts.unconfirmable_call(layer, f"its attention call is one the capture does not read ({err})")
         except Exception as err:  # noqa: BLE001 - a fault here must never reach the forward pass
             self.problems[layer.index] = f"capture failed: {err!r}"
 
     def _observation(self, seen: Seen) -> Observation:
-        """What the capture saw of the call: the call, the module's inputs (batch-first, time-first), and what
-        the key projection read."""
+        """What the capture saw of the call: the call, the module's inputs (batch-first, time-first), what the
+        key projection read and the clamps the module made before it."""
         batch_first, time_first = self._inputs or (None, None)
-        key_inputs = [] if self._mode is None else self._mode.key_inputs
-        return Observation(seen, batch_first, time_first, key_inputs)
+        if self._mode is None:
+            return Observation(seen, batch_first, time_first, [])
+        return Observation(seen, batch_first, time_first, self._mode.key_inputs, self._mode.between)
 
     def _query_rows(self, layer: AttentionLayer, seen: Seen, logits) -> Tensor | None:
         """(n, Q) bool, False on padded query rows; None when every row counts (cross-attention)."""

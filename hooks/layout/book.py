@@ -65,22 +65,33 @@ class LayoutBook:
             return Verdict(checked=record.checked)
         if record.state == "refused":
             return Verdict(problem=record.why)
-        first, second = compare(layer, obs, n)
-        verdict = self._judge(layer, obs.seen, first, n)
-        if (verdict.problem is not None or verdict.checked in ("shapes", "q")) and second is not None:
-            other = self._judge(layer, obs.seen, second, n)  # B == T: either reading fits the shapes
-            if other.problem is None and other.checked in ("q", "q,k") and other.checked != verdict.checked:
+        verdict = self._decide(layer, obs, n)
+        for q, k in () if _settles(verdict) else obs.seen.others:  # another product made the logits?
+            other = self._decide(layer, replace(obs, seen=obs.seen.with_qk(q, k)), n)
+            if _settles(other):
                 verdict = other
+                break
         self._settle(layer, verdict)
         return verdict
 
-    def unreadable(self, layer: AttentionLayer, what: str) -> None:
-        """The layer's attention call is one the capture does not read (``what``): a proposal from names is
-        refused, with it offered as a spec (nothing can confirm it); any other layout stands."""
+    def _decide(self, layer: AttentionLayer, obs: Observation, n: int) -> Verdict:
+        """The verdict on one call read with the module's inputs batch-first, or time-first where that fits
+        better (B == T: either reading fits the shapes)."""
+        first, second = compare(layer, obs, n)
+        verdict = self._judge(layer, obs, first, n)
+        if (verdict.problem is not None or verdict.checked in ("shapes", "q")) and second is not None:
+            other = self._judge(layer, obs, second, n)
+            if other.problem is None and other.checked in ("q", "q,k") and other.checked != verdict.checked:
+                verdict = other
+        return verdict
+
+    def unconfirmable_call(self, layer: AttentionLayer, why: str) -> None:
+        """The layer's forward showed nothing to compare a layout with (``why``: an attention call the capture
+        does not read, or none at all): a proposal from names or shapes is refused, with it offered as a spec
+        (nothing can confirm it); any other layout stands."""
         if layer.record.state == "proposed":
-            self._refuse(layer, unconfirmed(layer, "shapes", why=(
-                f"its attention call is one the capture does not read ({what}), so the computation cannot "
-                "confirm a split")).problem)
+            self._refuse(layer, unconfirmed(layer, "shapes", why=f"{why}, so the computation cannot confirm a "
+                                            "split").problem)
 
     # ------------------------------------------------------------------ decisions
 
@@ -92,9 +103,13 @@ class LayoutBook:
             if not verdict.call_only:  # the layout itself is suspect: every metric of the layer is dropped
                 self._refuse(layer, verdict.problem)
             return
-        if verdict.checked in ("q,k", "exact"):
-            record.checked = verdict.checked
+        if _settles(verdict):
+            record.checked, record.between = verdict.checked, verdict.between
             record.state = "adopted" if verdict.adopt is not None else "confirmed"
+            if verdict.between:
+                log.info("diag: %s: between its projections and the attention kernel the module applies %s; the "
+                         "weight-side signals are read from the weights, the attention statistics from what the "
+                         "kernel received", layer.name, verdict.between)
 
     def _refuse(self, layer: AttentionLayer, why: str) -> None:
         layer.record.state, layer.record.why = "refused", why
@@ -118,11 +133,12 @@ class LayoutBook:
 
     # ------------------------------------------------------------------ the check of one reading
 
-    def _judge(self, layer: AttentionLayer, seen, found: Comparison, n: int) -> Verdict:
+    def _judge(self, layer: AttentionLayer, obs: Observation, found: Comparison, n: int) -> Verdict:
         """What one reading of the call means for the layout; one that disagrees with the kernel's q and k is
         read from them (adopt: when discovery proposed it; refused with the spec read when a spec gave it)."""
-        lay = layer.layout
-        if not found.token_attention:
+        lay, seen = layer.layout, obs.seen
+        if not found.token_attention and not (lay.adapter == "computation" and found.visible):
+            # (a proposal from shapes alone may simply have the head count wrong: read the kernel first)
             if is_provisional(lay):  # nothing to confirm the names' proposal with: offered as a spec, not guessed
                 return unconfirmed(layer, "shapes", why=(
                     "its attention call is not (batch, heads, queries, keys) over tokens (a head count or head "
@@ -135,7 +151,7 @@ class LayoutBook:
         if not found.visible:
             return unconfirmed(layer, "heads", seen.heads) if is_provisional(lay) else refuse(layer, found.problem)
         try:
-            return self._from_computation(layer, found.problem, seen, found.inputs, n)
+            return self._from_computation(layer, found.problem, obs, found.inputs, n)
         except Exception as err:  # noqa: BLE001 - e.g. sharded weights: the layer is refused, never left unchecked
             return refuse(layer, f"{found.problem}; reading the layout from the computation failed ({err!r})")
 
@@ -149,15 +165,23 @@ class LayoutBook:
             return Verdict(checked=checked)
         return unconfirmed(layer, checked)
 
-    def _from_computation(self, layer: AttentionLayer, problem: str, seen, inputs: Inputs, n: int) -> Verdict:
-        inferred, observed = read_layout(layer.module, seen.q[:n], seen.k[:n], inputs.x, inputs.kv,
-                                         layer.layout.cross)
-        if inferred is None:
-            return refuse(layer, problem, None, observed)
+    def _from_computation(self, layer: AttentionLayer, problem: str, obs: Observation, inputs: Inputs,
+                          n: int) -> Verdict:
+        seen = obs.seen
+        found = read_layout(layer.module, seen.q[:n], seen.k[:n], inputs.x, inputs.kv, layer.layout.cross,
+                            obs.between)
+        if found.layout is None:
+            return refuse(layer, problem, None, found.observed)
         shapes = {name: tuple(p.shape) for name, p in layer.module.named_parameters()}
         names_known = all(name in shapes for name in layer.layout.param_names)
-        if names_known and same_split(inferred, layer.layout, shapes):
-            return Verdict(checked="q,k")  # e.g. a norm between projection and kernel: the layout holds
+        between = ", ".join(found.through)
+        if names_known and same_split(found.layout, layer.layout, shapes):  # a norm or a clamp in between
+            return Verdict(checked="q,k", between=between)
         if layer.layout.adapter == "spec":
-            return refuse(layer, problem, inferred, observed)
-        return Verdict(checked="q,k", adopt=inferred, observed=observed)
+            return refuse(layer, problem, found.layout, found.observed)
+        return Verdict(checked="q,k", adopt=found.layout, observed=found.observed, between=between)
+
+
+def _settles(verdict: Verdict) -> bool:
+    """The call confirmed the layout (or the layout read from it) against the kernel's q and k, or exactly."""
+    return verdict.problem is None and verdict.checked in ("q,k", "exact")

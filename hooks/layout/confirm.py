@@ -40,8 +40,8 @@ from diag.layouts.infer import query_source
 from diag.layouts.vocab import QKVLayout, qk_heads
 from hooks.layout.discover import AttentionLayer
 
-__all__ = ["Inputs", "Observation", "Verdict", "Comparison", "module_inputs", "with_keys_from", "readings",
-           "compare", "tolerance", "call_problem", "not_token_attention"]
+__all__ = ["Inputs", "Elementwise", "Observation", "Verdict", "Comparison", "module_inputs", "with_keys_from",
+           "readings", "compare", "tolerance", "call_problem", "not_token_attention"]
 
 MATCH_FLOOR = 5e-3  # the least relative deviation a match allows (float32 products of width E, TF32 on GPUs)
 _X_KEYS = ("hidden_states", "x", "query", "input", "inputs")
@@ -59,16 +59,35 @@ class Inputs:
     keys_from: tuple[Tensor, ...] = ()
 
 
+@dataclass(frozen=True)
+class Elementwise:
+    """An elementwise, shape-preserving call the module made in its forward with constant bounds (``clamp``,
+    ``clip``, ``hardtanh``: activations clipped to a range between projection and kernel). Reading the layout
+    from the computation tries the projected blocks through it, as through the module's norms."""
+
+    name: str
+    low: float | None
+    high: float | None
+
+    def forward(self, z: Tensor) -> Tensor:
+        return z.clamp(self.low, self.high)
+
+    def describe(self) -> str:
+        return f"{self.name}(min={self.low}, max={self.high})"
+
+
 @dataclass
 class Observation:
     """What the capture saw of one attention call: the call (``seen``: :class:`hooks.capture.kernels.Seen`)
     and the module's inputs read batch-first and time-first (references, first ``n`` sequences), with what the
-    key projection read at each of its calls (``key_inputs``)."""
+    key projection read at each of its calls (``key_inputs``) and the elementwise calls the module made
+    (``between``)."""
 
     seen: Any
     batch_first: Inputs | None
     time_first: Inputs | None
     key_inputs: list[Tensor]
+    between: tuple[Elementwise, ...] = ()
 
 
 @dataclass
@@ -79,6 +98,7 @@ class Verdict:
     call_only: bool = False
     adopt: QKVLayout | None = None  # the layout read from the computation, to replace a discovered one
     observed: str = ""  # what the computation showed, where the layout was read from it
+    between: str = ""  # what the module does between its projections and the kernel, where the reading saw it
 
 
 def tolerance(t: Tensor) -> float:
@@ -196,13 +216,13 @@ def _compare(layer: AttentionLayer, seen, inputs: Inputs | None, n: int) -> Comp
 
 def _compared(layer: AttentionLayer, seen, inputs: Inputs | None, n: int) -> Comparison:
     lay = layer.layout
-    problem = call_problem(lay, seen)
-    if problem is not None and not_token_attention(lay, seen):
-        return Comparison(problem, token_attention=False)
-    if problem is None and seen.exact:
-        return Comparison(checked="exact")
     x = None if inputs is None else inputs.x
     visible = seen.q is not None and seen.k is not None and x is not None
+    problem = call_problem(lay, seen)
+    if problem is not None and not_token_attention(lay, seen):
+        return Comparison(problem, token_attention=False, visible=visible)
+    if problem is None and seen.exact:
+        return Comparison(checked="exact")
     if problem is not None:
         return Comparison(problem, visible=visible)
     if visible and lay.verify:

@@ -14,7 +14,7 @@ from diag.layouts.generic import generic_o, head_count, is_provisional
 from diag.layouts.patterns import first_match, generalise, matches, patterns_for
 from diag.layouts.vocab import QKVLayout, shape_problem
 from hooks.layout.record import LayoutRecord
-from hooks.layout.suspects import suspects_text
+from hooks.layout.suspects import computation_candidates, suspects_text
 
 __all__ = ["AttentionLayer", "discover", "module_view"]
 
@@ -148,12 +148,15 @@ def _check_params(name: str, module: nn.Module, layout: QKVLayout, o: nn.Paramet
                         "head_dim=, n_kv_heads=, packing=, transposed= or o=")
 
 
-def discover(model: nn.Module, spec: Mapping[str, QKVLayout] | None = None) -> list[AttentionLayer]:
+def discover(model: nn.Module, spec: Mapping[str, QKVLayout] | None = None,
+             computation: bool = False) -> list[AttentionLayer]:
     """Attention layers in registration order; an explicit ``spec`` overrides discovery.
 
     spec maps module-name patterns (fnmatch, e.g. ``"blocks.*.attn"``) to layouts;
     when given, only matching modules are monitored. Modules inside a found
     attention module are not searched again.
+    computation: where names find no attention layer at all, take the modules whose forward computes
+    attention, with a proposal only a captured forward confirms (for a caller that captures one).
     """
     found: list[tuple[str, nn.Module, QKVLayout, nn.Parameter | None]] = []
     inside: tuple[str, ...] = ()
@@ -171,6 +174,10 @@ def discover(model: nn.Module, spec: Mapping[str, QKVLayout] | None = None) -> l
         _check_params(name, module, layout, o)
         found.append((name, module, layout, o))
         inside += (name,)
+    if not found and computation and not spec:
+        for name, module, layout in computation_candidates(model, module_view):
+            layout = generic_o(module_view(name, module), layout)
+            found.append((name, module, layout, None if layout.o is None else every.get(resolve(name, layout.o))))
     if not found:
         raise SpecError(_nothing_found(model, spec))
     labels = layer_labels([layout.cross for _, _, layout, _ in found])
@@ -214,7 +221,8 @@ def _nothing_found(model: nn.Module, spec: Mapping[str, QKVLayout] | None) -> st
     tried = "; ".join(f"{a.name}: {a.describes}" for a in ADAPTERS)
     return (
         f"no attention layer recognised in {type(model).__name__}. Tried {tried}. "
-        f"Modules whose forward computes attention: {suspects_text(model, module_view)}. Pass an explicit spec "
-        "(docs/layouts.md), e.g. Monitor(model, spec={'blocks.*.attn': QKVLayout(n_heads=8, head_dim=64, "
-        "q='qkv.weight', packing='fused')})"
+        f"Modules whose forward computes attention: {suspects_text(model, module_view)}. With attention among "
+        "the signals, such a module is read from its first captured forward; otherwise pass Monitor(model, "
+        "spec=...) mapping its name pattern to QKVLayout(n_heads, head_dim, q, k, v, packing, ...) naming its "
+        "weights (docs/layouts.md#explicit-spec)"
     )

@@ -21,6 +21,11 @@ def _spec(layer: AttentionLayer, layout: QKVLayout) -> str:
     return spec_text(dict.fromkeys(layer.patterns, layout))
 
 
+def _source(layout: QKVLayout) -> str:
+    """Where a provisional layout came from, for messages."""
+    return "its weights' shapes (names found no attention layer)" if layout.adapter == "computation" else "names"
+
+
 def spec_hint(layer: AttentionLayer, inferred: QKVLayout | None = None) -> str:
     """The fix to offer: the spec read from the computation where there is one, else a template."""
     given = f"its layout {layer.layout.describe()} (adapter {layer.layout.adapter!r}) disagrees with the model"
@@ -50,8 +55,8 @@ def unconfirmed(layer: AttentionLayer, checked: str, heads: int | None = None, w
         lay = QKVLayout.from_dict({**lay.to_dict(), "n_heads": heads, "head_dim": d, "n_kv_heads": kv_width // d})
     spec = _spec(layer, QKVLayout.from_dict({**lay.to_dict(), "adapter": "spec"}))
     return Verdict(problem=(
-        f"{layer.name} ({type(layer.module).__name__}): the layout proposed from names, {lay.describe()}, could "
-        "not be confirmed: " + (why or (
+        f"{layer.name} ({type(layer.module).__name__}): the layout proposed from {_source(lay)}, {lay.describe()}, "
+        "could not be confirmed: " + (why or (
             f"the kernel's q and k were not visible to compare with the module input (compared: {checked}; "
             "logits from a product the capture cannot see, or the input not an argument it reads)")) +
         "; it is not guessed. "
@@ -96,7 +101,8 @@ def unconfirmable(layers: list[AttentionLayer]) -> dict[int, str]:
     """Layers whose layout only a captured forward can confirm (a generic adapter's proposal), for a Monitor
     that captures no attention: refused, with the spec to pass if the proposal is right."""
     return {
-        layer.index: (f"{layer.name}: the layout proposed from names, {layer.layout.describe()}, is confirmed "
+        layer.index: (f"{layer.name}: the layout proposed from {_source(layer.layout)}, {layer.layout.describe()}, "
+                      "is confirmed "
                       "only against the attention kernel's q and k, and signals= leaves out 'attention'; add it, "
                       f"or pass the layout as a spec if it is right: spec={{{layer.patterns[0]!r}: ...}}")
         for layer in layers if is_provisional(layer.layout)

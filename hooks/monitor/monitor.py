@@ -143,7 +143,7 @@ class Monitor:
                               f"{type(grad_scaler).__name__}")
         self.grad_scaler = grad_scaler
         self.model, self.every, self.sec_top = model, self.cadence.base, sec_top
-        self.layers: list[AttentionLayer] = discover(model, spec)
+        self.layers: list[AttentionLayer] = discover(model, spec, computation="attention" in self.signals)
         total_heads = sum(layer.layout.n_heads for layer in self.layers)
         self.per_head = per_head_default(total_heads) if per_head is None else per_head
         sink_list = list(sinks)

@@ -441,13 +441,21 @@ def test_gqa_with_all_kv_heads_equals_plain_mha():
 # ------------------------------------------------------------------ refusals
 
 
-def test_unrecognised_model_gets_a_clear_refusal():
-    model = tiny("fused")  # a fused qkv with no head-count attribute and no known class name
+def test_unrecognised_model_is_read_from_its_forward_or_refused_clearly_without_one():
+    """A fused raw ``qkv`` under no name an adapter reads: with attention captured, the module whose forward
+    computes attention is found and its layout confirmed at the first forward, the same metrics as the spec
+    gives (before: refused at construction); without a capture, refused with the specs its shapes imply."""
     with pytest.raises(SpecError) as info:
-        Monitor(model)
+        Monitor(tiny("fused"), signals=("spectra", "grads"))
     message = str(info.value)
     assert "blocks.0 (PackedAttention)" in message and "QKVLayout(" in message and "spec=" in message
     assert "'qkv'" in message and "fused_per_head" in message  # names the weight and both candidate packings
+    assert "n_heads=8" not in message  # the specs offered are this module's, never a generic example
+    monitor, record, checked, caught = first_record(tiny("fused"))
+    assert [la.layout.adapter for la in monitor.layers] == ["computation"] * 2
+    assert checked == {0: "q,k", 1: "q,k"} and not monitor.refused and not caught
+    _, ref, _, _ = first_record(tiny("fused"), SPECS["fused"])
+    assert record.scalars == pytest.approx(ref.scalars, rel=1e-12)
 
 
 def test_a_spec_whose_shapes_cannot_fit_is_refused_at_construction():

@@ -39,8 +39,14 @@ def test_what_each_packing_answers():
     assert packing_of(fused).roles(fused) == {"qkv.weight": ("q", "k", "v")}
     assert [packing_of(x).key_weight(x) for x in (sep, qkv, fused)] == ["k.weight", "kv.weight", None]
     assert packing_of(sep).assumed(sep) is None and "[all Q | all K | all V]" in packing_of(fused).assumed(fused)
-    implied = [lay.packing for p in PACKINGS.values() for lay in p.implied("w", (E, 3 * E), H)]
+    implied = [lay.packing for p in PACKINGS.values() for lay in p.implied({"w": (E, 3 * E)}, H)]
     assert implied == ["fused", "fused_per_head"]
+    three = {"a": (H, E, D), "b": (H, E, D), "c": (H, E, D), "o": (H, D, E)}
+    assert [lay.describe() for p in PACKINGS.values() for lay in p.implied(three, None)] == [
+        "QKVLayout(n_heads=4, head_dim=8, q='a', k='b', v='c', packing='heads_3d', transposed=True)"]
+    separate = {"q": (H * D, E), "k": (2 * D, E), "v": (2 * D, E)}
+    assert [lay.describe() for p in PACKINGS.values() for lay in p.implied(separate, H)] == [
+        "QKVLayout(n_heads=4, head_dim=8, q='q', k='k', v='v', n_kv_heads=2)"]
 
 
 class FusedKVQ(Fused):
