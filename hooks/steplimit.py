@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from diag.catalog.tags import stat_tag
 from diag.errors import ConfigError, WarnOnce
-from diag.layouts.vocab import QKVLayout, qkv_views
+from diag.layouts.packings import packing_of
 from diag.math.norms import largest_row, power_sigma1
 from diag.math.updates import Stack, stack_by_shape, update_of, work_dtype
 
@@ -374,25 +374,25 @@ def _select(optimizer, model, select, include, exclude, layers, split) -> list[L
     return out
 
 
-def _blocks(layers: list, model: nn.Module | None) -> list[tuple[str, str, Callable[[], QKVLayout], dict[int, str]]]:
-    """(block prefix, label, the layer's current layout, {param id: name in layout}) per attention layer.
+def _blocks(layers: list, model: nn.Module | None) -> list[tuple[str, str, object, dict[int, str]]]:
+    """(block prefix, label, the layer, {param id: name in layout}) per attention layer.
 
-    The layout is read when a step is bounded, not now: a layout discovered from names is provisional until the
-    first forward reads it from the computation and may replace it (hooks/layout/read.py ``adopt``)."""
+    The layer's layout is asked for when a step is bounded, not now: a layout discovered from names is provisional
+    until the first forward, when the layer's book (hooks/layout/book.py) may replace it with the one read from
+    the computation."""
     names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
     out = []
     for layer in layers:
         name = getattr(layer, "name", None) or names.get(id(layer.module), "")
         prefix = name.rsplit(".", 1)[0] + "." if "." in name else (name + "." if name else "")
-        out.append((prefix, layer.label, lambda layer=layer: layer.layout,
-                    {id(p): n for n, p in layer.params().items()}))
+        out.append((prefix, layer.label, layer, {id(p): n for n, p in layer.params().items()}))
     return out
 
 
 def _matrices(name: str, p: nn.Parameter, blocks: list, split: bool) -> list[LimitedMatrix]:
-    for _, label, layout, params in blocks:
+    for _, label, layer, params in blocks:
         if id(p) in params:
-            views = _qkv_views(layout, params[id(p)]) if split else [("qkv", _whole)]
+            views = _qkv_views(layer, params[id(p)]) if split else [("qkv", _whole)]
             return [LimitedMatrix(f"{name}[{role}]" if len(views) > 1 else name, p, view, label, role)
                     for role, view in views]
     for prefix, label, _, _ in blocks:
@@ -405,24 +405,15 @@ def _whole(t: Tensor) -> Tensor:
     return t
 
 
-def _qkv_views(current: Callable[[], QKVLayout], pname: str) -> list[tuple[str, Callable[[Tensor], Tensor]]]:
-    """The roles a layout parameter holds, each with a view function (views share storage) that slices by the
-    layer's layout at the time of the call."""
-    layout = current()
-    if layout.packing == "separate":
-        return [({layout.q: "q", layout.k: "k", layout.v: "v"}[pname], _whole)]
-    if layout.packing == "q_kv":
-        if pname == layout.q:
-            return [("q", _whole)]
-        def kv(t: Tensor, part: int) -> Tensor:
-            now = current()
-            rows = now.kv_heads * now.head_dim
-            r = t.T if now.transposed else t
-            return r[:rows] if part == 0 else r[rows:]
-        return [("k", lambda t: kv(t, 0)), ("v", lambda t: kv(t, 1))]
-    # views, not split_qkv's copies: the limited step is written back through them (Q of fused_per_group was a
-    # copy there, and its bounded step was lost: Falcon-style GQA moved Q by 0.28 with tau 1e-3)
-    return [(role, lambda t, i=i: qkv_views({current().q: t}, current())[i]) for i, role in enumerate("qkv")]
+def _qkv_views(layer, pname: str) -> list[tuple[str, Callable[[Tensor], Tensor]]]:
+    """The roles a layout parameter holds (its packing says which), each with a view function (views share
+    storage, so the limited step is written back through them) that slices by the layer's layout at the time of
+    the call."""
+    roles = packing_of(layer.layout).roles(layer.layout)[pname]
+    if len(roles) == 1:
+        return [(roles[0], _whole)]
+    return [(role, lambda t, role=role: packing_of(layer.layout).role_views(t, pname, layer.layout)[role])
+            for role in roles]
 
 
 def _check_vectors(vectors: dict, matrices: list[LimitedMatrix]) -> None:

@@ -25,7 +25,7 @@ __all__ = ["ModuleView", "PROVISIONAL", "is_provisional", "fused_generic", "sepa
 HEAD_COUNT_KEYS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "heads", "nhead", "num_head", "H")
 KV_COUNT_KEYS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "kv_heads", "n_kv_head")
 HEAD_DIM_KEYS = ("head_dim", "attention_head_size", "key_value_proj_dim", "head_size", "d_kv", "d_head", "dim_head")
-PROVISIONAL = ("fused-qkv", "separate-named")
+PROVISIONAL = ("fused-qkv", "separate-named", "computation")  # only a captured forward confirms these
 
 _ROLE_TOKENS = {"q": ("q", "query", "queries", "wq"), "k": ("k", "key", "keys", "wk"),
                 "v": ("v", "value", "values", "wv")}

@@ -26,7 +26,8 @@ from torch import Tensor
 
 from diag.layouts.vocab import QKVLayout, shape_problem, split_qkv
 
-__all__ = ["Block", "profiles", "match_heads", "split_ids", "same_split", "layout_from_blocks", "fused_layouts"]
+__all__ = ["Block", "profiles", "match_heads", "split_ids", "same_split", "layout_from_blocks", "fused_layouts",
+           "query_source"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,14 @@ class Block:
     orient: str
     block: int
     transform: str = ""  # the norm-like child applied between projection and kernel, "" for none
+
+
+def query_source(x: Tensor, q: Tensor, k: Tensor, cross: bool) -> Tensor:
+    """What the queries were projected from: x, or its first tokens when the kernel got fewer queries than x
+    has tokens while its keys are all of x's (class attention: CaiT's and VOLO's class token queries)."""
+    if not cross and x.dim() == 3 and q.shape[2] < x.shape[1] == k.shape[2]:
+        return x[:, : q.shape[2]]
+    return x
 
 
 def profiles(z: Tensor) -> Tensor:

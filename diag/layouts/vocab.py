@@ -2,7 +2,8 @@
 and how they are packed.
 
 A :class:`QKVLayout` is plain data: parameter names relative to the attention
-module, the packing, and the head counts. :func:`split_qkv` applies it to any
+module, the packing, and the head counts. What depends on the packing lives in its registered class
+(:mod:`diag.layouts.packings`); the functions here dispatch to it. :func:`split_qkv` applies it to any
 tensors that share the parameters' shapes (weights, gradients, updates), so the
 live monitor and the checkpoint analysis slice heads the same way; :func:`split_o`
 gives W_O, whose update ratio is measured with those of Q, K and V.
@@ -11,13 +12,14 @@ gives W_O, whose update ratio is measured with those of Q, K and V.
 from __future__ import annotations
 
 import numbers
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
 from torch import Tensor
 
 from diag.errors import SpecError
+from diag.layouts.packings import PACKINGS, packing_of, rows_of
 
 __all__ = [
     "PACKINGS",
@@ -28,10 +30,10 @@ __all__ = [
     "split_projections",
     "split_qkv_bias",
     "bias_names",
+    "biases_of",
+    "qk_heads",
     "shape_problem",
 ]
-
-PACKINGS = ("separate", "fused", "fused_per_head", "fused_per_group", "q_kv", "heads_3d")
 
 
 @dataclass(frozen=True)
@@ -93,45 +95,23 @@ class QKVLayout:
 
     def __post_init__(self) -> None:
         if self.packing not in PACKINGS:
-            raise SpecError(f"QKVLayout.packing={self.packing!r}; expected one of {PACKINGS}")
+            raise SpecError(f"QKVLayout.packing={self.packing!r}; expected one of {tuple(PACKINGS)}")
         if self.n_heads < 1 or self.head_dim < 1:
             raise SpecError(
                 f"QKVLayout needs n_heads >= 1 and head_dim >= 1, got {self.n_heads}, {self.head_dim}"
             )
-        if self.packing == "separate" and (self.k is None or self.v is None):
-            raise SpecError("QKVLayout(packing='separate') needs the names q=, k= and v=")
-        if self.packing == "q_kv" and self.k is None:
-            raise SpecError("QKVLayout(packing='q_kv') needs q= (queries) and k= (the fused [K | V] weight)")
         if self.n_heads % self.kv_heads:
             raise SpecError(
                 f"QKVLayout: n_heads={self.n_heads} is not a multiple of n_kv_heads={self.kv_heads}; every key/value "
                 "head serves the same number of query heads: check both counts against the model's config"
             )
-        if self.packing == "fused_per_head" and self.kv_heads != self.n_heads:
-            raise SpecError("QKVLayout(packing='fused_per_head') needs n_kv_heads == n_heads; for grouped "
-                            "heads packed [Q_1..Q_r | K | V] per group use packing='fused_per_group'")
-        if self.packing == "heads_3d" and (self.k is None or self.v is None):
-            raise SpecError("QKVLayout(packing='heads_3d') needs the names q=, k= and v= of three 3-D weights")
+        if isinstance(self.groups, numbers.Integral) and not isinstance(self.groups, bool):
+            object.__setattr__(self, "groups", int(self.groups))  # a numpy integer from a config: stored as int
+        problem = packing_of(self).check(self)
+        if problem is not None:
+            raise SpecError(problem)
         if self.kv_map is not None:
             self._check_kv_map()
-        if self.groups is not None or self.order != "qkv":
-            self._check_groups()
-
-    def _check_groups(self) -> None:
-        if self.packing != "fused_per_group":
-            raise SpecError(f"QKVLayout(groups={self.groups!r}, order={self.order!r}) describes the rows of "
-                            f"packing='fused_per_group', not packing={self.packing!r}; pass packing='fused_per_group'")
-        if not isinstance(self.order, str) or sorted(self.order) != ["k", "q", "v"]:
-            raise SpecError(f"QKVLayout.order={self.order!r}: expected the letters q, k and v once each, in the "
-                            "order of their blocks inside a group, e.g. 'qkv' or 'qvk'")
-        groups = self.groups
-        if isinstance(groups, numbers.Integral) and not isinstance(groups, bool):
-            groups = int(groups)
-            object.__setattr__(self, "groups", groups)  # a numpy integer from a config: stored as int
-        if groups is not None and (not isinstance(groups, int) or isinstance(groups, bool) or groups < 1
-                                   or self.n_heads % groups or self.kv_heads % groups):
-            raise SpecError(f"QKVLayout.groups={groups!r}: expected a whole number >= 1 that divides n_heads="
-                            f"{self.n_heads} and n_kv_heads={self.kv_heads} (every group holds whole heads)")
 
     def _check_kv_map(self) -> None:
         kv_map = self.kv_map
@@ -164,9 +144,7 @@ class QKVLayout:
 
     @property
     def param_names(self) -> tuple[str, ...]:
-        three = (self.q, self.k, self.v)
-        names = {"separate": three, "heads_3d": three, "q_kv": (self.q, self.k)}.get(self.packing, (self.q,))
-        return tuple(n for n in names if n is not None)
+        return tuple(n for n in packing_of(self).names(self) if n is not None)
 
     def to_dict(self) -> dict[str, Any]:
         """Every field as JSON-ready data (``kv_map`` as a list); :meth:`from_dict` reads it back. ``groups``
@@ -230,38 +208,6 @@ class QKVLayout:
         return f"QKVLayout({', '.join(args)})"
 
 
-def _rows(w: Tensor, transposed: bool) -> Tensor:
-    return w.T if transposed else w
-
-
-def _heads_3d(w: Tensor, transposed: bool) -> Tensor:
-    return w.transpose(1, 2) if transposed else w  # (heads, D, E)
-
-
-def _fused_rows(fused: Tensor, layout: QKVLayout) -> tuple[Tensor, Tensor, Tensor]:
-    """Q (H, D, E), K (G, D, E), V (G, Dv, E) of one fused weight given as rows (R, E)."""
-    h, g, d = layout.n_heads, layout.kv_heads, layout.head_dim
-    e = fused.shape[-1]
-    if layout.packing == "fused":
-        q, k, v = fused.split([h * d, g * d, fused.shape[0] - (h + g) * d], dim=0)
-        return q.reshape(h, d, e), k.reshape(g, d, e), v.reshape(g, -1, e)
-    q, k, v = _groups(fused, layout)
-    return q.reshape(h, d, e), k.reshape(g, d, e), v.reshape(g, d, e)
-
-
-def _groups(fused: Tensor, layout: QKVLayout) -> tuple[Tensor, Tensor, Tensor]:
-    """fused_per_head and fused_per_group: Q, K, V as views (groups, heads per group, D, E) of the rows (R, E)."""
-    h, g, d = layout.n_heads, layout.kv_heads, layout.head_dim
-    groups = layout.groups or g
-    size = {"q": h // groups, "k": g // groups, "v": g // groups}
-    grouped = fused.reshape(groups, h // groups + 2 * (g // groups), d, fused.shape[-1])
-    parts, start = {}, 0
-    for role in layout.order:
-        parts[role] = grouped[:, start:start + size[role]]
-        start += size[role]
-    return parts["q"], parts["k"], parts["v"]
-
-
 def split_qkv(
     tensors: Mapping[str, Tensor], layout: QKVLayout, paired: bool = False
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -277,17 +223,7 @@ def split_qkv(
     head h (a gathered copy), so that code pairing heads by position (the spectra)
     pairs them as the model does; norms of K and V must be taken unpaired.
     """
-    h, g, d = layout.n_heads, layout.kv_heads, layout.head_dim
-    if layout.packing in ("separate", "heads_3d"):
-        cut = _heads_3d if layout.packing == "heads_3d" else _rows
-        parts = [cut(tensors[name], layout.transposed) for name in (layout.q, layout.k, layout.v)]
-        q, k, v = (p.reshape(n, -1, p.shape[-1]) for p, n in zip(parts, (h, g, g)))
-    elif layout.packing == "q_kv":
-        kv = _rows(tensors[layout.k], layout.transposed)
-        q, k, v = _rows(tensors[layout.q], layout.transposed), *kv.split([g * d, kv.shape[0] - g * d], dim=0)
-        q, k, v = q.reshape(h, d, q.shape[-1]), k.reshape(g, d, k.shape[-1]), v.reshape(g, -1, v.shape[-1])
-    else:
-        q, k, v = _fused_rows(_rows(tensors[layout.q], layout.transposed), layout)
+    q, k, v = packing_of(layout).split(tensors, layout)
     if paired and not layout.default_pairing:
         index = list(layout.kv_index)
         k, v = k[index], v[index]
@@ -300,24 +236,14 @@ def qkv_views(tensors: Mapping[str, Tensor], layout: QKVLayout) -> tuple[Tensor,
     (``fused_per_group`` with several groups of several heads, e.g. Falcon's r query heads per group): those
     stay (groups, heads per group, D, E) (``split_qkv`` gives the (H, D, E) copy). Read any of them as a
     matrix with ``.reshape(-1, E)``."""
-    if layout.packing in ("fused_per_head", "fused_per_group"):
-        return tuple(_flat_view(p) for p in _groups(_rows(tensors[layout.q], layout.transposed), layout))
-    return split_qkv(tensors, layout)
-
-
-def _flat_view(part: Tensor) -> Tensor:
-    """(groups, n, D, E) as (groups * n, D, E) where that is a view, else as it is."""
-    try:
-        return part.view(-1, *part.shape[2:])
-    except RuntimeError:
-        return part
+    return packing_of(layout).views(tensors, layout)
 
 
 def split_o(tensors: Mapping[str, Tensor], layout: QKVLayout) -> Tensor | None:
     """W_O as (E_out, H*D), the nn.Linear orientation (a view), or None when the layout names none."""
     if layout.o is None:
         return None
-    return _rows(tensors[layout.o], layout.o_is_transposed)
+    return rows_of(tensors[layout.o], layout.o_is_transposed)
 
 
 def split_projections(tensors: Mapping[str, Tensor], layout: QKVLayout) -> dict[str, Tensor]:
@@ -330,46 +256,12 @@ def split_projections(tensors: Mapping[str, Tensor], layout: QKVLayout) -> dict[
     return out
 
 
-def _need_rows(layout: QKVLayout) -> dict[str, int]:
-    h, g, d = layout.n_heads, layout.kv_heads, layout.head_dim
-    return {
-        "separate": {layout.q: h * d, layout.k: g * d},
-        "heads_3d": {},
-        "fused": {layout.q: (h + 2 * g) * d},
-        "fused_per_head": {layout.q: 3 * h * d},
-        "fused_per_group": {layout.q: (h + 2 * g) * d},
-        "q_kv": {layout.q: h * d, layout.k: 2 * g * d},
-    }[layout.packing]
-
-
-def _heads_3d_problem(layout: QKVLayout, shapes: Mapping[str, tuple[int, ...]]) -> str | None:
-    for name, heads in zip((layout.q, layout.k, layout.v), (layout.n_heads, layout.kv_heads, layout.kv_heads)):
-        shape = tuple(shapes[name])
-        d = shape[2] if layout.transposed else (shape[1] if len(shape) == 3 else None)
-        if len(shape) != 3 or shape[0] != heads or (name != layout.v and d != layout.head_dim):
-            want = "(heads, E, D)" if layout.transposed else "(heads, D, E)"
-            return (f"{name!r} has shape {shape}, but {layout.describe()} needs a 3-D per-head weight {want} "
-                    f"with heads={heads}, D={layout.head_dim}")
-    return None
-
-
 def shape_problem(layout: QKVLayout, shapes: Mapping[str, tuple[int, ...]]) -> str | None:
     """Why the named weights cannot hold this layout's heads, or None when their shapes fit."""
-    h, g, d = layout.n_heads, layout.kv_heads, layout.head_dim
-    need = _need_rows(layout)
-    if layout.packing == "heads_3d":
-        problem = _heads_3d_problem(layout, shapes)
-        if problem:
-            return problem
-    for name in layout.param_names if layout.packing != "heads_3d" else ():
-        shape = tuple(shapes[name])
-        if len(shape) != 2:
-            return f"{name!r} has shape {shape}; a projection weight is 2-D"
-        rows = shape[1] if layout.transposed else shape[0]
-        if name in need and rows != need[name]:
-            axis = "columns (transposed)" if layout.transposed else "rows"
-            return (f"{name!r} has shape {shape}: {rows} {axis}, but {layout.describe()} needs {need[name]} "
-                    f"(n_heads={h}, n_kv_heads={g}, head_dim={d})")
+    problem = packing_of(layout).shape_problem(layout, shapes)
+    if problem is not None:
+        return problem
+    h, d = layout.n_heads, layout.head_dim
     if layout.o is not None:
         shape = tuple(shapes[layout.o])
         axis = "rows (o_transposed)" if layout.o_is_transposed else "columns"
@@ -382,11 +274,14 @@ def shape_problem(layout: QKVLayout, shapes: Mapping[str, tuple[int, ...]]) -> s
 def bias_names(weight: str) -> tuple[str, ...]:
     """Names the bias of a weight may have, most likely first.
 
-    ``q_proj.weight`` -> ``q_proj.bias``; ``in_proj_weight`` -> ``in_proj_bias``; ``qkv`` -> ``qkv_bias``.
+    ``q_proj.weight`` -> ``q_proj.bias``; ``in_proj_weight`` -> ``in_proj_bias``; ``qkv`` -> ``qkv_bias``; a raw
+    parameter named ``W...`` -> ``b...`` (``W_Q`` -> ``b_Q``, ``attn.Wq`` -> ``attn.bq``).
     """
     if weight.endswith("weight"):
         return (weight.removesuffix("weight") + "bias",)
-    return (weight + "_bias", weight + ".bias")
+    path, _, stem = weight.rpartition(".")
+    named = (f"{path}.b{stem[1:]}" if path else f"b{stem[1:]}",) if stem[:1] in ("W", "w") and len(stem) > 1 else ()
+    return (weight + "_bias", weight + ".bias") + named
 
 
 def split_qkv_bias(biases: Mapping[str, Tensor], layout: QKVLayout) -> tuple[Tensor | None, Tensor | None]:
@@ -394,14 +289,23 @@ def split_qkv_bias(biases: Mapping[str, Tensor], layout: QKVLayout) -> tuple[Ten
 
     ``biases`` maps the layout's weight names to their biases (or omits them).
     """
-    h, g, d = layout.n_heads, layout.kv_heads, layout.head_dim
-    if layout.packing in ("separate", "q_kv", "heads_3d"):
-        bq, bk = biases.get(layout.q), biases.get(layout.k)
-        bq = None if bq is None else bq.reshape(h, d)
-        bk = None if bk is None else bk.reshape(-1)[: g * d].reshape(g, d)
-        return bq, bk
-    fused = biases.get(layout.q)
-    if fused is None:
-        return None, None
-    q, k, _ = _fused_rows(fused[:, None], layout)
-    return q[..., 0], k[..., 0]
+    return packing_of(layout).bias(biases, layout)
+
+
+def biases_of(params: Mapping[str, Tensor], names: Iterable[str]) -> dict[str, Tensor]:
+    """The bias of each weight in ``names`` that ``params`` holds (named as :func:`bias_names` says), by the
+    weight's name."""
+    out = {}
+    for name in names:
+        found = next((b for b in bias_names(name) if b in params), None)
+        if found is not None:
+            out[name] = params[found]
+    return out
+
+
+def qk_heads(params: Mapping[str, Tensor], layout: QKVLayout) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """Per-head query and key weights (H, D, E), (G, D, E) (unpaired) and their biases (H, D), (G, D) or None,
+    from a module's parameters by name (weights and biases alike)."""
+    wq, wk, _ = split_qkv(params, layout)
+    bq, bk = split_qkv_bias(biases_of(params, layout.param_names), layout)
+    return wq, wk, bq, bk

@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 from diag.errors import ConfigError, SpecError
+from diag.layouts.packings import packing_of
 from diag.layouts.placement import layers_from_spec
 from diag.layouts.statedict import Heads, StateDictLayer, find_layers, head_attrs
 from diag.offline.checkpoint import Checkpoint
@@ -55,9 +56,8 @@ def assumptions(layers: list[StateDictLayer]) -> tuple[str, ...]:
     for la in layers:
         lay = la.layout
         probed = lay.adapter == "probe" or lay.adapter.endswith("+probe")  # confirmed by a probe forward
-        if lay.packing in ("fused", "q_kv") and lay.adapter not in CERTAIN_FUSED and not probed:
-            what = ("the fused weight's rows are [all Q | all K | all V], heads in contiguous blocks of "
-                    f"{lay.head_dim} rows (not interleaved per head)")
+        what = packing_of(lay).assumed(lay)  # the rows' order, where the weights alone cannot tell it
+        if what is not None and lay.adapter not in CERTAIN_FUSED and not probed:
             found.setdefault((what, FIX_PACKING), []).append(la.label)
         g = lay.kv_heads
         if 1 < g < lay.n_heads and lay.kv_map is None:

@@ -15,14 +15,16 @@ from the model's own ``attention_mask`` (a keyword or positional argument of the
 module's forward, recorded by a pre-hook on it) when it describes the kernel's
 sequence, else from the keys the kernel excludes from every row.
 
-Before a call counts, it is checked against the layer's layout (:mod:`hooks.layout.confirm`):
-head count and head size, self- versus cross-attention, and, where the kernel's q
-and k are known (SDPA, MHA, and a softmax whose product was seen), their per-head
-norms against the module input projected with the layout (batch-first, or time-first
-as fairseq passes it). A disagreement refuses the layer's attention statistics with a
-message that names the module and the spec to pass. A softmax whose q and k were not
-seen is measured but reported once as not verifiable; a second attention call in the
-same forward is reported once as not measured. Hugging Face models configured for
+Before a call counts, the capture hands what it saw (:class:`hooks.layout.confirm.Observation`: the
+call's q, k and logits, the module's inputs, what the key projection read) to the layers' layout book
+(:class:`hooks.layout.book.LayoutBook`), which decides: head count and head size, self- versus
+cross-attention, and, where the kernel's q and k are known (SDPA, MHA, and a softmax whose product was seen),
+their per-head norms against the module input projected with the layout (batch-first, or time-first as
+fairseq passes it). A disagreement refuses the layer's attention statistics with a message that names the
+module and the spec to pass (and, where the layout is at fault, every metric of the layer: the book says
+which). A softmax whose q and k were not seen is measured but reported once as not verifiable; a second
+attention call in the same forward is reported once as not measured. The capture itself decides nothing
+about layouts. Hugging Face models configured for
 another kernel than eager or SDPA (flex, flash) are refused before the mode is
 entered, so the capture never reads a call it cannot interpret.
 """
@@ -37,18 +39,20 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from diag.layouts.generic import is_provisional
+from diag.layouts.packings import packing_of
 from diag.math.attention import AttentionStats, stats_from_logits, valid_query_rows
 from hooks.capture.kernels import (
     Product,
     Seen,
     Unsupported,
+    clamp_call,
     excluded_keys,
     is_attention_call,
     product_operands,
     read_call,
 )
-from hooks.layout.confirm import Inputs, Verdict, check_call, module_inputs, unconfirmed, with_keys_from
+from hooks.layout.book import LayoutBook
+from hooks.layout.confirm import Elementwise, Inputs, Observation, module_inputs
 from hooks.layout.discover import AttentionLayer
 
 __all__ = ["AttentionCapture", "Seen"]
@@ -66,6 +70,7 @@ def _attn_implementation(module) -> str | None:
 
 _PRODUCTS = 4  # products remembered per module forward
 _KEY_CALLS = 4  # calls of the key projection remembered per module forward
+_CLAMPS = 4  # distinct clamps remembered per module forward
 
 
 class _Mode(TorchFunctionMode):
@@ -77,7 +82,9 @@ class _Mode(TorchFunctionMode):
     where it is a module of its own (``separate`` and ``q_kv`` packings), to keep what the
     ``F.linear`` calls with it read (``key_inputs``, the last few): keys computed from something other
     than the module's input (Twins', PVT's and SegFormer's keys come from a strided convolution of
-    it) are then checked against what they were really projected from.
+    it) are then checked against what they were really projected from. ``between``: the clamps to constant
+    bounds (``clamp``, ``clip``, ``hardtanh``) the forward made, which the layout book tries between the
+    projections and the kernel (MPT's and OLMo's ``clip_qkv``).
     """
 
     def __init__(self, capture: AttentionCapture, key_weight: Tensor | None = None) -> None:
@@ -86,10 +93,14 @@ class _Mode(TorchFunctionMode):
         self.products: tuple[Product, ...] = ()
         self.key_weight = key_weight
         self.key_inputs: list[Tensor] = []
+        self.between: tuple[Elementwise, ...] = ()  # clamps to constant bounds seen in this forward
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        clamp = clamp_call(func, args, kwargs)
+        if clamp is not None and Elementwise(*clamp) not in self.between:
+            self.between = self.between[-(_CLAMPS - 1):] + (Elementwise(*clamp),)
         if self.key_weight is not None and func is F.linear:
             weight = args[1] if len(args) > 1 else kwargs.get("weight")
             if weight is self.key_weight and args and isinstance(args[0], Tensor):
@@ -104,11 +115,9 @@ class _Mode(TorchFunctionMode):
 
 
 def _key_weight(layer: AttentionLayer) -> Tensor | None:
-    """The key projection's weight where it is a parameter of its own (separate, q_kv)."""
-    lay = layer.layout
-    if lay.packing not in ("separate", "q_kv") or lay.k is None:
-        return None
-    return dict(layer.module.named_parameters()).get(lay.k)
+    """The key projection's weight where it is a parameter of its own (its packing says which: separate, q_kv)."""
+    name = packing_of(layer.layout).key_weight(layer.layout)
+    return None if name is None else dict(layer.module.named_parameters()).get(name)
 
 
 def _attention_mask(module: nn.Module, args: tuple, kwargs: dict) -> Tensor | None:
@@ -135,23 +144,22 @@ class AttentionCapture:
 
     model: the root module the Monitor watches; its forward's ``attention_mask`` tells which
     query rows are padding. None: only the kernels' masks tell.
+    layouts: the book that decides the layers' layouts (the Monitor's); None: one of its own.
     """
 
     def __init__(
-        self, layers: list[AttentionLayer], n_seqs: int = 2, rank_rows: int = 256, model: nn.Module | None = None
+        self, layers: list[AttentionLayer], n_seqs: int = 2, rank_rows: int = 256, model: nn.Module | None = None,
+        layouts: LayoutBook | None = None,
     ) -> None:
         self.layers = layers
+        self.layouts = LayoutBook(layers) if layouts is None else layouts
         self.n_seqs = n_seqs
         self.rank_rows = rank_rows
         self.model = model
         self.results: dict[int, AttentionStats] = {}
         self.problems: dict[int, str] = {}
         self.checked: dict[int, str] = {}  # layer index -> what the layout check compared
-        self.layout_refused: dict[int, str] = {}  # layer index -> why its layout disagrees with the model
         self.notes: dict[int, str] = {}  # layer index -> what was measured but not verified, or not measured
-        # Layers whose layout a capture confirmed: the packing cannot change, so the (costly, float64)
-        # projection check runs once per layer, not at every sampled step.
-        self._confirmed: dict[int, str] = {}
         self._handles: list[RemovableHandle] = []
         self._active: AttentionLayer | None = None
         self._inputs: tuple[Inputs, Inputs] | None = None  # batch-first, time-first
@@ -167,7 +175,7 @@ class AttentionCapture:
     def arm(self) -> None:
         if self._handles:
             return
-        self.results, self.problems, self.checked, self.layout_refused = {}, {}, {}, {}
+        self.results, self.problems, self.checked = {}, {}, {}
         self.notes, self._calls, self._skipped = {}, {}, {}
         if self.model is not None:  # the root's attention_mask, for the attention calls inside its forward only
             self._handles.append(self.model.register_forward_pre_hook(self._root_hook, with_kwargs=True))
@@ -221,7 +229,7 @@ class AttentionCapture:
             self._calls[layer.index] = 0
             self._inputs = (module_inputs(args, kwargs, self.n_seqs), _time_first(args, kwargs, self.n_seqs))
             # the key projection's input matters only until the layout is confirmed
-            key_weight = None if layer.index in self._confirmed else _key_weight(layer)
+            key_weight = None if self.layouts.settled(layer) else _key_weight(layer)
             self._mode = _Mode(self, key_weight)
             self._mode.__enter__()
 
@@ -237,6 +245,8 @@ class AttentionCapture:
                     self.problems.pop(layer.index, None)
                 elif layer.index not in self.results and layer.index not in self.problems:
                     self.problems[layer.index] = "no attention call (SDPA, softmax or MHA) was seen"
+                    self.layouts.unconfirmable_call(layer, "its forward made no attention call the capture reads "
+                                                    "(SDPA, a softmax over 3-D to 5-D logits, MHA)")
                 elif calls > 1:
                     self.notes[layer.index] = (
                         f"its forward made {calls} attention calls (SDPA, softmax or MHA); only the first is "
@@ -261,11 +271,9 @@ class AttentionCapture:
                 seen = read_call(func, args, kwargs, self.n_seqs, layer.layout.n_heads, products)
                 if seen is None:
                     return
-                verdict = self._verify(layer, seen)
+                verdict = self.layouts.observe(layer, self._observation(seen), self.n_seqs)
                 if verdict.problem is not None:
                     self.problems[layer.index] = verdict.problem
-                    if not verdict.call_only:  # the layout itself is suspect: every metric of the layer is dropped
-                        self.layout_refused[layer.index] = verdict.problem
                     return
                 self.checked[layer.index] = verdict.checked
                 logits = seen.stats_logits()
@@ -280,47 +288,17 @@ class AttentionCapture:
                         "projections' width), so only shapes were checked against the layout")
         except Unsupported as err:
             self.problems[layer.index] = str(err)
-            if is_provisional(layer.layout) and layer.index not in self._confirmed:
-                # nothing confirms the names' proposal: refused with it offered as a spec, never guessed
-                self.layout_refused[layer.index] = unconfirmed(layer, "shapes", why=(
-                    f"its attention call is one the capture does not read ({err}), so the computation cannot "
-                    "confirm a split")).problem
+            self.layouts.unconfirmable_call(layer, f"its attention call is one the capture does not read ({err})")
         except Exception as err:  # noqa: BLE001 - a fault here must never reach the forward pass
             self.problems[layer.index] = f"capture failed: {err!r}"
 
-    def _verify(self, layer: AttentionLayer, seen: Seen) -> Verdict:
-        """The layout check, once per layer when it compared values; inputs read batch-first, else time-first."""
-        confirmed = self._confirmed.get(layer.index)
-        if confirmed is not None:
-            return Verdict(checked=confirmed)
+    def _observation(self, seen: Seen) -> Observation:
+        """What the capture saw of the call: the call, the module's inputs (batch-first, time-first), what the
+        key projection read and the clamps the module made before it."""
         batch_first, time_first = self._inputs or (None, None)
-        key_inputs = [] if self._mode is None else self._mode.key_inputs
-        batch = None if seen.k is None else seen.k.shape[0]
-        batch_first = with_keys_from(batch_first, key_inputs, batch, self.n_seqs)
-        time_first = with_keys_from(time_first, key_inputs, batch, self.n_seqs, time_first=True)
-        length = None if seen.q is None else seen.q.shape[2]
-
-        def fits(inputs: Inputs | None) -> bool:  # the input's second dim is the query length
-            return inputs is not None and inputs.x is not None and inputs.x.shape[1] == length
-
-        def fits_time_first(inputs: Inputs | None) -> bool:
-            # ... and, read (T, B, E), its first dim holds the kernel's sequences: at batch 1 a class token's
-            # single query (CaiT, VOLO) would otherwise match a (1, N, E) input read as N sequences of 1 token
-            rows = None if seen.q is None else min(seen.q.shape[0], self.n_seqs)
-            return fits(inputs) and (rows is None or inputs.x.shape[0] == rows)
-
-        if fits_time_first(time_first) and not fits(batch_first):  # (T, B, E): fairseq, MHA without batch_first
-            batch_first, time_first = time_first, None
-        elif not fits_time_first(time_first):
-            time_first = None
-        verdict = check_call(layer, seen, batch_first, self.n_seqs)
-        if (verdict.problem is not None or verdict.checked in ("shapes", "q")) and time_first is not None:
-            other = check_call(layer, seen, time_first, self.n_seqs)  # B == T: either reading fits the shapes
-            if other.problem is None and other.checked in ("q", "q,k") and other.checked != verdict.checked:
-                verdict = other
-        if verdict.problem is None and verdict.checked in ("q,k", "exact"):  # settled for good
-            self._confirmed[layer.index] = verdict.checked
-        return verdict
+        if self._mode is None:
+            return Observation(seen, batch_first, time_first, [])
+        return Observation(seen, batch_first, time_first, self._mode.key_inputs, self._mode.between)
 
     def _query_rows(self, layer: AttentionLayer, seen: Seen, logits) -> Tensor | None:
         """(n, Q) bool, False on padded query rows; None when every row counts (cross-attention)."""

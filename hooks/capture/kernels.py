@@ -24,7 +24,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +32,8 @@ from torch import Tensor
 
 from diag.math.attention import LazyLogits, excluded_by_additive_mask
 
-__all__ = ["Unsupported", "Seen", "Product", "product_operands", "read_call", "is_attention_call", "excluded_keys"]
+__all__ = ["Unsupported", "Seen", "Product", "product_operands", "read_call", "is_attention_call", "excluded_keys",
+           "clamp_call"]
 
 _MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
 
@@ -62,6 +63,13 @@ class Seen:
     self_attn: bool = True
     note: str | None = None
     batch: int = 0  # the call's batch size (all sequences, not only the n analysed)
+    # other products of the logits' shape before the softmax, latest first, as (q, k): the one that made the
+    # logits may be any of them (DeBERTa's relative-position products can have the shape of q @ k^T)
+    others: tuple[tuple[Tensor, Tensor], ...] = ()
+
+    def with_qk(self, q: Tensor, k: Tensor) -> Seen:
+        """The same call read with another product's operands as its q and k."""
+        return replace(self, q=q, k=k, self_attn=q.shape[2] == k.shape[2], others=())
 
 
 @dataclass
@@ -187,12 +195,13 @@ def _from_softmax(args: tuple, kwargs: dict, n: int, heads: int, products: tuple
         logits = x[: n * heads].reshape(-1, heads, *x.shape[1:])  # (n, H, T, S)
     else:  # 5-D: grouped-query logits (B, G, R, T, S), query head g*R + r pairs with key head g
         logits = x[:n] if x.dim() == 4 else x[:n].flatten(1, 2)
-    q = k = None
-    for product in reversed(products):  # the latest of that shape: later relative-position products differ
+    pairs = []  # every product of that shape, latest first: the layout check takes the one the layout explains
+    for product in reversed(products):
         if product.shape[-2:] == x.shape[-2:] and math.prod(product.shape) == x.numel():
             q, k = _by_heads(product.q, batch, heads), _by_heads(product.k, batch, heads)
             if q is not None and k is not None:
-                break
+                pairs.append((q, k))
+    q, k = pairs[0] if pairs else (None, None)
     if q is None or k is None:
         if x.dim() == 3:
             raise Unsupported(f"softmax over 3-D (B*H, T, S) logits {tuple(x.shape)} whose q and k were not seen "
@@ -203,7 +212,8 @@ def _from_softmax(args: tuple, kwargs: dict, n: int, heads: int, products: tuple
                 "against the layout, not the per-head projections")
         return Seen(heads, lambda: logits, logits=logits, note=note, self_attn=x.shape[-1] == x.shape[-2],
                     batch=batch)
-    return Seen(heads, lambda: logits, logits=logits, q=q, k=k, self_attn=q.shape[2] == k.shape[2], batch=batch)
+    return Seen(heads, lambda: logits, logits=logits, q=q, k=k, self_attn=q.shape[2] == k.shape[2], batch=batch,
+                others=tuple(pairs[1:]))
 
 
 def _mha_masks(
@@ -278,6 +288,27 @@ def read_call(func, args: tuple, kwargs: dict, n: int, heads: int, products: tup
     products seen before this call in the same module's forward, oldest first."""
     handler = _HANDLERS.get(func)
     return None if handler is None else handler(args, kwargs, n, heads, products)
+
+
+_CLAMPS = {torch.clamp: "clamp", torch.clamp_: "clamp", torch.Tensor.clamp: "clamp", torch.Tensor.clamp_: "clamp",
+           torch.clip: "clip", torch.clip_: "clip", torch.Tensor.clip: "clip", torch.Tensor.clip_: "clip",
+           F.hardtanh: "hardtanh", F.hardtanh_: "hardtanh"}
+
+
+def clamp_call(func, args: tuple, kwargs: dict) -> tuple[str, float | None, float | None] | None:
+    """(name, low, high) of a clamp of a floating tensor to constant bounds (``clamp``/``clip`` and their
+    in-place forms, ``hardtanh``), else None."""
+    name = _CLAMPS.get(func)
+    if name is None or not args or not isinstance(args[0], Tensor) or not args[0].is_floating_point():
+        return None
+    keys = ("min_val", "max_val") if name == "hardtanh" else ("min", "max")
+    low, high = (list(args[1:3]) + [None, None])[:2]
+    low, high = kwargs.get(keys[0], low), kwargs.get(keys[1], high)
+    if name == "hardtanh":
+        low, high = -1.0 if low is None else low, 1.0 if high is None else high
+    if not all(b is None or (isinstance(b, (int, float)) and not isinstance(b, bool)) for b in (low, high)):
+        return None  # bounds that are tensors: not one constant range
+    return name, None if low is None else float(low), None if high is None else float(high)
 
 
 def excluded_keys(logits: Tensor | LazyLogits) -> Tensor:

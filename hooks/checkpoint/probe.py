@@ -27,6 +27,7 @@ from diag.layouts.statedict import StateDictLayer
 from diag.offline.checkpoint import Checkpoint
 from diag.outputs.records import LayerArrays, attention_metrics, host_arrays
 from hooks.capture.capture import AttentionCapture
+from hooks.checkpoint.architecture import architecture
 from hooks.layout.discover import AttentionLayer, discover
 
 __all__ = ["Probe", "ProbeError"]
@@ -40,9 +41,8 @@ def _build(ckpt: Checkpoint) -> nn.Module:
     import transformers
 
     config = dict(ckpt.config)
-    arch = (config.get("architectures") or [None])[0]
-    cls = getattr(transformers, str(arch), None) if arch else None
-    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)) or "model_type" not in config:
+    arch, cls = architecture(config)
+    if cls is None or "model_type" not in config:
         raise ProbeError(f"{ckpt.path}: --probe needs a Hugging Face model folder whose config.json names a "
                          f"built-in transformers architecture; found architectures={arch!r}. Drop --probe for "
                          "weight-side metrics only")

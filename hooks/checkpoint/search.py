@@ -43,6 +43,7 @@ from diag.layouts.infer import fused_layouts
 from diag.layouts.vocab import QKVLayout
 from diag.offline.checkpoint import Checkpoint
 from diag.offline.layoutfile import LayoutEntry, LayoutFile
+from hooks.checkpoint.architecture import architecture
 from hooks.checkpoint.verdicts import verdicts
 from hooks.layout.discover import module_view
 
@@ -66,10 +67,7 @@ def _config(config: dict[str, Any]):
     except ImportError:  # pragma: no cover - the hf extra
         return None
     config = dict(config)
-    arch = (config.get("architectures") or [None])[0]
-    cls = getattr(transformers, str(arch), None) if arch else None
-    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
-        cls = transformers.AutoModel
+    cls = architecture(config)[1] or transformers.AutoModel
     try:
         cfg = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
     except (ValueError, KeyError, TypeError):

@@ -1,10 +1,14 @@
 """Stage 1, the layout: which modules are attention and where their W_Q, W_K, W_V, W_O are.
 
-``discover`` finds the layers and proposes a layout for each from names and shapes; ``confirm``
-checks a layout against the q and k an attention kernel received and ``read`` reads one from them
-where the two disagree; ``suspects`` words the refusal when no layer is found.
+``discover`` finds the layers and proposes a layout for each from names and shapes (a ``record`` per layer);
+``book`` (:class:`LayoutBook`) decides each layer's layout on what the capture saw, and is asked by the capture,
+the Monitor and the step limit: ``confirm`` compares a layout with the q and k an attention kernel received,
+``read`` reads one from them where the two disagree, ``refusals`` words a refusal; ``suspects`` words the
+refusal when no layer is found.
 """
 
+from hooks.layout.book import LayoutBook
 from hooks.layout.discover import AttentionLayer, discover
+from hooks.layout.record import LayoutRecord
 
-__all__ = ["AttentionLayer", "discover"]
+__all__ = ["AttentionLayer", "LayoutBook", "LayoutRecord", "discover"]

@@ -22,32 +22,28 @@ where the model shows how it really splits its heads, so it is checked there:
   input (``q @ k^T``) are checked the same way; when the logits come from
   elsewhere (einsum, bmm), only the head count is checked.
 
-When the layout disagrees (or was only a generic adapter's proposal, or a per-head check fails with a norm
-between projection and kernel), the layout is read from the computation (:mod:`hooks.layout.read`): a
-discovered layout is replaced by it, a spec's is refused with the inferred spec in the message.
+These are comparisons only: what a disagreement means for the layer (read the layout from the computation,
+adopt it, refuse it) is decided by :class:`hooks.layout.book.LayoutBook`, which calls them.
 
 Runs on sampled forwards only, under no_grad, on the first ``n`` sequences.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from diag.layouts.generic import is_provisional
-from diag.layouts.infer import same_split
-from diag.layouts.patterns import spec_text
-from diag.layouts.vocab import QKVLayout, bias_names, split_qkv, split_qkv_bias
+from diag.layouts.infer import query_source
+from diag.layouts.vocab import QKVLayout, qk_heads
 from hooks.layout.discover import AttentionLayer
-from hooks.layout.read import adopt, query_source, read_layout
 
-__all__ = ["Inputs", "Verdict", "module_inputs", "with_keys_from", "check_call", "spec_hint", "unconfirmed"]
+__all__ = ["Inputs", "Elementwise", "Observation", "Verdict", "Comparison", "module_inputs", "with_keys_from",
+           "readings", "compare", "tolerance", "call_problem", "not_token_attention"]
 
-log = logging.getLogger("diag")
-
+MATCH_FLOOR = 5e-3  # the least relative deviation a match allows (float32 products of width E, TF32 on GPUs)
 _X_KEYS = ("hidden_states", "x", "query", "input", "inputs")
 _KV_KEYS = ("key_value_states", "encoder_hidden_states")
 
@@ -63,12 +59,52 @@ class Inputs:
     keys_from: tuple[Tensor, ...] = ()
 
 
+@dataclass(frozen=True)
+class Elementwise:
+    """An elementwise, shape-preserving call the module made in its forward with constant bounds (``clamp``,
+    ``clip``, ``hardtanh``: activations clipped to a range between projection and kernel). Reading the layout
+    from the computation tries the projected blocks through it, as through the module's norms."""
+
+    name: str
+    low: float | None
+    high: float | None
+
+    def forward(self, z: Tensor) -> Tensor:
+        return z.clamp(self.low, self.high)
+
+    def describe(self) -> str:
+        return f"{self.name}(min={self.low}, max={self.high})"
+
+
+@dataclass
+class Observation:
+    """What the capture saw of one attention call: the call (``seen``: :class:`hooks.capture.kernels.Seen`)
+    and the module's inputs read batch-first and time-first (references, first ``n`` sequences), with what the
+    key projection read at each of its calls (``key_inputs``) and the elementwise calls the module made
+    (``between``)."""
+
+    seen: Any
+    batch_first: Inputs | None
+    time_first: Inputs | None
+    key_inputs: list[Tensor]
+    between: tuple[Elementwise, ...] = ()
+
+
 @dataclass
 class Verdict:
     problem: str | None = None
     checked: str = ""  # "shapes", "heads", "exact", "q", "q,k": what was compared
     # the problem is the call, not the layout: attention statistics are dropped, the weight-side signals stay
     call_only: bool = False
+    adopt: QKVLayout | None = None  # the layout read from the computation, to replace a discovered one
+    observed: str = ""  # what the computation showed, where the layout was read from it
+    between: str = ""  # what the module does between its projections and the kernel, where the reading saw it
+
+
+def tolerance(t: Tensor) -> float:
+    """The one tolerance of every layout match (the norm check here, the block profiles of
+    :mod:`hooks.layout.read`): relative, for the dtype the kernel's q came in (bf16 and fp16 round at their eps)."""
+    return max(MATCH_FLOOR, 8 * torch.finfo(t.dtype).eps)
 
 
 def _first_3d(values, n: int) -> Tensor | None:
@@ -104,65 +140,7 @@ def module_inputs(args: tuple, kwargs: dict, n: int) -> Inputs:
     return Inputs(x, kv)
 
 
-def _spec(layer: AttentionLayer, layout: QKVLayout) -> str:
-    return spec_text(dict.fromkeys(layer.patterns, layout))
-
-
-def spec_hint(layer: AttentionLayer, inferred: QKVLayout | None = None) -> str:
-    """The fix to offer: the spec read from the computation where there is one, else a template."""
-    given = f"its layout {layer.layout.describe()} (adapter {layer.layout.adapter!r}) disagrees with the model"
-    if inferred is not None:
-        return f"{given}; the computation says: pass Monitor(model, {_spec(layer, inferred)})"
-    return (
-        f"{given}; pass the right one, e.g. Monitor(model, spec={{{layer.patterns[0]!r}: QKVLayout(n_heads=..., "
-        "head_dim=..., q=..., packing='fused' | 'fused_per_head' | 'fused_per_group' | 'separate' | 'q_kv' | "
-        "'heads_3d', n_kv_heads=..., kv_map=..., groups=..., order=..., transposed=..., cross=...)}) "
-        "(docs/layouts.md)"
-    )
-
-
-def _refuse(layer: AttentionLayer, what: str, inferred: QKVLayout | None = None, seen: str = "") -> Verdict:
-    observed = f" (observed: {seen})" if seen else ""
-    return Verdict(problem=f"{layer.name} ({type(layer.module).__name__}): {what}{observed}; "
-                   f"{spec_hint(layer, inferred)}")
-
-
-def unconfirmed(layer: AttentionLayer, checked: str, heads: int | None = None, why: str | None = None) -> Verdict:
-    """A generic adapter's proposal that the computation could not confirm: refused, never guessed; the
-    message offers the proposal (with the kernel's head count) as a spec, to pass only if it is right."""
-    lay = layer.layout
-    width, kv_width = lay.n_heads * lay.head_dim, lay.kv_heads * lay.head_dim
-    if heads and heads != lay.n_heads and width % heads == 0 and kv_width % (width // heads) == 0:
-        d = width // heads
-        lay = QKVLayout.from_dict({**lay.to_dict(), "n_heads": heads, "head_dim": d, "n_kv_heads": kv_width // d})
-    spec = _spec(layer, QKVLayout.from_dict({**lay.to_dict(), "adapter": "spec"}))
-    return Verdict(problem=(
-        f"{layer.name} ({type(layer.module).__name__}): the layout proposed from names, {lay.describe()}, could "
-        "not be confirmed: " + (why or (
-            f"the kernel's q and k were not visible to compare with the module input (compared: {checked}; "
-            "logits from a product the capture cannot see, or the input not an argument it reads)")) +
-        "; it is not guessed. "
-        f"If that split is right (packing, head order, query->key pairing), pass it: Monitor(model, {spec})"
-    ))
-
-
-def _unpaired(layer: AttentionLayer) -> Verdict:
-    """Grouped-query heads whose pairing the call does not show (logits without a visible q @ k^T): the
-    pairing h // (H / G) would be a guess (models tile h % G too), so the layer is refused."""
-    lay = layer.layout
-    tiled = QKVLayout.from_dict({**lay.to_dict(), "adapter": "spec",
-                                 "kv_map": [h % lay.kv_heads for h in range(lay.n_heads)]})
-    default = QKVLayout.from_dict({**lay.to_dict(), "adapter": "spec"})
-    return Verdict(problem=(
-        f"{layer.name} ({type(layer.module).__name__}): grouped-query attention ({lay.n_heads} query heads, "
-        f"{lay.kv_heads} key heads) whose logits come from a product the capture cannot see, so which key "
-        "head each query head reads cannot be checked; it is not guessed. Pass the pairing the model uses: "
-        f"Monitor(model, {_spec(layer, default)}) for h // (H / G), or "
-        f"Monitor(model, {_spec(layer, tiled)}) for h % G"
-    ))
-
-
-def _not_token_attention(lay: QKVLayout, seen) -> bool:
+def not_token_attention(lay: QKVLayout, seen) -> bool:
     """The call is not (batch, heads, queries, keys) attention over tokens that this layer's projections could
     compute. With q and k visible: heads times head size wider than the projections, or the layout's head size
     on the query axis and another on the last (XCiT's cross-covariance attention multiplies (batch, heads,
@@ -180,24 +158,8 @@ def _not_token_attention(lay: QKVLayout, seen) -> bool:
     return logits is not None and logits.dim() == 4 and logits.shape[2] == lay.n_heads != logits.shape[1]
 
 
-def _not_this_attention(layer: AttentionLayer, seen) -> Verdict:
-    """A softmax call that cannot be this layer's (batch, heads, queries, keys) attention under any head split
-    of its projections: a kernel laid out another way (Longformer's sliding window scores are (batch, tokens,
-    heads, window)). The call says nothing about the layout, which came from a named family's adapter, so the
-    weight-side signals stay and only the attention statistics are dropped."""
-    lay = layer.layout
-    shape = "" if seen.logits is None else f" (logits {tuple(seen.logits.shape)})"
-    source = "your spec" if lay.adapter == "spec" else f"the family's adapter {lay.adapter!r}"
-    return Verdict(call_only=True, problem=(
-        f"{layer.name} ({type(layer.module).__name__}) computes its attention in a form the capture cannot read as "
-        f"(batch, heads, queries, keys) over tokens with its {lay.n_heads} heads: its call{shape} has them on "
-        f"another axis, or a head count or head size no split of its {lay.n_heads * lay.head_dim}-wide "
-        f"projections gives (a sliding-window or chunked kernel, or attention across channels); its attention "
-        f"statistics are not measured. Its weight-side signals "
-        f"are measured with the layout from {source}, {lay.describe()}, which no computation confirmed"))
-
-
-def _shape_problem(lay: QKVLayout, seen) -> str | None:
+def call_problem(lay: QKVLayout, seen) -> str | None:
+    """Why the call's head count, head size or key heads cannot be this layout's, or None."""
     if seen.heads != lay.n_heads:
         return f"the attention call computes {seen.heads} heads, the layout says n_heads={lay.n_heads}"
     if seen.q is not None and seen.q.shape[-1] != lay.head_dim:
@@ -205,65 +167,6 @@ def _shape_problem(lay: QKVLayout, seen) -> str | None:
     if seen.k is not None and seen.k.shape[1] not in (lay.kv_heads, lay.n_heads):
         return f"the kernel's k has {seen.k.shape[1]} heads, the layout says n_kv_heads={lay.kv_heads}"
     return None
-
-
-def check_call(layer: AttentionLayer, seen, inputs: Inputs | None, n: int) -> Verdict:
-    """Shapes always, values where visible; a Verdict with ``problem`` set refuses the layer.
-
-    A layout that disagrees with the kernel's q and k is read from them instead: adopted when discovery
-    proposed it (the layer's layout is replaced), refused with the inferred spec when a spec gave it."""
-    lay = layer.layout
-    problem = _shape_problem(lay, seen)
-    if problem is not None and _not_token_attention(lay, seen):
-        if is_provisional(lay):  # nothing to confirm the names' proposal with: offered as a spec, not guessed
-            return unconfirmed(layer, "shapes", why=(
-                "its attention call is not (batch, heads, queries, keys) over tokens (a head count or head size "
-                "no split of its projections gives, e.g. attention across channels), so the computation cannot "
-                "confirm a split; with the layout passed as a spec, the weight-side signals are measured and "
-                "the attention statistics left out"))
-        return _not_this_attention(layer, seen)
-    if problem is None and seen.exact:
-        return Verdict(checked="exact")
-    x = None if inputs is None else inputs.x
-    visible = seen.q is not None and seen.k is not None and x is not None
-    if problem is None:
-        verdict = (_check_norms(layer, seen.q[:n], seen.k[:n], x, inputs.kv, inputs.keys_from)
-                   if visible and lay.verify else None)
-        if verdict is None or verdict.problem is None:
-            checked = verdict.checked if verdict else ("heads" if seen.logits is not None and seen.q is None
-                                                       else "shapes")
-            if checked == "heads" and 1 < lay.kv_heads < lay.n_heads and lay.adapter != "spec":
-                return _unpaired(layer)
-            if checked == "q,k" or not is_provisional(lay):
-                return Verdict(checked=checked)
-            return unconfirmed(layer, checked)
-        else:
-            problem = verdict.problem
-    if not visible:
-        return unconfirmed(layer, "heads", seen.heads) if is_provisional(lay) else _refuse(layer, problem)
-    try:
-        return _from_computation(layer, problem, seen, inputs, n)
-    except Exception as err:  # noqa: BLE001 - e.g. sharded weights: the layer is refused, never left unchecked
-        return _refuse(layer, f"{problem}; reading the layout from the computation failed ({err!r})")
-
-
-def _from_computation(layer: AttentionLayer, problem: str, seen, inputs: Inputs, n: int) -> Verdict:
-    inferred, observed = read_layout(layer.module, seen.q[:n], seen.k[:n], inputs.x, inputs.kv, layer.layout.cross)
-    if inferred is None:
-        return _refuse(layer, problem, None, observed)
-    shapes = {name: tuple(p.shape) for name, p in layer.module.named_parameters()}
-    names_known = all(name in shapes for name in layer.layout.param_names)
-    if names_known and same_split(inferred, layer.layout, shapes):
-        return Verdict(checked="q,k")  # e.g. a norm between projection and kernel: the layout holds
-    if layer.layout.adapter == "spec":
-        return _refuse(layer, problem, inferred, observed)
-    adopted = adopt(layer, inferred)
-    log.info("diag: %s: layout read from the computation: %s (%s)", layer.name, adopted.describe(), observed)
-    return Verdict(checked="q,k")
-
-
-def _tolerance(t: Tensor) -> float:
-    return max(5e-3, 4 * torch.finfo(t.dtype).eps)
 
 
 def _deviation(got: Tensor, want: Tensor) -> float:
@@ -283,31 +186,97 @@ def _projected_norms(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
     return y.norm(dim=-1)
 
 
-def _check_norms(layer: AttentionLayer, q: Tensor, k: Tensor, x: Tensor, kv: Tensor | None,
-                 keys_from: tuple[Tensor, ...] = ()) -> Verdict:
+@dataclass
+class Comparison:
+    """What one reading of a call says of the layout: ``problem`` where they disagree, else what agreed
+    (``checked``: "exact", "q,k", "q", "heads", "shapes"); ``token_attention`` False where the call is no
+    (batch, heads, queries, keys) attention this layer's projections could compute; ``visible``: the kernel's q
+    and k and the module input were all seen, so the layout can be read from them."""
+
+    problem: str | None = None
+    checked: str = ""
+    token_attention: bool = True
+    visible: bool = False
+    inputs: Inputs | None = None  # the reading of the module's inputs compared
+
+
+def compare(layer: AttentionLayer, obs: Observation, n: int) -> tuple[Comparison, Comparison | None]:
+    """The layer's layout against one attention call, with the module's inputs read batch-first (or the one
+    reading that fits) and, where the other reading holds the kernel's sequences too, read time-first."""
+    first, other = readings(obs, n)
+    return _compare(layer, obs.seen, first, n), (None if other is None else _compare(layer, obs.seen, other, n))
+
+
+def _compare(layer: AttentionLayer, seen, inputs: Inputs | None, n: int) -> Comparison:
+    """Shapes always, values where visible (first ``n`` sequences)."""
+    found = _compared(layer, seen, inputs, n)
+    found.inputs = inputs
+    return found
+
+
+def _compared(layer: AttentionLayer, seen, inputs: Inputs | None, n: int) -> Comparison:
     lay = layer.layout
-    params = dict(layer.module.named_parameters())
-    wq, wk, _ = split_qkv({name: params[name].detach() for name in lay.param_names}, lay)  # K unpaired (G)
-    biases = {}
-    for name in lay.param_names:
-        found = [b for b in bias_names(name) if b in params]
-        if found:
-            biases[name] = params[found[0]].detach()
-    bq, bk = split_qkv_bias(biases, lay)
+    x = None if inputs is None else inputs.x
+    visible = seen.q is not None and seen.k is not None and x is not None
+    problem = call_problem(lay, seen)
+    if problem is not None and not_token_attention(lay, seen):
+        return Comparison(problem, token_attention=False, visible=visible)
+    if problem is None and seen.exact:
+        return Comparison(checked="exact")
+    if problem is not None:
+        return Comparison(problem, visible=visible)
+    if visible and lay.verify:
+        found = _check_norms(layer, seen.q[:n], seen.k[:n], x, inputs.kv, inputs.keys_from)
+        return Comparison(found.problem, found.checked, visible=True)
+    return Comparison(checked="heads" if seen.logits is not None and seen.q is None else "shapes", visible=visible)
+
+
+def readings(obs: Observation, n: int) -> tuple[Inputs | None, Inputs | None]:
+    """The module's inputs as the kernel's source: batch-first, and time-first where that reading holds the
+    kernel's sequences too (then both are compared); time-first alone where only it fits."""
+    seen = obs.seen
+    batch = None if seen.k is None else seen.k.shape[0]
+    batch_first = with_keys_from(obs.batch_first, obs.key_inputs, batch, n)
+    time_first = with_keys_from(obs.time_first, obs.key_inputs, batch, n, time_first=True)
+    length = None if seen.q is None else seen.q.shape[2]
+
+    def fits(inputs: Inputs | None) -> bool:  # the input's second dim is the query length
+        return inputs is not None and inputs.x is not None and inputs.x.shape[1] == length
+
+    def fits_time_first(inputs: Inputs | None) -> bool:
+        # ... and, read (T, B, E), its first dim holds the kernel's sequences: at batch 1 a class token's
+        # single query (CaiT, VOLO) would otherwise match a (1, N, E) input read as N sequences of 1 token
+        rows = None if seen.q is None else min(seen.q.shape[0], n)
+        return fits(inputs) and (rows is None or inputs.x.shape[0] == rows)
+
+    if fits_time_first(time_first) and not fits(batch_first):  # (T, B, E): fairseq, MHA without batch_first
+        return time_first, None
+    return batch_first, (time_first if fits_time_first(time_first) else None)
+
+
+def _check_norms(layer: AttentionLayer, q: Tensor, k: Tensor, x: Tensor, kv: Tensor | None,
+                 keys_from: tuple[Tensor, ...] = ()) -> Comparison:
+    lay = layer.layout
+    wq, wk, bq, bk = qk_heads({n: p.detach() for n, p in layer.module.named_parameters()}, lay)  # K unpaired (G)
     xq = query_source(x, q, k, lay.cross)
     if x.shape[-1] != wq.shape[-1] or x.shape[0] != q.shape[0] or xq.shape[1] != q.shape[2]:
-        return Verdict(checked="shapes")  # the first input is not what the projections read
+        return Comparison(checked="shapes")  # the first input is not what the projections read
     if not all(bool(torch.isfinite(t).all()) for t in (q, k, x, wq, wk)):
-        return Verdict(checked="shapes")  # non-finite values cannot confirm or refute a layout
-    tol = _tolerance(q)
+        return Comparison(checked="shapes")  # non-finite values cannot confirm or refute a layout
+    tol = tolerance(q)
     dev = _deviation(q.norm(dim=-1), _projected_norms(xq, wq, bq))
     if not dev <= tol:
-        return Verdict(problem=f"the per-head norms of the kernel's q differ from the module input projected "
-                       f"with the layout (deviation {dev:.3g} > {tol:.3g}): heads are split or ordered differently "
-                       "(or the q bias is not named like its weight, or the module transforms its input "
-                       "before projecting: then QKVLayout(..., verify=False))")
-    source = kv if lay.cross else x
+        return Comparison(f"the per-head norms of the kernel's q differ from the module input projected "
+                          f"with the layout (deviation {dev:.3g} > {tol:.3g}): heads are split or ordered "
+                          "differently (or the q bias is not named like its weight, or the module transforms its "
+                          "input before projecting: then QKVLayout(..., verify=False))")
+    return _check_keys(lay, k, wk, bk, kv if lay.cross else x, keys_from, tol)
 
+
+def _check_keys(lay: QKVLayout, k: Tensor, wk: Tensor, bk: Tensor | None, source: Tensor | None,
+                keys_from: tuple[Tensor, ...], tol: float) -> Comparison:
+    """The kernel's k (n, G or H, S, D) against ``source`` (the module input, or the cross-attention's key
+    source) projected, or against what the key projection itself read (keys from another sequence)."""
     def fits(t: Tensor | None) -> bool:
         return t is not None and t.shape[-1] == wk.shape[-1] and t.shape[:2] == (k.shape[0], k.shape[2])
 
@@ -317,10 +286,10 @@ def _check_norms(layer: AttentionLayer, q: Tensor, k: Tensor, x: Tensor, kv: Ten
     else:  # keys projected from another sequence (a strided convolution of the input), when the capture saw it
         sources, read = [t for t in keys_from if fits(t)], True
     if not sources:
-        return Verdict(checked="q")  # keys from another sequence (cross-attention not named as such)
+        return Comparison(checked="q")  # keys from another sequence (cross-attention not named as such)
     if k.shape[1] == wk.shape[0] and not lay.default_pairing:  # the kernel got G key heads: it pairs h // (H / G)
-        return Verdict(problem=f"the kernel got {k.shape[1]} key heads and pairs query head h with key head "
-                       f"h // {lay.n_heads // lay.kv_heads}, but the layout says kv_map={lay.kv_map}")
+        return Comparison(f"the kernel got {k.shape[1]} key heads and pairs query head h with key head "
+                          f"h // {lay.n_heads // lay.kv_heads}, but the layout says kv_map={lay.kv_map}")
     devs = []
     for src in sources:  # any of them: a key projection may run more than once in one forward
         want = _projected_norms(src, wk, bk)  # (n, G, S)
@@ -328,14 +297,14 @@ def _check_norms(layer: AttentionLayer, q: Tensor, k: Tensor, x: Tensor, kv: Ten
             want = want[:, list(lay.kv_index)]  # the model repeated key heads: query head h <- key head kv_map[h]
         devs.append(_deviation(k.norm(dim=-1), want))
         if devs[-1] <= tol:
-            return Verdict(checked="q,k")
+            return Comparison(checked="q,k")
     dev = min(devs)
     if read:
-        return Verdict(problem=f"the per-head norms of the kernel's k differ from what its key projection read, "
-                       f"projected with the layout (deviation {dev:.3g} > {tol:.3g}): key heads are split or "
-                       "paired with query heads differently (or the model normalises k after projecting it: then "
-                       "QKVLayout(..., verify=False))")
+        return Comparison(f"the per-head norms of the kernel's k differ from what its key projection read, "
+                          f"projected with the layout (deviation {dev:.3g} > {tol:.3g}): key heads are split or "
+                          "paired with query heads differently (or the model normalises k after projecting it: "
+                          "then QKVLayout(..., verify=False))")
     hint = "" if lay.cross else " (or keys come from another sequence: cross-attention?)"
-    return Verdict(problem=f"the per-head norms of the kernel's k differ from the module input projected "
-                   f"with the layout (deviation {dev:.3g} > {tol:.3g}): key heads are split or paired with "
-                   f"query heads differently{hint}")
+    return Comparison(f"the per-head norms of the kernel's k differ from the module input projected "
+                      f"with the layout (deviation {dev:.3g} > {tol:.3g}): key heads are split or paired with "
+                      f"query heads differently{hint}")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from torch import nn
 
@@ -13,9 +13,10 @@ from diag.layouts.adapters import ADAPTERS, HEAD_ATTRS, ModuleView, find_layout,
 from diag.layouts.generic import generic_o, head_count, is_provisional
 from diag.layouts.patterns import first_match, generalise, matches, patterns_for
 from diag.layouts.vocab import QKVLayout, shape_problem
-from hooks.layout.suspects import suspects_text
+from hooks.layout.record import LayoutRecord
+from hooks.layout.suspects import computation_candidates, suspects_text
 
-__all__ = ["AttentionLayer", "discover", "module_view", "unconfirmable"]
+__all__ = ["AttentionLayer", "discover", "module_view"]
 
 _INT_ATTRS = HEAD_ATTRS + (  # module attributes of some families on top of the config names
     "attention_head_size",
@@ -30,20 +31,29 @@ _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential, nn.ParameterList, nn
 
 @dataclass
 class AttentionLayer:
-    """One monitored attention module."""
+    """One monitored attention module. Its layout and W_O are its :class:`LayoutRecord`'s, which discovery
+    writes first and only :class:`hooks.layout.book.LayoutBook` changes."""
 
     index: int
     label: str  # e.g. "L03", used in every tag
     name: str  # module path in the model, e.g. "transformer.h.3.attn"
     module: nn.Module
-    layout: QKVLayout
-    o: nn.Parameter | None = field(default=None, repr=False)  # W_O (``layout.o``), found at discovery
+    record: LayoutRecord
     # spec patterns that select this module and its like (its siblings in other blocks) and no other
     # module: one pattern, or the exact names when ``*`` would also take feed-forward children (messages)
     patterns: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         self.patterns = self.patterns or (generalise(self.name),)
+
+    @property
+    def layout(self) -> QKVLayout:
+        return self.record.layout
+
+    @property
+    def o(self) -> nn.Parameter | None:
+        """W_O (``layout.o``), found at discovery."""
+        return self.record.o
 
     @property
     def cross(self) -> bool:
@@ -138,12 +148,15 @@ def _check_params(name: str, module: nn.Module, layout: QKVLayout, o: nn.Paramet
                         "head_dim=, n_kv_heads=, packing=, transposed= or o=")
 
 
-def discover(model: nn.Module, spec: Mapping[str, QKVLayout] | None = None) -> list[AttentionLayer]:
+def discover(model: nn.Module, spec: Mapping[str, QKVLayout] | None = None,
+             computation: bool = False) -> list[AttentionLayer]:
     """Attention layers in registration order; an explicit ``spec`` overrides discovery.
 
     spec maps module-name patterns (fnmatch, e.g. ``"blocks.*.attn"``) to layouts;
     when given, only matching modules are monitored. Modules inside a found
     attention module are not searched again.
+    computation: where names find no attention layer at all, take the modules whose forward computes
+    attention, with a proposal only a captured forward confirms (for a caller that captures one).
     """
     found: list[tuple[str, nn.Module, QKVLayout, nn.Parameter | None]] = []
     inside: tuple[str, ...] = ()
@@ -161,15 +174,24 @@ def discover(model: nn.Module, spec: Mapping[str, QKVLayout] | None = None) -> l
         _check_params(name, module, layout, o)
         found.append((name, module, layout, o))
         inside += (name,)
+    if not found and computation and not spec:
+        for name, module, layout in computation_candidates(model, module_view):
+            layout = generic_o(module_view(name, module), layout)
+            found.append((name, module, layout, None if layout.o is None else every.get(resolve(name, layout.o))))
     if not found:
         raise SpecError(_nothing_found(model, spec))
     labels = layer_labels([layout.cross for _, _, layout, _ in found])
     names = [name for name, _, _, _ in found]
     patterns = patterns_for(names, (n for n, _ in model.named_modules()))
     return [
-        AttentionLayer(i, label, name, module, layout, o, _kin(name, names, patterns))
+        AttentionLayer(i, label, name, module, _first_record(layout, o), _kin(name, names, patterns))
         for i, (label, (name, module, layout, o)) in enumerate(zip(labels, found))
     ]
+
+
+def _first_record(layout: QKVLayout, o: nn.Parameter | None) -> LayoutRecord:
+    """A spec's or a named family's layout is given; a generic adapter's only proposed."""
+    return LayoutRecord(layout, o, "proposed" if is_provisional(layout) else "given")
 
 
 def _kin(name: str, names: list[str], patterns: list[str]) -> tuple[str, ...]:
@@ -190,17 +212,6 @@ def _discovered(name: str, module: nn.Module) -> QKVLayout | None:
     return replace(layout, cross=is_cross(view))
 
 
-def unconfirmable(layers: list[AttentionLayer]) -> dict[int, str]:
-    """Layers whose layout only a captured forward can confirm (a generic adapter's proposal), for a Monitor
-    that captures no attention: refused, with the spec to pass if the proposal is right."""
-    return {
-        layer.index: (f"{layer.name}: the layout proposed from names, {layer.layout.describe()}, is confirmed "
-                      "only against the attention kernel's q and k, and signals= leaves out 'attention'; add it, "
-                      f"or pass the layout as a spec if it is right: spec={{{layer.patterns[0]!r}: ...}}")
-        for layer in layers if is_provisional(layer.layout)
-    }
-
-
 def _nothing_found(model: nn.Module, spec: Mapping[str, QKVLayout] | None) -> str:
     if spec:
         return (
@@ -210,7 +221,8 @@ def _nothing_found(model: nn.Module, spec: Mapping[str, QKVLayout] | None) -> st
     tried = "; ".join(f"{a.name}: {a.describes}" for a in ADAPTERS)
     return (
         f"no attention layer recognised in {type(model).__name__}. Tried {tried}. "
-        f"Modules whose forward computes attention: {suspects_text(model, module_view)}. Pass an explicit spec "
-        "(docs/layouts.md), e.g. Monitor(model, spec={'blocks.*.attn': QKVLayout(n_heads=8, head_dim=64, "
-        "q='qkv.weight', packing='fused')})"
+        f"Modules whose forward computes attention: {suspects_text(model, module_view)}. With attention among "
+        "the signals, such a module is read from its first captured forward; otherwise pass Monitor(model, "
+        "spec=...) mapping its name pattern to QKVLayout(n_heads, head_dim, q, k, v, packing, ...) naming its "
+        "weights (docs/layouts.md#explicit-spec)"
     )

@@ -4,23 +4,25 @@ At the first captured forward the capture holds the module input x and the q and
 received. Every weight of the module that can take x (2-D with an axis of size E, either orientation; 3-D
 per head (H, D, E) or (H, E, D)) projects x, the projection is cut into heads of the kernel's head size, and
 each kernel head is matched with the one block (optionally passed through one of the module's norm-like
-children: QK-norm under any name) whose per-position Gram across sequences it reproduces. The blocks give
-the layout; :func:`adopt` installs it on the layer.
+children: QK-norm under any name, or through a clamp the forward made) whose per-position Gram across
+sequences it reproduces. The blocks give the layout, which :class:`hooks.layout.book.LayoutBook` adopts or
+refuses.
 """
 
 from __future__ import annotations
 
 import difflib
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 
-from diag.layouts.generic import generic_o
-from diag.layouts.infer import Block, layout_from_blocks, match_heads, profiles
-from diag.layouts.vocab import QKVLayout, bias_names, shape_problem
-from hooks.layout.discover import AttentionLayer, module_view
+from diag.layouts.infer import Block, layout_from_blocks, match_heads, profiles, query_source
+from diag.layouts.vocab import QKVLayout, bias_names
+from hooks.layout.confirm import Elementwise, tolerance
 
-__all__ = ["read_layout", "adopt", "query_source"]
+__all__ = ["Reading", "read_layout"]
 
 _NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)
 
@@ -33,10 +35,6 @@ class _L2Norm(nn.Module):
 
 
 _L2 = _L2Norm()
-
-
-def _tolerance(t: Tensor) -> float:
-    return max(2e-3, 8 * torch.finfo(t.dtype).eps)
 
 
 def _norm_children(module: nn.Module, d: int) -> list[tuple[str, nn.Module]]:
@@ -72,7 +70,8 @@ def _project(x: Tensor, w: Tensor, b: Tensor | None, orient: str, d: int) -> Ten
     w, x = w.detach().double(), x.double()
     if orient in ("heads", "heads_t"):
         w = w if orient == "heads" else w.transpose(1, 2)  # (H, D, E)
-        return torch.einsum("nte,hde->nhtd", x, w)
+        y = torch.einsum("nte,hde->nhtd", x, w)
+        return y if b is None or b.shape != w.shape[:2] else y + b.detach().double()[None, :, None, :]  # b (H, D)
     rows = w if orient == "rows" else w.T  # (R, E)
     y = x @ rows.T + (0 if b is None or b.shape != rows.shape[:1] else b.detach().double())
     return y.unflatten(-1, (-1, d)).transpose(1, 2)
@@ -119,25 +118,28 @@ def _value(module: nn.Module, q: Block, k: Block) -> str | None:
     return max(others, key=lambda n: difflib.SequenceMatcher(None, n, k.name).ratio())
 
 
-def query_source(x: Tensor, q: Tensor, k: Tensor, cross: bool) -> Tensor:
-    """What the queries were projected from: x, or its first tokens when the kernel got fewer queries than x
-    has tokens while its keys are all of x's (class attention: CaiT's and VOLO's class token queries)."""
-    if not cross and x.dim() == 3 and q.shape[2] < x.shape[1] == k.shape[2]:
-        return x[:, : q.shape[2]]
-    return x
+class Reading(NamedTuple):
+    """The layout read (None: none reproduces the kernel), a sentence on what was observed, and what the
+    blocks went through between projection and kernel (a norm child's name, ``l2``, a clamp)."""
+
+    layout: QKVLayout | None
+    observed: str
+    through: tuple[str, ...] = ()
 
 
-def read_layout(module: nn.Module, q: Tensor, k: Tensor, x: Tensor, kv: Tensor | None,
-                cross: bool) -> tuple[QKVLayout | None, str]:
+def read_layout(module: nn.Module, q: Tensor, k: Tensor, x: Tensor, kv: Tensor | None, cross: bool,
+                between: Sequence[Elementwise] = ()) -> Reading:
     """The layout that reproduces the kernel's q (n, H, T, D) and k (n, G', S, D) from x (n, T, E) (and,
-    for cross-attention, kv (n, S, E)), and a sentence on what was observed."""
+    for cross-attention, kv (n, S, E)); ``between``: elementwise calls the module made (clamps), tried on the
+    projected blocks like its norms."""
     n, h, _, d = q.shape
     src = kv if (cross or k.shape[2] != x.shape[1]) and kv is not None else x
     x = query_source(x, q, k, cross) if src is x else x  # class-token queries: the first tokens of x
     if x.shape[:2] != (n, q.shape[2]) or src.shape[1] != k.shape[2]:
-        return None, f"kernel q {tuple(q.shape)}, k {tuple(k.shape)}; module input {tuple(x.shape)} is not their source"
-    norms = _norm_children(module, d)
-    tol = _tolerance(q)
+        return Reading(None, f"kernel q {tuple(q.shape)}, k {tuple(k.shape)}; module input {tuple(x.shape)} is not "
+                       "their source")
+    norms = _norm_children(module, d) + [(op.describe(), op) for op in between]
+    tol = tolerance(q)
     seen = f"kernel q {tuple(q.shape)}, k {tuple(k.shape)} (n, heads, tokens, head size), input {tuple(x.shape)}"
     # the input as it arrives, then through each norm of the module over its width (a norm inside the module,
     # before the projections: timm's TinyViT)
@@ -154,7 +156,7 @@ def read_layout(module: nn.Module, q: Tensor, k: Tensor, x: Tensor, kv: Tensor |
             seen += f" through its {name!r} before the projections" if name else ""
             break
     if q_blocks is None or k_blocks is None:
-        return None, f"{seen}; no weight of the module reproduces them ({why_q or why_k})"
+        return Reading(None, f"{seen}; no weight of the module reproduces them ({why_q or why_k})")
     g = k.shape[1]
     kv_of_query = list(range(h)) if g == h else [i // (h // g) for i in range(h)]
     shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
@@ -163,22 +165,6 @@ def read_layout(module: nn.Module, q: Tensor, k: Tensor, x: Tensor, kv: Tensor |
     used = sorted({b.transform for b in q_blocks + k_blocks} - {""})
     seen += f"; q from {q_blocks[0].name!r}, k from {k_blocks[0].name!r}" + (f" through {used}" if used else "")
     if layout is None:
-        return None, f"{seen}; no packing of the vocabulary gives those blocks in that order"
-    return (layout if not cross else QKVLayout.from_dict({**layout.to_dict(), "cross": True})), seen
-
-
-def adopt(layer: AttentionLayer, inferred: QKVLayout) -> QKVLayout:
-    """Install the inferred layout on the layer, keeping its W_O where it still fits (else one named like an
-    output projection, else none)."""
-    shapes = {name: tuple(p.shape) for name, p in layer.module.named_parameters()}
-    layout, o = inferred, None
-    if layer.layout.o is not None and layer.o is not None:
-        kept = QKVLayout.from_dict({**inferred.to_dict(), "o": layer.layout.o,
-                                    "o_transposed": layer.layout.o_transposed})
-        if shape_problem(kept, {**shapes, layer.layout.o: tuple(layer.o.shape)}) is None:
-            layout, o = kept, layer.o
-    if o is None:
-        layout = generic_o(module_view(layer.name, layer.module), inferred)
-        o = None if layout.o is None else dict(layer.module.named_parameters())[layout.o]
-    layer.layout, layer.o = layout, o
-    return layout
+        return Reading(None, f"{seen}; no packing of the vocabulary gives those blocks in that order", tuple(used))
+    return Reading(layout if not cross else QKVLayout.from_dict({**layout.to_dict(), "cross": True}), seen,
+                   tuple(used))

@@ -5,22 +5,25 @@ A module is a suspect when its own ``forward`` calls an attention kernel (its so
 ``scaled_dot_product_attention``, ``softmax``, ``einsum``, ``bmm``, ``baddbmm``, ``multi_head_attention_forward``
 or a flash-attention function) or when it holds an ``nn.Softmax`` child: what the code does, not what the
 module is called. Specs are offered only with numbers the module holds (its head count attribute, its weights'
-shapes); where the packing cannot be read from names and shapes, every candidate is offered and the first
-captured forward checks the one passed against the kernel's q and k (a wrong one is refused, never logged).
+shapes: the specs the shapes imply, one per packing that reads them); where the packing cannot be read from
+names and shapes, every candidate is offered and the first captured forward checks the one passed against the
+kernel's q and k (a wrong one is refused, never logged). Never a generic example.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from dataclasses import replace
 
 from torch import nn
 
 from diag.layouts.generic import ModuleView, head_count
+from diag.layouts.packings import PACKINGS
 from diag.layouts.patterns import generalise, patterns_for, spec_text
 from diag.layouts.vocab import QKVLayout
 
-__all__ = ["calls_attention", "suspects_text"]
+__all__ = ["calls_attention", "suspects_text", "implied_specs", "computation_candidates"]
 
 KERNEL_WORDS = ("scaled_dot_product_attention", "softmax", "einsum", "bmm", "multi_head_attention_forward",
                 "flash_attn")
@@ -45,17 +48,31 @@ def _weights(view: ModuleView) -> str:
     return ", ".join(shown) or "no weight matrices"
 
 
-def _fused_specs(view: ModuleView) -> list[QKVLayout]:
-    """Candidate layouts of one fused (3E, E) or (E, 3E) weight, with the module's head count."""
+def implied_specs(view: ModuleView) -> list[QKVLayout]:
+    """The layouts the module's weight shapes imply, one per packing that reads them (with its head count
+    attribute where the shapes do not give it): a fused weight as [all Q | all K | all V] or per head, three
+    weights, three 3-D per-head weights."""
     heads = head_count(view)
+    return [layout for packing in PACKINGS.values() for layout in packing.implied(view.params, heads)]
+
+
+def computation_candidates(model: nn.Module, view_of: Callable[[str, nn.Module], ModuleView]
+                           ) -> list[tuple[str, nn.Module, QKVLayout]]:
+    """Where names find no attention layer: the modules whose own forward calls an attention kernel (the
+    deepest such, never the root) that hold a weight matrix, each with a first proposal from its shapes (the
+    layout they imply, else one head over a fused or three-weight packing: the kernel's shapes give the count).
+    ``adapter="computation"``: only the first captured forward confirms it, or reads the layout from the
+    kernel's q and k; nothing else is trusted."""
+    found = [(name, module) for name, module in model.named_modules()
+             if name and calls_attention(module) and any(p.dim() >= 2 for p in module.parameters())]
     out = []
-    for name, shape in view.params.items():
-        if len(shape) != 2 or 3 * min(shape) != max(shape) or heads is None or min(shape) % heads:
-            continue
-        transposed = shape[0] < shape[1]
-        for packing in ("fused", "fused_per_head"):
-            out.append(QKVLayout(heads, min(shape) // heads, q=name, packing=packing, transposed=transposed))
-        break
+    for name, module in found:
+        if any(other.startswith(name + ".") for other, _ in found):
+            continue  # an attention module further down holds the computation
+        view = view_of(name, module)
+        layouts = implied_specs(view) or [lay for p in PACKINGS.values() for lay in p.implied(view.params, 1)]
+        if layouts:
+            out.append((name, module, replace(layouts[0], adapter="computation")))
     return out
 
 
@@ -77,11 +94,13 @@ def suspects_text(model: nn.Module, view_of: Callable[[str, nn.Module], ModuleVi
         like = f" and {len(names) - 1} like it" if len(names) > 1 else ""
         text = (f"{names[0]} ({type(module).__name__}){like} calls attention; it holds "
                 f"{_weights(view)}; head count attribute: {heads if heads else 'none'}")
-        specs = _fused_specs(view)
+        specs = implied_specs(view)
         if specs:
             keys = patterns_for(names, modules)
             options = " or ".join(f"Monitor(model, {spec_text(dict.fromkeys(keys, s))})" for s in specs)
-            text += (f". Its fused weight can hold [all Q | all K | all V] or [Q_h | K_h | V_h] per head: pass "
+            text += (f". Its weights' shapes imply ({'; '.join(PACKINGS[s.packing].doc for s in specs)}): pass "
                      f"{options}; the first captured forward checks it against the kernel's q and k")
+        else:
+            text += ". Its weights' shapes imply no packing of the vocabulary without a head count"
         parts.append(text)
     return "; ".join(parts)

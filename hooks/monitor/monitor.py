@@ -42,7 +42,8 @@ from diag.outputs.records import attention_metrics, build_record, host_arrays, p
 from diag.outputs.sinks import FanOut, JsonlSink, Record, Sink, TensorBoardSink, check_logdir
 from diag.outputs.tb_views import TensorBoardViews
 from hooks.capture.compiled import EagerCapture
-from hooks.layout.discover import AttentionLayer, discover, unconfirmable
+from hooks.layout.book import LayoutBook
+from hooks.layout.discover import AttentionLayer, discover
 from hooks.monitor.cadence import CloserLook, CloserLookConfig, resolve_cadence
 from hooks.monitor.distributed import SharedDetectors, rank, world_size
 from hooks.monitor.weightside import WeightSide
@@ -143,7 +144,7 @@ class Monitor:
                               f"{type(grad_scaler).__name__}")
         self.grad_scaler = grad_scaler
         self.model, self.every, self.sec_top = model, self.cadence.base, sec_top
-        self.layers: list[AttentionLayer] = discover(model, spec)
+        self.layers: list[AttentionLayer] = discover(model, spec, computation="attention" in self.signals)
         total_heads = sum(layer.layout.n_heads for layer in self.layers)
         self.per_head = per_head_default(total_heads) if per_head is None else per_head
         sink_list = list(sinks)
@@ -168,13 +169,10 @@ class Monitor:
         # FSDP2: gathers a layer at a time on sampled steps; W_O only for its update ratio
         self._warn_once = WarnOnce(log, stacklevel=3)  # (kind, message): each kind of fault reported once
         self._weights = WeightSide(self.layers, self.signals, sec_top, self._warn_once)
-        self.capture = EagerCapture(self.layers, attn_seqs, attn_rank_rows, model=model)
+        # the layers' layouts, decided in one place: only a captured forward confirms a layout proposed from names
+        self.layouts = LayoutBook(self.layers, watching="attention" in self.signals)
+        self.capture = EagerCapture(self.layers, attn_seqs, attn_rank_rows, model=model, layouts=self.layouts)
         self.last: dict[str, float] = {}
-        # Layers whose captured attention disagreed with their layout: every metric of theirs is
-        # suspect (the head split may be wrong), so none is logged from then on.
-        self.refused: dict[int, str] = {}
-        if "attention" not in self.signals:  # only a captured forward confirms a layout proposed from names
-            self.refused.update(unconfirmable(self.layers))
         self._closed = False
         self._init_tensorboard(images, image_every)
         self._layout_source = "Monitor spec" if spec else "Monitor discovery"
@@ -250,6 +248,12 @@ class Monitor:
             with contextlib.suppress(Exception):  # at interpreter shutdown modules may already be gone
                 capture.disarm()
 
+    @property
+    def refused(self) -> dict[int, str]:
+        """Layers whose layout the computation refused (or nothing could confirm): every metric of theirs is
+        suspect (the head split may be wrong), so none is logged from then on. Asked of :attr:`layouts`."""
+        return self.layouts.refused
+
     def state_dict(self) -> dict:
         return {"detectors": self.detectors.state_dict()}
 
@@ -283,7 +287,6 @@ class Monitor:
             self._warn_once("unarmed", f"diag: step {step} is sampled but step {step - 1} was not "
                             "reported, so its attention was not captured; call monitor.step for every "
                             "training step with consecutive step numbers")
-        self.refused.update(self.capture.layout_refused)
         results, problems = self.capture.take() if "attention" in due else ({}, {})
         with torch.no_grad():
             by_index, spectra_failed = self._weights.sample(step, due)

@@ -441,13 +441,21 @@ def test_gqa_with_all_kv_heads_equals_plain_mha():
 # ------------------------------------------------------------------ refusals
 
 
-def test_unrecognised_model_gets_a_clear_refusal():
-    model = tiny("fused")  # a fused qkv with no head-count attribute and no known class name
+def test_unrecognised_model_is_read_from_its_forward_or_refused_clearly_without_one():
+    """A fused raw ``qkv`` under no name an adapter reads: with attention captured, the module whose forward
+    computes attention is found and its layout confirmed at the first forward, the same metrics as the spec
+    gives (before: refused at construction); without a capture, refused with the specs its shapes imply."""
     with pytest.raises(SpecError) as info:
-        Monitor(model)
+        Monitor(tiny("fused"), signals=("spectra", "grads"))
     message = str(info.value)
     assert "blocks.0 (PackedAttention)" in message and "QKVLayout(" in message and "spec=" in message
     assert "'qkv'" in message and "fused_per_head" in message  # names the weight and both candidate packings
+    assert "n_heads=8" not in message  # the specs offered are this module's, never a generic example
+    monitor, record, checked, caught = first_record(tiny("fused"))
+    assert [la.layout.adapter for la in monitor.layers] == ["computation"] * 2
+    assert checked == {0: "q,k", 1: "q,k"} and not monitor.refused and not caught
+    _, ref, _, _ = first_record(tiny("fused"), SPECS["fused"])
+    assert record.scalars == pytest.approx(ref.scalars, rel=1e-12)
 
 
 def test_a_spec_whose_shapes_cannot_fit_is_refused_at_construction():
@@ -590,16 +598,16 @@ def test_training_is_bit_identical_with_monitor_over_many_steps(name, tmp_path):
 
 def test_layout_check_runs_once_per_layer(monkeypatch):
     """The float64 projection check settles a layer's layout once; later sampled steps skip it."""
-    import hooks.capture.capture as capture_module
+    from hooks.layout.book import LayoutBook
 
     calls = []
-    real = capture_module.check_call
+    real = LayoutBook._judge
 
-    def counting(layer, *args, **kwargs):
+    def counting(self, layer, *args, **kwargs):
         calls.append(layer.index)
-        return real(layer, *args, **kwargs)
+        return real(self, layer, *args, **kwargs)
 
-    monkeypatch.setattr(capture_module, "check_call", counting)
+    monkeypatch.setattr(LayoutBook, "_judge", counting)
     case = zoo.nanogpt()
     mem = MemorySink()
     monitor = Monitor(case.model, every=1, sinks=[mem], signals=("attention",))

@@ -83,12 +83,14 @@ def _mixer_weights(mixer: Mixer):
 
 @pytest.mark.parametrize("per_head", [False, True])
 def test_the_refusal_names_the_modules_that_compute_attention_and_its_specs_work(per_head):
+    """Without a capture (nothing could confirm a proposal) the model is refused at construction, with the
+    specs the mixer's shapes imply; each offered spec is checked at the first forward."""
     with pytest.raises(SpecError) as info:
-        Monitor(Gated(per_head))
+        Monitor(Gated(per_head), signals=("spectra", "grads", "updates"))
     message = str(info.value)
     assert "blocks.0.mixer (Mixer) and 1 like it calls attention" in message
     assert "attn_gate" not in message and "head count attribute: 4" in message
-    offered = specs_in(message)[:2]  # fused, fused_per_head (the last one is the generic example)
+    offered = specs_in(message)  # fused, fused_per_head: this module's, no generic example
     assert [s["blocks.*.mixer"].packing for s in offered] == ["fused", "fused_per_head"]
     right, wrong = (offered[1], offered[0]) if per_head else offered
     monitor, record, checked, caught = run(Gated(per_head), right)
@@ -102,6 +104,22 @@ def test_the_refusal_names_the_modules_that_compute_attention_and_its_specs_work
     assert set(monitor.refused) == {0, 1} and not any("/L00" in t for t in record.scalars)
     inferred = specs_in(next(m for m in caught if "not measured at all" in m))[-1]
     assert inferred["blocks.*.mixer"].packing == right["blocks.*.mixer"].packing  # read from the computation
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_a_module_only_the_computation_finds_is_read_from_its_forward(per_head):
+    """With attention captured, names finding no layer no longer refuses the model (it did, at construction):
+    the module whose forward computes attention is proposed from its shapes and the first forward confirms the
+    proposal ([all Q | all K | all V]) or reads the right one (per head) from the kernel's q and k."""
+    monitor, record, checked, caught = run(Gated(per_head))
+    assert [la.name for la in monitor.layers] == ["blocks.0.mixer", "blocks.1.mixer"]
+    assert checked == {0: "q,k", 1: "q,k"} and not monitor.refused, caught
+    assert [la.record.state for la in monitor.layers] == ["adopted" if per_head else "confirmed"] * 2
+    for layer in monitor.layers:
+        wq, wk = _mixer_weights(layer.module)
+        for h in range(H):
+            sigma = torch.linalg.svdvals(wq[h].T @ wk[h])[0].item()
+            assert record.scalars[f"qk_sigma1/{layer.label}/H{h:02d}"] == pytest.approx(sigma, rel=1e-5)
 
 
 class Shuffled(nn.Module):

@@ -10,6 +10,7 @@ so a test can read the true per-head W_q, W_k by projecting the identity through
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -286,6 +287,111 @@ class QPlusKV(Style):
 
     def out_proj(self, y):
         return self.to_out(y)
+
+
+class ClampedFused(Style):
+    """MPT-style ``clip_qkv``: one ``Wqkv`` Linear [Q | K | V] whose output is clamped to [-clip, clip] before
+    attention, ``n_heads``, matmul + softmax, ``out_proj``. ``qk`` gives the unclamped projections (the weights)."""
+
+    kernel = "matmul"
+
+    def __init__(self, clip: float = 0.5) -> None:
+        super().__init__()
+        self.n_heads, self.clip_qkv = H, clip
+        self.Wqkv, self.out_proj_ = nn.Linear(E, 3 * H * D), nn.Linear(H * D, E)
+
+    def raw(self, x):
+        q, k, v = self.Wqkv(x).chunk(3, dim=-1)
+        return _heads(q, H), _heads(k, H), _heads(v, H)
+
+    def project(self, x):
+        q, k, v = self.Wqkv(x).clamp(min=-self.clip_qkv, max=self.clip_qkv).chunk(3, dim=-1)
+        return _heads(q, H), _heads(k, H), _heads(v, H)
+
+    def qk(self, x):
+        q, k, _ = self.raw(x)
+        return q, k
+
+    def out_proj(self, y):
+        return self.out_proj_(y)
+
+
+class ClampedRope(Style):
+    """OLMo-style ``clip_qkv``: ``q_proj``/``k_proj``/``v_proj`` clamped in place (``clamp_``) to [-clip, clip], then
+    RoPE, GQA, SDPA, ``o_proj``."""
+
+    n_kv = G
+
+    def __init__(self, clip: float = 0.5) -> None:
+        super().__init__()
+        self.num_heads, self.num_key_value_heads, self.clip = H, G, clip
+        self.q_proj, self.k_proj, self.v_proj = nn.Linear(E, H * D), nn.Linear(E, G * D), nn.Linear(E, G * D)
+        self.o_proj = nn.Linear(H * D, E)
+
+    def raw(self, x):
+        return _heads(self.q_proj(x), H), _heads(self.k_proj(x), G), _heads(self.v_proj(x), G)
+
+    def project(self, x):
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        for t in (q, k, v):
+            t.clamp_(min=-self.clip, max=self.clip)
+        return _heads(q, H), _heads(k, G), _heads(v, G)
+
+    def shape_qk(self, q, k):
+        return rope(q), rope(k)
+
+    def qk(self, x):
+        q, k, _ = self.raw(x)
+        return q, k
+
+    def out_proj(self, y):
+        return self.o_proj(y)
+
+
+@dataclass
+class HeadsConfig:
+    """The head count lives only here, as TransformerLens keeps ``cfg.n_heads``: no attribute on the module."""
+
+    n_heads: int = H
+    d_head: int = D
+    d_model: int = E
+
+
+class ConfigHeads3D(nn.Module):
+    """TransformerLens-style attention: per-head 3-D ``W_Q``, ``W_K``, ``W_V`` (heads, d_model, d_head) with biases
+    ``b_Q``, ``b_K``, ``b_V`` (heads, d_head), ``W_O`` (heads, d_head, d_model); the head count only in ``cfg``;
+    scores by einsum, a causal mask, its own softmax call. ``head_first=True`` stores (heads, d_head, d_model).
+    Names say nothing an adapter can use (``b_Q`` says q as much as ``W_Q``)."""
+
+    def __init__(self, cfg: HeadsConfig | None = None, head_first: bool = False) -> None:
+        super().__init__()
+        self.cfg, self.head_first = cfg or HeadsConfig(), head_first
+        h, d, e = self.cfg.n_heads, self.cfg.d_head, self.cfg.d_model
+        shape = (h, d, e) if head_first else (h, e, d)
+        self.W_Q, self.W_K, self.W_V = (nn.Parameter(torch.randn(*shape) / math.sqrt(e)) for _ in range(3))
+        self.b_Q, self.b_K, self.b_V = (nn.Parameter(0.3 * torch.randn(h, d)) for _ in range(3))
+        self.W_O = nn.Parameter(torch.randn(h, d, e) / math.sqrt(h * d))
+        self.b_O = nn.Parameter(torch.zeros(e))
+
+    def per_head(self, w: Tensor) -> Tensor:
+        """(heads, d_model, d_head) whatever the storage."""
+        return w.transpose(1, 2) if self.head_first else w
+
+    def qk(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """The per-head q and k (B, H, T, D) the scores are made of."""
+        q = torch.einsum("bte,hed->bhtd", x, self.per_head(self.W_Q)) + self.b_Q[:, None]
+        k = torch.einsum("bte,hed->bhtd", x, self.per_head(self.W_K)) + self.b_K[:, None]
+        return q, k
+
+    def forward(self, x: Tensor) -> Tensor:
+        q, k, v = (torch.einsum("bte,hed->bthd", x, self.per_head(w)) + b
+                   for w, b in ((self.W_Q, self.b_Q), (self.W_K, self.b_K), (self.W_V, self.b_V)))  # (B, T, H, D)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(self.cfg.d_head)
+        t = x.shape[1]
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        pattern = F.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+        z = torch.einsum("bhqk,bkhd->bqhd", pattern, v)
+        return torch.einsum("bqhd,hde->bqe", z, self.W_O) + self.b_O
 
 
 STYLES = {cls.__name__: cls for cls in (FusedHeadsAttr, PerHeadNumHeads, PerGroupRope, TileEinsum, TileSdpa,
