@@ -43,8 +43,8 @@ def dense_steps(step: int) -> bool:
 
 
 def sparse_steps(step: int) -> bool:
-    """Where the default cadence samples them together without a closer look: every 100 steps (the spectra
-    every 20 in between feed the trends)."""
+    """Where the default cadence samples them together without a closer look: every 100 steps (attention every
+    50, the spectra every 20 in between feed the trends)."""
     return step % 20 == 0
 
 
@@ -86,7 +86,7 @@ def _label(episodes: list[tuple[int, int | None]], t: int, horizon: int) -> int:
 
 def samples_of(run: Run, cfg: RiskConfig | None = None, horizon: int = HORIZON, dense: bool = True) -> list[Sample]:
     """The samples of one run: ``dense``, where a closer look samples (every 10 steps, every 2 in the first 30);
-    else where the default cadence alone samples (attention every 100 steps, spectra every 20)."""
+    else where the default cadence alone samples (attention every 50 steps, spectra every 20)."""
     cfg = cfg or RiskConfig()
     st = StatesConfig()
     heads, layers = _onsets(run, st)
@@ -101,7 +101,7 @@ def samples_of(run: Run, cfg: RiskConfig | None = None, horizon: int = HORIZON, 
             continue
         if not due(o.step):
             continue
-        layers_now = o.layers if dense or o.step % 100 == 0 else {
+        layers_now = o.layers if dense or o.step % 50 == 0 else {
             label: {k: v for k, v in m.items() if not k.startswith("attn_")} for label, m in o.layers.items()}
         for label, x in observe_features(trends, Observation(o.step, o.loss, layers_now), cfg.risk_window,
                                          cfg.update_fresh).items():

@@ -188,6 +188,13 @@ class AttentionStates:
         """The heads' malignant episodes (the collapse risk stops warning a head or layer already collapsed)."""
         return self.machine.heads["malignant"]
 
+    def wants_attention(self) -> str | None:
+        """A head in a malignant state not yet established: the next close sample confirms or clears it (at the
+        default cadence's 50 steps the collapse would be established that much later)."""
+        episodes = self.machine.heads["malignant"]
+        pending = [k for k in episodes.keys if episodes.since(k) is not None and not episodes.active(k)]
+        return f"a malignant state is being confirmed on {pending[0]}" if pending else None
+
     def layer_in(self, state: str, label: str) -> bool:
         return self.machine.layers[state].get(label, False)
 

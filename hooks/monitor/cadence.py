@@ -32,7 +32,7 @@ _NOTHING: frozenset[str] = frozenset()
 FAMILIES = ("loss", "grads", "spectra", "attention", "updates")
 
 # Steps between two samples of each family when neither ``every`` nor ``cadence`` names it.
-DEFAULT_CADENCE: Mapping[str, int] = {"loss": 10, "grads": 10, "spectra": 20, "attention": 100, "updates": 100}
+DEFAULT_CADENCE: Mapping[str, int] = {"loss": 10, "grads": 10, "spectra": 20, "attention": 50, "updates": 100}
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ class CloserLook:
     """Attention (and the spectra) sampled at the cadence's shortest period while the detectors ask for it
     (docs/cost.md#watching-closer).
 
-    The default cadence reads attention every 100 steps: cheap, but a collapse that builds in 50
+    The default cadence reads attention every 50 steps: cheap, but a collapse that builds in 50
     steps would be seen late. When a head's sigma_1(Wq^T Wk) grows fast, or a collapse warning or
     a malignant state is being confirmed, or the run's first updates are large
     (``Detectors.wants_attention``), attention, and the spectra when they are sampled less often,

@@ -12,7 +12,7 @@ backward; ``update_*`` at step t describe the update that optimizer step t appli
 few attribute reads. A sampled step works under ``no_grad``, draws no random
 numbers and only reads parameters and gradients. Which families a step samples
 is the cadence (:mod:`hooks.monitor.cadence`): by default the loss, the gradient norms and
-the spectra every 20, update ratios and attention every 100, with a closer look at attention
+the spectra every 20, attention every 50, update ratios every 100, with a closer look at attention
 while a head moves fast (docs/cost.md).
 """
 
@@ -68,7 +68,7 @@ class Monitor:
         every: sample every family at steps where ``step % every == 0`` (the uniform cadence
             of earlier versions). Default None: the per-family cadence of
             :data:`hooks.monitor.cadence.DEFAULT_CADENCE` (loss and gradient norms every 10 steps,
-            spectra every 20, update ratios and attention every 100, plus ``closer_look``),
+            spectra every 20, attention every 50, update ratios every 100, plus ``closer_look``),
             whose cost is measured in docs/cost.md.
         cadence: ``{family: steps between samples}`` for some of ``"loss"``, ``"grads"``,
             ``"spectra"``, ``"attention"``, ``"updates"``; overrides ``every`` or the default
@@ -302,13 +302,13 @@ class Monitor:
         overflow = self._grad_overflow(arrays)
         skip = (SPECTRAL_METRICS if spectra_failed else ()) + (GRAD_METRICS if overflow else ())
         self._check_finite(record, skip=skip)
-        self.last = dict(record.scalars)
-        self.sinks.write(record)
         if overflow:  # a routine fp16 event: the scaler skips this update; not a sign of a broken run
             arrays = {label: {m: v for m, v in metrics.items() if not m.startswith("grad_")}
                       for label, metrics in arrays.items()}
         alerts = self.detectors.observe(Observation(step, loss_value, arrays))
-        self._write_judged(step)
+        record.scalars.update(self._judged())  # collapse_risk: in the same record as the signals it read
+        self.last = dict(record.scalars)
+        self.sinks.write(record)
         self._look_closer(step)
         if overflow:
             alerts.append(Alert(step, "gradient_overflow", "info", "", f"gradients overflowed at step {step} "
@@ -316,14 +316,10 @@ class Monitor:
         self._guard("tensorboard", self._tensorboard, record, arrays, results, alerts, due)
         self.alert_sink.emit(alerts)
 
-    def _write_judged(self, step: int) -> None:
-        """What the detectors computed from this sample (``collapse_risk`` per layer), beside the signals."""
+    def _judged(self) -> dict[str, float]:
+        """What the detectors computed from this sample (``collapse_risk`` per layer), as tags."""
         judged = getattr(self.detectors, "scalars", dict)()
-        scalars = {layer_tag(metric, label): float(v) for metric, values in judged.items()
-                   for label, v in values.items()}
-        if scalars:
-            self.last.update(scalars)
-            self.sinks.write(Record(step, scalars))
+        return {layer_tag(metric, label): float(v) for metric, values in judged.items() for label, v in values.items()}
 
     def _look_closer(self, step: int) -> None:
         """After the detectors judged ``step``: start or extend the closer look if they ask for it."""

@@ -1,7 +1,7 @@
 """The per-family cadence: which step samples which family, visible in the tags' steps.
 
 * The default samples the loss and the gradient norms every 10 steps, the spectra every 20 and
-  update ratios and attention every 100; each family's tags carry exactly its steps.
+  attention every 50 and update ratios every 100; each family's tags carry exactly its steps.
 * What a family logs at a step it samples equals what the uniform ``every=10``
   Monitor logs there: thinning the cadence loses no accuracy.
 * ``every=N`` keeps its old meaning (every family every N steps); ``cadence=``
@@ -73,7 +73,7 @@ def test_default_cadence_is_visible_in_the_tags_steps(default_run):
     seen = steps_by_family(default_run)
     assert seen == {f: set(range(0, 201, DEFAULT_CADENCE[f])) for f in FAMILIES}
     assert DEFAULT_CADENCE["loss"] == DEFAULT_CADENCE["grads"] == 10 and DEFAULT_CADENCE["spectra"] == 20
-    assert DEFAULT_CADENCE["attention"] == DEFAULT_CADENCE["updates"] == 100
+    assert DEFAULT_CADENCE["attention"] == 50 and DEFAULT_CADENCE["updates"] == 100
 
 
 def test_thinned_families_equal_the_uniform_cadence_at_shared_steps(default_run):

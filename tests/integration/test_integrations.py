@@ -268,7 +268,7 @@ def test_hf_detector_state_survives_checkpoint_and_resume(tmp_path):
     hf_train(tmp_path, [first], save_strategy="steps", save_steps=2)
     assert first.monitor._closed
     saved = json.loads((tmp_path / "checkpoint-2" / STATE_FILE).read_text())
-    assert len(saved["detectors"]["losses"]) == 2 and saved["detectors"]["sigma_prev"]  # it had seen steps 0, 1
+    assert len(saved["detectors"]["losses"]) == 2 and saved["detectors"]["risk"]["trends"]  # it had seen steps 0, 1
     last = json.loads((tmp_path / "checkpoint-4" / STATE_FILE).read_text())["detectors"]
     assert last["losses"] == first.monitor.state_dict()["detectors"]["losses"] and len(last["losses"]) == 4
 
@@ -594,7 +594,7 @@ def test_lightning_detector_state_in_checkpoints_and_resume(tmp_path):
     assert len(paths) == 2, paths
     step2 = next(p for p in paths if "step=2" in p.name)
     saved = torch.load(step2, weights_only=False)["callbacks"]["MonitorCallback"]
-    assert len(saved["detectors"]["losses"]) == 2 and saved["detectors"]["sigma_prev"]
+    assert len(saved["detectors"]["losses"]) == 2 and saved["detectors"]["risk"]["trends"]
 
     memory = MemorySink()
     second = LitCallback(every=1, sinks=[memory])
@@ -630,7 +630,7 @@ def test_lightning_other_ranks_run_detectors_without_writing(tmp_path):
     assert info.value.alert.kind == "halted_by_other_rank"
     assert memory.records == []  # rank != 0 writes nothing
     observed = callback.monitor.detectors.state_dict()  # but its detectors observed the step
-    assert observed["losses"] == [pytest.approx(loss.item())] and sorted(observed["sigma_prev"]) == ["L00", "L01"]
+    assert observed["losses"] == [pytest.approx(loss.item())] and sorted(observed["risk"]["trends"]) == ["L00", "L01"]
     callback.on_exception(trainer, module, info.value)
     assert callback.monitor._closed
     assert_no_hooks(module)

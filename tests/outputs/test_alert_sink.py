@@ -17,14 +17,17 @@ def test_one_console_line_per_alert_with_where_once_and_the_anchor(tmp_path, cap
     firing = Alert(40, "malignant_collapse", "critical", "L00/H01", "malignant entropy collapse ... since step 30. "
                    "What to do: restart", {"attn_entropy": 0.1}, "firing", 30)
     layer = Alert(40, "benign_collapse", "info", "L01", "benign ...", {}, "firing", 40, ("L01/H00", "L01/H02"))
+    heads = Alert(40, "benign_collapse", "info", "L02/H00+H01", "benign ...", {}, "firing", 40,
+                  ("L02/H00", "L02/H01"))
     with caplog.at_level(logging.INFO, logger="diag"), warnings.catch_warnings():
         warnings.simplefilter("error")  # no second print through warnings
-        sink.emit([firing, layer])
+        sink.emit([firing, layer, heads])
     lines = [r.getMessage() for r in caplog.records]
-    assert lines == [console_line(firing), console_line(layer)]
+    assert lines == [console_line(firing), console_line(layer), console_line(heads)]
     assert lines[0] == ("diag alert malignant_collapse at L00/H01, step 40: malignant entropy collapse ... since "
                         "step 30. What to do: restart (docs/alerts.md#malignant_collapse)")
-    assert "at L01/H00, L01/H02, step 40" in lines[1]
+    assert "at L01 (H00, H02), step 40" in lines[1]  # a layer's record, with the heads it counts
+    assert "at L02/H00, L02/H01, step 40" in lines[2]  # a record of several heads
     text = mem.records[0].texts["alerts/malignant_collapse"]
     assert text.count("L00/H01") == 1 and "docs/alerts.md#malignant_collapse" in text
     saved = [json.loads(line) for line in (tmp_path / "alerts.jsonl").read_text().splitlines()]
