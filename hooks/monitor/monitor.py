@@ -197,7 +197,7 @@ class Monitor:
         due = self.cadence.due(step)
         if self.closer.until >= step:  # a closer look is on: it may add families, or a step of its own
             due = due | self.closer.adds(step)
-        if weights.deltas is not None and (due or weights.deltas[0] < self._updates_at_once):
+        if weights.applied is not None and (due or weights.applied.step < self._updates_at_once):
             self._guard("updates", self._finish_updates)  # on a sampled step, or in the run's first steps
             if self.closer.until >= step:  # the ratios may have started a closer look
                 due = due | self.closer.adds(step)
@@ -231,9 +231,9 @@ class Monitor:
         if measure_pending:
             if self._weights.pending is not None:
                 self._guard("updates", self._weights.advance)
-            if self._weights.deltas is not None:
+            if self._weights.applied is not None:
                 self._guard("updates", self._finish_updates)
-        self._weights.pending = self._weights.deltas = None
+        self._weights.pending = self._weights.applied = None
         self.sinks.close()
 
     def __enter__(self) -> Monitor:

@@ -29,7 +29,7 @@ from diag.math.updates import UpdateTracker
 from hooks.layout.discover import AttentionLayer
 from hooks.monitor.distributed import QKVReader, gather_like, local_shards
 
-__all__ = ["WeightSide", "ShardSnapshot", "nan_spectra"]
+__all__ = ["WeightSide", "ShardSnapshot", "PendingUpdate", "AppliedUpdate", "nan_spectra"]
 
 Warn = Callable[[str, str], None]  # (kind, message): reported once per kind
 
@@ -43,21 +43,44 @@ class ShardSnapshot:
     local: dict[str, Tensor]
 
 
+@dataclass
+class PendingUpdate:
+    """The update-ratio snapshot of sampled step ``step``, taken before its optimizer step.
+
+    groups: the layers as :meth:`QKVReader.groups` read them; per group, ``snapshots`` holds the
+    stacks of W (:meth:`UpdateTracker.snapshot`) or a :class:`ShardSnapshot` (FSDP2), and ``norms``
+    the norms of W (:meth:`UpdateTracker.norms_before`)."""
+
+    step: int
+    groups: list[list[AttentionLayer]]
+    snapshots: list
+    norms: list
+
+
+@dataclass
+class AppliedUpdate(PendingUpdate):
+    """The update optimizer step ``step`` applied, taken at the next step (:meth:`WeightSide.advance`);
+    ``deltas``: per group, the stacks of -dW (:meth:`UpdateTracker.advance`), or None for a
+    :class:`ShardSnapshot`, whose ``local`` then holds this rank's shards of -dW."""
+
+    deltas: list
+
+
 class WeightSide:
     """Per-layer metric tensors of the weight-side families.
 
     The update ratios of a sampled step ``s`` take three stages: the snapshot and the norms of W
-    on step ``s`` (``pending``); dW at step ``s + 1``, after the optimizer step, by :meth:`advance`
-    (elementwise work, no host read: ``deltas``); the ratios by :meth:`measure` whenever the
-    Monitor wants them (on its next sampled step, or at once in a run's first steps)."""
+    on step ``s`` (``pending``, a :class:`PendingUpdate`); dW at step ``s + 1``, after the optimizer
+    step, by :meth:`advance` (elementwise work, no host read: ``applied``, an :class:`AppliedUpdate`);
+    the ratios by :meth:`measure` whenever the Monitor wants them (on its next sampled step, or at
+    once in a run's first steps)."""
 
     def __init__(self, layers: Sequence[AttentionLayer], signals: frozenset[str], sec_top: int, warn: Warn) -> None:
         self.layers, self.sec_top, self.warn = list(layers), sec_top, warn
         self.reader = QKVReader(self.layers, grads="grads" in signals, output="updates" in signals)
         self.trackers: dict[int, UpdateTracker] = {}  # group position -> its warm-started tracker
-        # step, groups, per group: snapshot (stacks), norms of W; then the same with -dW per stack
-        self.pending: tuple[int, list[list[AttentionLayer]], list, list] | None = None
-        self.deltas: tuple[int, list[list[AttentionLayer]], list, list, list] | None = None
+        self.pending: PendingUpdate | None = None
+        self.applied: AppliedUpdate | None = None
 
     def sample(self, step: int, due: frozenset[str]) -> tuple[dict[int, dict[str, Tensor]], bool]:
         """{layer index: {metric: tensor}} of the families in ``due``, and whether the spectra failed."""
@@ -86,17 +109,16 @@ class WeightSide:
                 del whole  # sharded: only this rank's shards are kept until the step after
             del read, qkv  # under FSDP2: this layer's gathered weights go before the next is gathered
         if "updates" in due:
-            self.pending = (step, groups, snapshots, norms)
+            self.pending = PendingUpdate(step, groups, snapshots, norms)
         return out, failed
 
     def advance(self) -> None:
         """The step after a snapshot: dW of the pending snapshot, read from the weights now (under FSDP2
         a gather per group, so every rank calls it on the same step; FSDP2 shards: none, -dW shard by
         shard in place)."""
-        step, groups, snapshots, norms = self.pending
-        self.pending = None
+        pending, self.pending = self.pending, None
         deltas: list = []
-        for g, (group, snapshot) in enumerate(zip(groups, snapshots)):
+        for g, (group, snapshot) in enumerate(zip(pending.groups, pending.snapshots)):
             if isinstance(snapshot, ShardSnapshot):
                 for name, param in snapshot.params.items():
                     snapshot.local[name].sub_(param.detach().to_local())  # -dW, as the whole path
@@ -106,24 +128,23 @@ class WeightSide:
             after = [split_projections(w, layer.layout) for layer, (w, _) in zip(group, read)]
             deltas.append(self.trackers[g].advance(snapshot, after))
             del read, after
-        self.deltas = (step, groups, snapshots, deltas, norms)
+        self.applied = AppliedUpdate(pending.step, pending.groups, pending.snapshots, pending.norms, deltas)
 
     def measure(self) -> tuple[int, dict[int, dict[str, Tensor]]]:
         """The update ratios of the advanced snapshot: (the step they belong to, {layer index: metrics})."""
-        step, groups, snapshots, deltas, norms = self.deltas
-        self.deltas = None
+        applied, self.applied = self.applied, None
         out: dict[int, dict[str, Tensor]] = {}
-        for g, group in enumerate(groups):
-            snapshot, delta = snapshots[g], deltas[g]
+        for g, group in enumerate(applied.groups):
+            snapshot, delta = applied.snapshots[g], applied.deltas[g]
             if isinstance(snapshot, ShardSnapshot):  # the whole -dW of this layer, one gather (every rank)
                 whole = gather_like(snapshot.params, snapshot.local)
                 snapshot.local = {}  # spent
                 snapshot = self.trackers[g].snapshot([split_projections(whole, group[0].layout)])
                 delta = [chunk.before for chunk in snapshot]
                 del whole
-            for layer, metrics in zip(group, self.trackers[g].finish(snapshot, delta, norms[g], len(group))):
+            for layer, metrics in zip(group, self.trackers[g].finish(snapshot, delta, applied.norms[g], len(group))):
                 out[layer.index] = metrics
-        return step, out
+        return applied.step, out
 
     def _grads(self, group: list[AttentionLayer], grads: list, out: dict) -> None:
         for layer, gr in zip(group, grads):
