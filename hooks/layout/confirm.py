@@ -41,6 +41,7 @@ from diag.layouts.generic import is_provisional
 from diag.layouts.infer import same_split
 from diag.layouts.patterns import spec_text
 from diag.layouts.vocab import QKVLayout, bias_names, split_qkv, split_qkv_bias
+from hooks.layout.blocks import local_tensor
 from hooks.layout.discover import AttentionLayer
 from hooks.layout.read import adopt, query_source, read_layout
 
@@ -73,8 +74,9 @@ class Verdict:
 
 def _first_3d(values, n: int) -> Tensor | None:
     """The first tensor as (n, tokens, E): a channels-last 4-D input (batch, height, width, E), as timm's MaxViT
-    passes its windows, is read with its two token axes as one (a view)."""
-    for v in values:
+    passes its windows, is read with its two token axes as one (a view). A DTensor input (tensor parallelism's
+    ``PrepareModuleInput``) is read as this rank holds it: a replicated one whole."""
+    for v in map(local_tensor, values):
         if isinstance(v, Tensor):
             if not v.is_floating_point() or v.dim() not in (3, 4):
                 return None
@@ -286,7 +288,7 @@ def _projected_norms(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
 def _check_norms(layer: AttentionLayer, q: Tensor, k: Tensor, x: Tensor, kv: Tensor | None,
                  keys_from: tuple[Tensor, ...] = ()) -> Verdict:
     lay = layer.layout
-    params = dict(layer.module.named_parameters())
+    params = layer.local_parameters()  # under tensor parallelism: this rank's heads, as its kernel computes them
     wq, wk, _ = split_qkv({name: params[name].detach() for name in lay.param_names}, lay)  # K unpaired (G)
     biases = {}
     for name in lay.param_names:
