@@ -45,6 +45,7 @@ from hooks.capture.compiled import EagerCapture
 from hooks.layout.discover import AttentionLayer, discover, unconfirmable
 from hooks.monitor.cadence import CloserLook, resolve_cadence
 from hooks.monitor.distributed import SharedDetectors, rank, world_size
+from hooks.monitor.tensorparallel import HeadGather
 from hooks.monitor.weightside import WeightSide
 
 __all__ = ["Monitor", "SIGNALS"]
@@ -165,8 +166,13 @@ class Monitor:
             self.detectors = SharedDetectors(self.detectors, stop_on_critical)
         # FSDP2: gathers a layer at a time on sampled steps; W_O only for its update ratio
         self._warn_once = WarnOnce(log, stacklevel=3)  # (kind, message): each kind of fault reported once
-        self._weights = WeightSide(self.layers, self.signals, sec_top, self._warn_once)
-        self.capture = EagerCapture(self.layers, attn_seqs, attn_rank_rows, model=model)
+        # tensor parallelism: each rank measures its own heads, one gather of their scalars (docs/distributed.md)
+        self._heads = HeadGather(self.layers) if any(layer.block is not None for layer in self.layers) else None
+        self._weights = WeightSide(self.layers, self.signals, sec_top, self._warn_once,
+                                   work=None if self._heads is None else self._heads.work)
+        # under tensor parallelism each rank's kernel computes its own block of heads (hooks/layout/blocks.py)
+        self.capture = EagerCapture([layer.on_this_rank() for layer in self.layers], attn_seqs, attn_rank_rows,
+                                    model=model)
         self.last: dict[str, float] = {}
         # Layers whose captured attention disagreed with their layout: every metric of theirs is
         # suspect (the head split may be wrong), so none is logged from then on.
@@ -288,6 +294,10 @@ class Monitor:
             per_layer = [by_index[layer.index] for layer in self.layers]
             for layer, values in zip(self.layers, per_layer):
                 self._attention(layer, values, results, problems)
+            if self._heads is not None and due & {"grads", "spectra", "attention"}:  # every rank, every such step
+                spectra_failed = self._gather_heads(by_index, results, due, spectra_failed)
+                per_layer = [by_index[layer.index] for layer in self.layers]
+            for layer, values in zip(self.layers, per_layer):
                 if layer.index in self.refused:
                     values.clear()  # its weights are still snapshotted: the update is dropped when measured
             record, arrays, loss_value = self._record(step, per_layer, loss if "loss" in due else None)
@@ -350,8 +360,20 @@ class Monitor:
         if note is not None:
             self._warn_once(f"attn-note-{layer.index}", f"diag: attention of {layer.name}: {note}")
         stats = results.get(layer.index)
-        if stats is not None:
+        if stats is not None and layer.block is None:  # under tensor parallelism: gathered with every rank's heads
             values.update(attention_metrics(stats))
+
+    def _gather_heads(self, by_index: dict, results: dict, due: frozenset[str], spectra_failed: bool) -> bool:
+        """Tensor parallelism: every rank's heads into whole layers (in ``by_index``); a layer refused on any rank is
+        refused on all. Returns whether any rank's spectra failed."""
+        refused = {i for i in self.refused if i in self._heads.blocks}
+        whole, refused_any, failed = self._heads.gather(by_index, results, refused, due, spectra_failed)
+        for layer in self._heads.layers:
+            by_index[layer.index] = whole[layer.index]
+            if layer.index in refused_any and layer.index not in self.refused:
+                self.refused[layer.index] = (f"{layer.name}: another tensor-parallel rank found its heads disagree "
+                                             "with the layout (its warning says how)")
+        return failed
 
     def _record(
         self, step: int, per_layer: list[dict], loss: Tensor | float | None
@@ -430,6 +452,8 @@ class Monitor:
                      due: frozenset[str]) -> None:
         """The layout, alert events and images of this step (diag.outputs.tb_views); the layout is built
         from the tags of the first step that samples every family."""
-        maps = {layer.label: getattr(results.get(layer.index), "maps", None) for layer in self.layers}
+        # under tensor parallelism rank 0's kernel saw its own block of heads: the first, numbered as in one process
+        maps = {layer.label: getattr(results.get(layer.index), "maps", None) for layer in self.layers
+                if layer.block is None or layer.block.index == 0}
         self._views.on_sample(record, arrays, maps, alerts, complete=due == frozenset(self.cadence.periods))
 
