@@ -35,7 +35,7 @@ from diag.layouts.vocab import QKVLayout, qkv_views
 from diag.math.norms import power_sigma1
 from diag.math.updates import Stack, stack_by_shape, update_of, work_dtype
 from hooks.layout.blocks import local_tensor
-from hooks.splits import Split, split_largest_row, split_of
+from hooks.steplimit.splits import Split, split_largest_row, split_of
 
 __all__ = ["SpectralStepLimit", "LimitedMatrix", "StepReporter", "STATE_KEY"]
 
