@@ -203,6 +203,14 @@ def cadence(costs: dict[str, float], budget: float = 0.01) -> dict[str, int]:
     return periods
 
 
+PERIODS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+
+
+def alone(fraction: float, budget: float = 0.01) -> int:
+    """The shortest period (1, 2, 5, 10, 20, ...) at which one family alone stays under ``budget`` of training."""
+    return next((p for p in PERIODS if fraction / p <= budget), PERIODS[-1])
+
+
 def report(shapes: list[Shape], rates_for, safety: float) -> None:
     for s in shapes:
         rates, step = rates_for(s)
@@ -217,7 +225,12 @@ def report(shapes: list[Shape], rates_for, safety: float) -> None:
               f"{layout}; per rank:")
         for k, (t, mem, moved) in warm.items():
             print(f"  {k:>9}: {t * 1e3:9.1f} ms = {fractions[k] * 100:7.2f}% of a step, holds {mem / 2**20:7.0f} MiB, "
-                  f"receives {moved / 2**20:8.1f} MiB; every {periods[k]} -> {fractions[k] / periods[k] * 100:.3f}%")
+                  f"receives {moved / 2**20:8.1f} MiB; every {periods[k]} -> {fractions[k] / periods[k] * 100:.3f}%; "
+                  f"alone under 1% (x{safety:g}) from every {alone(fractions[k] * safety)}")
+        default = {"grads": 10, "spectra": 20, "updates": 100, "attention": 100}  # hooks/monitor/cadence.py
+        at_default = sum(f / default[k] for k, f in fractions.items())
+        print(f"  at the default cadence {default}: {at_default * 100:.2f}% modelled, "
+              f"{at_default * safety * 100:.2f}% with x{safety:g}")
         print(f"  updates cold (first sample): {cold * 1e3:.1f} ms = {cold / step * 100:.2f}% of a step once")
         print(f"  at that cadence: {total * 100:.2f}% of training time as modelled, {total * safety * 100:.2f}% "
               f"with the safety factor {safety} (the cadence is chosen so that this stays under 1%)")
