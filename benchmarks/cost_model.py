@@ -25,11 +25,12 @@ inter-node link for FSDP2 and over NVLink for tensor parallelism, plus a latency
   update ratios) and Q/K/V gradients (gradient norms) are all-gathered, (ranks - 1) / ranks of them received.
 * tensor parallelism (x FSDP2): a rank holds H / tp query and G / tp key/value heads of every layer; the spectra
   and gradient norms of its block are shared out among the ``ranks`` FSDP2 ranks holding it (1 / (tp ranks) of
-  the heads each), attention is its own block's (1 / tp); FSDP2's rows of the block are all-gathered over its
-  dim (1 / tp of the above); one all-gather of per-head float64 scalars per sampled step (per rank ~ L x (its
-  heads x (4 + D + 3) + H / tp x 4) values); the update ratios run on the block (M_u / tp, the same work on each
-  FSDP2 rank of the block) with all-reduces over the tensor-parallel group of each Krylov block (n x 16 float32
-  per matrix, n = E) and of each Gram / Frobenius sum.
+  the heads each), attention is its own block's (1 / tp); FSDP2's rows of the block's weights are all-gathered
+  over its dim (1 / tp of the above); the gradient norms come from each rank's own rows (per-head sums of
+  squares), no gradient is gathered; one all-gather of per-head float64 scalars per sampled step (per rank
+  ~ L x (its heads x (4 + D) + (H + 2G) / tp + H / tp x 4) values); the update ratios run on the block
+  (M_u / tp, the same work on each FSDP2 rank of the block) with all-reduces over the tensor-parallel group of
+  each Krylov block (n x 16 float32 per matrix, n = E) and of each Gram / Frobenius sum.
 
 The training step is 6 N tokens + 6 L B T^2 E flops (causal attention) at a stated
 utilisation. The rates of this CPU are measured when the script starts (a float64 GEMM,
@@ -135,7 +136,8 @@ def family_costs(s: Shape, rates: Rates, seqs: int = 2, rank_rows: int = 256, co
     m_block = m_u / t  # the update ratios' matrices this rank works on (its block; every FSDP2 rank of it)
     gathered = (d - 1) / d if d > 1 else 0.0  # of an FSDP2-gathered tensor, the part that comes from others
     link = rates.gather or float("inf")
-    grads_in, weights_in = 4 * m_g / t * gathered, 4 * m_u / t * gathered  # FSDP2 gathers (float32)
+    # FSDP2 gathers (float32); beside tensor parallelism the gradient norms come from each rank's own rows
+    grads_in, weights_in = (0.0 if t > 1 else 4 * m_g * gathered), 4 * m_u / t * gathered
     out = {
         "grads": (m_g * 4 * share / rates.bandwidth + grads_in / link + L * rates.latency * (d > 1), 0, grads_in),
         "spectra": ((2 * D * D * E * (H + G) * L / rates.f64_gemm + 12 * m_qk / rates.bandwidth
@@ -164,7 +166,7 @@ def _scalar_gather(s: Shape, rates: Rates) -> tuple[float, int, float]:
     4 spectral scalars and D singular values) and its block's attention statistics, per layer."""
     world = s.tp * s.ranks
     heads = max(1, -(-s.heads // world))
-    width = s.layers * (6 + 3 * heads + (4 + s.head_dim) * heads + 4 * s.heads // s.tp + 1)
+    width = s.layers * (6 + (s.heads + 2 * s.kv_heads) // s.tp + (4 + s.head_dim) * heads + 4 * s.heads // s.tp + 1)
     received = 8 * width * (world - 1)
     return received / rates.gather + rates.latency, 0, received
 

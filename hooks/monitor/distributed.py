@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -211,6 +211,14 @@ def _keep(layer: AttentionLayer) -> int | None:
     return None if layer.block is None else layer.block.dim
 
 
+def gathers_rows(layer: AttentionLayer) -> bool:
+    """Whether reading the layer's Q/K/V weights gathers them over a mesh dim (FSDP2, HSDP; beside tensor
+    parallelism, FSDP2's rows of this rank's block)."""
+    dtensor = _dtensor_type()
+    return dtensor is not None and any(isinstance(p, dtensor) and _plan(p.detach(), _keep(layer)).kind == "gather"
+                                       for p in layer.params().values())
+
+
 class QKVReader:
     """Reads the Q/K/V weights (and gradients) of the monitored layers, a group of layers at a time.
 
@@ -222,8 +230,10 @@ class QKVReader:
     output: read W_O too (under ``layout.o``; its weight only, never its gradient).
     """
 
-    def __init__(self, layers: Sequence[AttentionLayer], grads: bool = True, output: bool = True) -> None:
+    def __init__(self, layers: Sequence[AttentionLayer], grads: bool = True, output: bool = True,
+                 gathered_grads: Callable[[AttentionLayer], bool] | None = None) -> None:
         self.layers, self.grads, self.output = list(layers), grads, output
+        self.gathered_grads = gathered_grads or (lambda layer: True)  # False: its gradients are read elsewhere
 
     def groups(self) -> list[list[AttentionLayer]]:
         """The layers in reading order: one group of all (plain, or tensor parallelism alone: each rank's blocks
@@ -249,7 +259,8 @@ class QKVReader:
         for layer in group:
             named = layer.params()
             wanted = (layer.weights() if self.output else named) if weights else {}
-            with_grads = grads and self.grads and all(p.grad is not None for p in named.values())
+            with_grads = (grads and self.grads and self.gathered_grads(layer)
+                          and all(p.grad is not None for p in named.values()))
             tensors += list(wanted.values()) + ([p.grad for p in named.values()] if with_grads else [])
             plan.append((list(wanted), list(named) if with_grads else None))
             keep += [_keep(layer)] * (len(tensors) - len(keep))

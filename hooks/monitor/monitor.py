@@ -169,7 +169,7 @@ class Monitor:
         # tensor parallelism: each rank measures its own heads, one gather of their scalars (docs/distributed.md)
         self._heads = HeadGather(self.layers) if any(layer.block is not None for layer in self.layers) else None
         self._weights = WeightSide(self.layers, self.signals, sec_top, self._warn_once,
-                                   work=None if self._heads is None else self._heads.work)
+                                   heads=self._heads)
         # under tensor parallelism each rank's kernel computes its own block of heads (hooks/layout/blocks.py)
         self.capture = EagerCapture([layer.on_this_rank() for layer in self.layers], attn_seqs, attn_rank_rows,
                                     model=model)

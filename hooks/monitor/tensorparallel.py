@@ -6,7 +6,9 @@ sampled step each rank computes, from its own shards and with no weight gather:
 
 * the spectra and gradient norms of its heads; where other mesh dims hold the same block (FSDP2 beside
   tensor parallelism, its ``dp`` ranks; or DDP replicas), the block's heads are shared out among them
-  (:func:`work_of`), so no head is computed twice;
+  (:func:`work_of`), so no head is computed twice; beside FSDP2 the gradient norms come from each rank's own
+  rows of the block instead (:func:`grad_squares`: per-head sums of squares, added up after the gather),
+  so no gradient is gathered;
 * the attention statistics of its block, from its own kernel call (every rank computes them for its own
   batch; the logged ones are those of rank 0's batch, as under DDP);
 
@@ -36,8 +38,9 @@ from diag.math.metrics import grad_ratio
 from diag.math.norms import Reduce
 from hooks.layout.blocks import HeadBlock
 from hooks.layout.discover import AttentionLayer
+from hooks.monitor.distributed import gathers_rows
 
-__all__ = ["Work", "work_of", "replica_of", "tp_reduce", "HeadGather"]
+__all__ = ["Work", "work_of", "replica_of", "tp_reduce", "grad_squares", "HeadGather"]
 
 SPECTRAL = ("qk_sigma1", "qk_sec", "qk_erank", "qk_stable_rank")  # per head; then qk_spectrum (per head, D)
 GRADS = ("grad_norm_q", "grad_norm_k", "grad_norm_v")
@@ -98,6 +101,33 @@ def block_of(block: HeadBlock, rank: int) -> int:
     return int((block.mesh.mesh == rank).nonzero()[0][block.dim])
 
 
+def grad_squares(layer: AttentionLayer) -> dict[str, Tensor] | None:
+    """Per-head sums of squares (float64) of this rank's own rows of the block's Q/K/V gradients (its FSDP2 shard of
+    them): ``grad_sq_q`` (H / t,), ``grad_sq_k``, ``grad_sq_v`` (G / t,); their sums over the FSDP2 ranks of the
+    block are the squared gradient norms. None when a Q/K/V parameter has no ``.grad``. ``separate`` and
+    ``heads_3d`` packings: the heads lie along dim 0."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    lay, block = layer.layout, layer.block
+    out = {}
+    for role, name, heads in (("q", lay.q, block.layout.n_heads), ("k", lay.k, block.layout.kv_heads),
+                              ("v", lay.v, block.layout.kv_heads)):
+        p = layer.params()[name]
+        if p.grad is None:
+            return None
+        grad = p.grad.detach()
+        local = grad.to_local()
+        _, offset = compute_local_shape_and_global_offset(grad.shape, grad.device_mesh, grad.placements)
+        rows = grad.shape[0] // block.size  # of the block, along the heads' dim
+        first = offset[0] - block.index * rows  # this rank's first row within the block
+        squares = local.reshape(local.shape[0], -1).double().square().sum(1)  # (local rows,)
+        head = torch.div(torch.arange(first, first + local.shape[0], device=local.device), rows // heads,
+                         rounding_mode="floor")
+        out[f"grad_sq_{role}"] = torch.zeros(heads, dtype=torch.float64, device=local.device).index_add_(
+            0, head, squares)
+    return out
+
+
 def tp_reduce(block: HeadBlock) -> Reduce:
     """The sum over the ranks of ``block``'s tensor-parallel group (an all-reduce): what the update ratios need
     to take sigma_1 and ||.||_F of matrices whose rows (heads) those ranks share."""
@@ -129,6 +159,9 @@ class HeadGather:
                                 "parallelism is not supported); leave this layer out of the Monitor's spec")
         self.blocks = {layer.index: [block_of(layer.block, s) for s in range(self.world)] for layer in self.layers}
         self.replicas = {layer.index: [replica_of(layer.block, s) for s in range(self.world)] for layer in self.layers}
+        # beside FSDP2: gradient norms from each rank's own rows (grad_squares), no gradient gathered
+        self.from_rows = {layer.index: layer.block.layout.packing in ("separate", "heads_3d")
+                          and not layer.layout.transposed and gathers_rows(layer) for layer in self.layers}
         self.bytes = 0  # of the last gather, per rank (for tests and benchmarks)
 
     def work(self, layer: AttentionLayer, rank: int | None = None) -> Work:
@@ -170,6 +203,8 @@ class HeadGather:
     def _fields(self, layer: AttentionLayer, rank: int, family: str) -> list[tuple[str, int]]:
         """(name, numel) of what ``rank`` sends for ``family`` of ``layer``."""
         work, lay = self.work(layer, rank), layer.block.layout
+        if family == "grads" and self.from_rows[layer.index]:
+            return [("grad_sq_q", lay.n_heads), ("grad_sq_k", lay.kv_heads), ("grad_sq_v", lay.kv_heads)]
         if family == "grads":
             return [("grad_norm_q", len(work.q)), ("grad_norm_k", len(work.kv)), ("grad_norm_v", len(work.kv))]
         if family == "spectra":
@@ -225,7 +260,11 @@ class HeadGather:
         lay, block = layer.layout, layer.block
         hl, gl, d = block.layout.n_heads, block.layout.kv_heads, lay.head_dim
         out: dict[str, Tensor] = {}
-        if "grads" in families and all(p["grads"] for p in pieces):
+        if "grads" in families and all(p["grads"] for p in pieces) and self.from_rows[layer.index]:
+            norms = {f"grad_norm_{r}": self._summed(layer, pieces, f"grad_sq_{r}").sqrt() for r in "qkv"}
+            out.update(norms)
+            out["grad_ratio_qk_v"] = grad_ratio(norms["grad_norm_q"], norms["grad_norm_k"], norms["grad_norm_v"])
+        elif "grads" in families and all(p["grads"] for p in pieces):
             q = self._heads(layer, pieces, lay.n_heads, hl, "q")
             kv = self._heads(layer, pieces, lay.kv_heads, gl, "kv")
             norms = {"grad_norm_q": q("grad_norm_q"), "grad_norm_k": kv("grad_norm_k"),
@@ -245,6 +284,11 @@ class HeadGather:
             out["attn_rows"] = ordered[0]["attn_rows"]
             out["attn_entropy_uniform"] = torch.cat([p["uniform_entropy"] for p in ordered]).mean().reshape(1)
         return out
+
+    def _summed(self, layer: AttentionLayer, pieces: list[dict], metric: str) -> Tensor:
+        """Every block's per-head values summed over the ranks holding it, blocks in order."""
+        blocks = self.blocks[layer.index]
+        return torch.cat([sum(p[metric] for p in pieces if blocks[p["rank"]] == j) for j in range(layer.block.size)])
 
     def _heads(self, layer: AttentionLayer, pieces: list[dict], total: int, per_block: int, kind: str):
         """A function metric -> its (total, ...) tensor in global head order, from every rank's work ``kind``."""

@@ -29,12 +29,11 @@ from diag.math.norms import frobenius
 from diag.math.updates import UpdateTracker
 from hooks.layout.discover import AttentionLayer
 from hooks.monitor.distributed import QKVReader, gather_like, local_shards
-from hooks.monitor.tensorparallel import Work, tp_reduce
+from hooks.monitor.tensorparallel import HeadGather, grad_squares, tp_reduce
 
 __all__ = ["WeightSide", "ShardSnapshot", "PendingUpdate", "AppliedUpdate", "nan_spectra"]
 
 Warn = Callable[[str, str], None]  # (kind, message): reported once per kind
-WorkOf = Callable[[AttentionLayer], Work]  # under tensor parallelism: the heads of its block this rank computes
 
 
 @dataclass
@@ -80,9 +79,12 @@ class WeightSide:
     once in a run's first steps)."""
 
     def __init__(self, layers: Sequence[AttentionLayer], signals: frozenset[str], sec_top: int, warn: Warn,
-                 work: WorkOf | None = None) -> None:
-        self.layers, self.sec_top, self.warn, self.work = list(layers), sec_top, warn, work
-        self.reader = QKVReader(self.layers, grads="grads" in signals, output="updates" in signals)
+                 heads: HeadGather | None = None) -> None:
+        self.layers, self.sec_top, self.warn, self.heads = list(layers), sec_top, warn, heads
+        # tensor parallelism: which heads of its block this rank computes (heads.work), and, beside FSDP2, gradient
+        # norms from this rank's own rows (heads.from_rows): those gradients are not gathered
+        self.reader = QKVReader(self.layers, grads="grads" in signals, output="updates" in signals,
+                                gathered_grads=lambda layer: not self._from_rows(layer))
         self.trackers: dict[int, UpdateTracker] = {}  # group position -> its warm-started tracker
         self.pending: PendingUpdate | None = None
         self.applied: AppliedUpdate | None = None
@@ -103,7 +105,7 @@ class WeightSide:
             # K row h: the key head of query head h (kv_map), so the spectra pair heads as the model does
             qkv = [split_qkv(w, _layout(layer), paired=True) for layer, (w, _) in zip(group, read)]
             if "spectra" in due:
-                qk = [m[:2] if layer.block is None else self.work(layer).pair(*m[:2], _layout(layer))
+                qk = [m[:2] if layer.block is None else self.heads.work(layer).pair(*m[:2], _layout(layer))
                       for layer, m in zip(group, qkv)]
                 failed |= not self._spectra(step, group, qk, out)
             if "updates" in due:
@@ -155,6 +157,11 @@ class WeightSide:
 
     def _grads(self, group: list[AttentionLayer], grads: list, out: dict) -> None:
         for layer, gr in zip(group, grads):
+            if self._from_rows(layer):  # per-head sums of squares of this rank's rows, added up after the gather
+                gr = grad_squares(layer)
+                if gr is not None:
+                    out[layer.index].update(gr)
+                    continue
             if gr is None:
                 self.warn("no-grad", f"diag: {layer.name} has no .grad at a sampled step; "
                           "call monitor.step after loss.backward()")
@@ -162,10 +169,13 @@ class WeightSide:
                 out[layer.index].update(grad_metrics(*split_qkv(gr, layer.layout)))
             else:  # this rank's share of its block; the ratio is taken once every rank's norms are gathered
                 gq, gk, gv = split_qkv(gr, layer.block.layout)
-                work = self.work(layer)
+                work = self.heads.work(layer)
                 out[layer.index].update({"grad_norm_q": frobenius(gq[work.q.start:work.q.stop]),
                                          "grad_norm_k": frobenius(gk[work.kv.start:work.kv.stop]),
                                          "grad_norm_v": frobenius(gv[work.kv.start:work.kv.stop])})
+
+    def _from_rows(self, layer: AttentionLayer) -> bool:
+        return self.heads is not None and self.heads.from_rows.get(layer.index, False)
 
     def _tracker(self, g: int, group: list[AttentionLayer]) -> UpdateTracker:
         """The warm-started tracker of group ``g``; under tensor parallelism its sums over rows are all-reduced

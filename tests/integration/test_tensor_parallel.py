@@ -33,6 +33,8 @@ STEPS, EVERY, LAYERS = 7, 3, 2  # sampled: 0, 3, 6; update ratios measured at 1,
 E, H, G, D = 32, 4, 2, 8  # d_model, query heads, key/value heads, head size (both models)
 SAMPLED, AFTER = {0, 3, 6}, {1, 4, 7}
 F32, F64 = 4, 8
+# beside FSDP2 and under HSDP: gradient norms every 3 steps, everything else every 6 (step 3: gradients only)
+SLOW = ("--cadence", json.dumps({"grads": 3, "spectra": 6, "updates": 6, "attention": 6}))
 
 
 def _run(mode: str, out: Path, ranks: int, *extra: str) -> dict[int, dict]:
@@ -70,23 +72,25 @@ def singles(tmp_path_factory) -> dict[str, Path]:
     out = {}
     for name, mode, extra in (("llama", "single-llama", ()), ("titan", "single-titan", ()),
                               ("llama-limit", "single-llama", ("--step-limit", "0.01")),
-                              ("titan-limit", "single-titan", ("--step-limit", "0.01"))):
+                              ("titan-limit", "single-titan", ("--step-limit", "0.01", *SLOW))):
         out[name] = tmp_path_factory.mktemp(name)
         _run(mode, out[name], 1, *extra)
     return out
 
 
-def _scalar_gather_bytes(ranks: int, heads_q: list[int], heads_kv: list[int]) -> int:
-    """The all-gather of per-head scalars at a sampled step of every family: per rank one float64 buffer of the
-    widest rank's width: a header, then per layer a refused flag and, per family, a flag and its values (gradient
-    norms of its query and key/value heads; 4 spectral scalars and D singular values per query head; 3 attention
-    statistics and the uniform entropy per head of its block, and the valid rows)."""
+def _scalar_gather_bytes(ranks: int, heads_q: list[int], grads: list[int], every_family: bool = True) -> int:
+    """The all-gather of per-head scalars at a sampled step: per rank one float64 buffer of the widest rank's width:
+    a header, then per layer a refused flag and, per family, a flag and its values (``grads`` values: the gradient
+    norms of its query and key/value heads, or beside FSDP2 the sums of squares of its rows for every head of
+    its block; 4 spectral scalars and D singular values per query head it computes; 3 attention statistics and the
+    uniform entropy per head of its block, and the valid rows)."""
     block = H // 2
 
-    def width(q: int, kv: int) -> int:
-        return 1 + LAYERS * (1 + (1 + q + 2 * kv) + (1 + 4 * q + q * D) + (1 + 4 * block + 1))
+    def width(q: int, g: int) -> int:
+        rest = (1 + 4 * q + q * D) + (1 + 4 * block + 1) if every_family else 0
+        return 1 + LAYERS * (1 + (1 + g) + rest)
 
-    return ranks * max(width(q, kv) for q, kv in zip(heads_q, heads_kv)) * F64
+    return ranks * max(width(q, g) for q, g in zip(heads_q, grads)) * F64
 
 
 def _update_reduces(stacks: list[tuple[int, int]]) -> list[tuple[str, int]]:
@@ -97,7 +101,7 @@ def _update_reduces(stacks: list[tuple[int, int]]) -> list[tuple[str, int]]:
     return out
 
 
-def _check_heads(ranks: dict[int, dict], per_rank: int) -> None:
+def _check_heads(ranks: dict[int, dict], per_rank: int, samples: int = len(SAMPLED)) -> None:
     """Every head's spectra computed by exactly one rank, ``per_rank`` of them on each, in every layer."""
     for label in ("L00", "L01"):
         work = [ranks[r]["spectra"]["work"][label] for r in ranks]
@@ -105,7 +109,7 @@ def _check_heads(ranks: dict[int, dict], per_rank: int) -> None:
         assert all(len(w) == per_rank for w in work), work
     for r in ranks:  # what layer_spectra was given: per_rank heads of each layer at each sampled step
         calls = [n for call in ranks[r]["spectra"]["calls"] for n in call]
-        assert calls == [per_rank] * LAYERS * len(SAMPLED), ranks[r]["spectra"]["calls"]
+        assert calls == [per_rank] * LAYERS * samples, ranks[r]["spectra"]["calls"]
         assert ranks[r]["confirmed"] == {"0": "q,k", "1": "q,k"}  # each rank's q and k checked against its heads
 
 
@@ -126,7 +130,7 @@ def test_tensor_parallel_hugging_face_llama_is_monitored_exactly(singles, tmp_pa
     _check_heads(ranks, H // 2)
     # every layer in one stack per shape: {W_Q, W_O^T} (H/2*D x E) and {W_K, W_V} (G/2*D x E), n = E both
     reduces = _update_reduces([(2 * LAYERS, E), (2 * LAYERS, E)])
-    gather = ("c10d._allgather_base_", _scalar_gather_bytes(2, [2, 2], [1, 1]))
+    gather = ("c10d._allgather_base_", _scalar_gather_bytes(2, [2, 2], [2 + 2, 2 + 2]))
     for r in ranks:
         seen = {int(s): [tuple(c) for c in v] for s, v in ranks[r]["collectives"].items()}
         for step in range(STEPS + 1):
@@ -146,29 +150,28 @@ def test_torchtitan_plan_with_sequence_parallel_norms(singles, tmp_path):
 
 def test_tensor_parallel_beside_fsdp2(singles, tmp_path):
     """TP=2 x FSDP2=2 on a ("dp", "tp") mesh, torchtitan's order (the plan, then fully_shard on dp), with
-    SpectralStepLimit: each block's 2 query heads are shared out between its 2 dp ranks (one head each: no rank
-    computes another's), FSDP2's rows of the block gathered over dp, one layer at a time."""
-    ranks = _run("tp-fsdp", tmp_path, 4, "--step-limit", "0.01")
+    SpectralStepLimit: each block's 2 query heads' spectra are shared out between its 2 dp ranks (one head each: no
+    rank computes another's); FSDP2's rows of the block's weights gathered over dp, one layer at a time; gradient
+    norms from each rank's own rows (per-head sums of squares in the scalar gather): no gradient is gathered, and
+    a step that samples only gradients (step 3) issues the scalar gather alone."""
+    ranks = _run("tp-fsdp", tmp_path, 4, "--step-limit", "0.01", *SLOW)
     ref, got = _metrics(singles["titan-limit"]), _metrics(tmp_path)
     assert {"step_limit_scale", "qk_sigma1", "update_ratio_o", "attn_entropy"} <= _families(ref)
     _same(ref, got, skip=("loss",))  # the loss: rank 0's half of the batch
     _same_histograms(singles["titan-limit"], ranks)
-    _check_heads(ranks, 1)
+    _check_heads(ranks, 1, samples=2)  # spectra at steps 0 and 6
     block = {"wq": (H // 2 * D, E), "wk": (G // 2 * D, E), "wv": (G // 2 * D, E), "wo": (E, H // 2 * D)}
-
-    def dp_gather(grads: bool) -> tuple[str, int]:
-        """One layer's block over the 2 dp ranks: header + each tensor padded to ceil(rows / 2) rows, x 2 ranks."""
-        shapes = list(block.values()) + ([block["wq"], block["wk"], block["wv"]] if grads else [])
-        return "c10d._allgather_base_", 2 * F32 * (1 + len(shapes) + sum(-(-r // 2) * c for r, c in shapes))
-
-    reduces = _update_reduces([(2, E), (2, E)])  # per layer (one layer per group): {W_Q, W_O^T}, {W_K, W_V}
-    gather = ("c10d._allgather_base_", _scalar_gather_bytes(4, [1] * 4, [1, 1, 0, 0]))
+    # one layer's block of weights (or dW) over the 2 dp ranks: header + each tensor padded to ceil(rows / 2) rows
+    dp_gather = ("c10d._allgather_base_", 2 * F32 * (1 + 4 + sum(-(-r // 2) * c for r, c in block.values())))
+    layer = [dp_gather] + _update_reduces([(2, E), (2, E)])  # one layer per group: {W_Q, W_O^T}, {W_K, W_V}
+    every = ("c10d._allgather_base_", _scalar_gather_bytes(4, [1] * 4, [2 + 2] * 4))
+    grads_only = ("c10d._allgather_base_", _scalar_gather_bytes(4, [1] * 4, [2 + 2] * 4, every_family=False))
+    want = {0: layer * LAYERS + [every], 1: layer * LAYERS, 3: [grads_only], 6: layer * LAYERS + [every],
+            7: layer * LAYERS}
     for r in ranks:
         seen = {int(s): [tuple(c) for c in v] for s, v in ranks[r]["collectives"].items()}
         for step in range(STEPS + 1):
-            layer = [dp_gather(True)] + reduces if step in SAMPLED else [dp_gather(False)] + reduces
-            want = layer * LAYERS + [gather] if step in SAMPLED else layer * LAYERS if step in AFTER else []
-            assert seen[step] == want, (r, step, seen[step])
+            assert seen[step] == want.get(step, []), (r, step, seen[step])
     single_bytes = LAYERS * (H + G + G + H) * D * E * F32
     assert [ranks[r]["snapshot_bytes"] for r in ranks] == [single_bytes // 4] * 4  # own shards: 1/(dp * tp)
     _same_weights(singles["titan-limit"], ranks[0])
@@ -177,13 +180,14 @@ def test_tensor_parallel_beside_fsdp2(singles, tmp_path):
 def test_hsdp(singles, tmp_path):
     """HSDP on a ("replicate", "shard") mesh with SpectralStepLimit: one all-gather per layer over the shard dim
     (it was one full_tensor() per tensor), the same numbers as one process."""
-    ranks = _run("hsdp", tmp_path, 4, "--step-limit", "0.01")
+    ranks = _run("hsdp", tmp_path, 4, "--step-limit", "0.01", *SLOW)
     _same(_metrics(singles["titan-limit"]), _metrics(tmp_path), skip=("loss",))
     for r in ranks:
         seen = {int(s): v for s, v in ranks[r]["collectives"].items()}
         for step in range(STEPS + 1):
-            assert len(seen[step]) == (LAYERS if step in SAMPLED | AFTER else 0), (r, step, seen[step])
+            assert len(seen[step]) == (LAYERS if step in {0, 1, 3, 6, 7} else 0), (r, step, seen[step])
             assert all(name == "c10d._allgather_base_" for name, _ in seen[step])
+        assert seen[0][0][1] > seen[1][0][1] > seen[3][0][1]  # weights and gradients > dW > gradients
     assert [ranks[r]["snapshot_bytes"] for r in ranks] == [LAYERS * (H + G + G + H) * D * E * F32 // 2] * 4
     _same_weights(singles["titan-limit"], ranks[0])
 
@@ -207,7 +211,9 @@ def _same_histograms(single: Path, ranks: dict[int, dict]) -> None:
     qk_spectrum, H x D per layer and step, and each per-head metric across heads): gathered on every rank from
     the ranks that computed them."""
     ref = json.loads((single / "rank0.json").read_text())["histograms"]
-    assert {k for k in ref if "qk_spectrum" in k} == {f"{s}/qk_spectrum/L0{i}" for s in SAMPLED for i in (0, 1)}
+    spectra = {int(k.split("/")[0]) for k in ref if "qk_spectrum" in k}
+    assert {k for k in ref if "qk_spectrum" in k} == {f"{s}/qk_spectrum/L0{i}" for s in spectra for i in (0, 1)}
+    assert spectra in ({0, 3, 6}, {0, 6})
     assert all(len(v) == H * D for k, v in ref.items() if "qk_spectrum" in k)
     for r in ranks:
         got = ranks[r]["histograms"]

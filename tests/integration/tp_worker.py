@@ -171,6 +171,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--every", type=int, default=3)
     parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--cadence", type=json.loads, default=None, help='e.g. {"spectra": 6}')
     parser.add_argument("--step-limit", type=float, default=None, help="wrap SGD in SpectralStepLimit(tau=...)")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -187,7 +188,8 @@ def main() -> None:
     part, parts = data_rank(args.mode, mesh), MODES[args.mode] if not single else 1
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     memory = MemorySink()  # every rank's records, with the per-head spectra (histograms: not in metrics.jsonl)
-    monitor = Monitor(model, logdir=args.out / "logs", every=args.every, attn_seqs=1, images=False, sinks=[memory])
+    monitor = Monitor(model, logdir=args.out / "logs", every=args.every, cadence=args.cadence, attn_seqs=1,
+                      images=False, sinks=[memory])
     if args.step_limit is not None:
         opt = SpectralStepLimit(opt, tau=args.step_limit, model=model, monitor=monitor)
     record: dict = {"losses": [], "collectives": {}, "spectra": {}}
