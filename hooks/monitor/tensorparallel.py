@@ -162,7 +162,7 @@ class HeadGather:
         # beside FSDP2: gradient norms from each rank's own rows (grad_squares), no gradient gathered
         self.from_rows = {layer.index: layer.block.layout.packing in ("separate", "heads_3d")
                           and not layer.layout.transposed and gathers_rows(layer) for layer in self.layers}
-        self.bytes = 0  # of the last gather, per rank (for tests and benchmarks)
+        self._schema: dict[tuple, list[tuple[str, int]]] = {}  # (layer, rank, family) -> what it sends
 
     def work(self, layer: AttentionLayer, rank: int | None = None) -> Work:
         """The heads ``rank`` (default: this one) computes of its block of ``layer``."""
@@ -184,7 +184,6 @@ class HeadGather:
         rows = torch.empty(self.world * width, dtype=torch.float64, device=own.device)
         all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
         all_gather(rows, buf)
-        self.bytes = rows.numel() * rows.element_size()
         rows = rows.view(self.world, width)
         failed = bool((rows[:, 0] > 0).any())
         parsed = [self._unpack(rows[s], s, families) for s in range(self.world)]
@@ -201,7 +200,13 @@ class HeadGather:
     # ------------------------------------------------------------------ the buffer
 
     def _fields(self, layer: AttentionLayer, rank: int, family: str) -> list[tuple[str, int]]:
-        """(name, numel) of what ``rank`` sends for ``family`` of ``layer``."""
+        """(name, numel) of what ``rank`` sends for ``family`` of ``layer`` (fixed for a run: computed once)."""
+        key = (layer.index, rank, family)
+        if key not in self._schema:
+            self._schema[key] = self._fields_of(layer, rank, family)
+        return self._schema[key]
+
+    def _fields_of(self, layer: AttentionLayer, rank: int, family: str) -> list[tuple[str, int]]:
         work, lay = self.work(layer, rank), layer.block.layout
         if family == "grads" and self.from_rows[layer.index]:
             return [("grad_sq_q", lay.n_heads), ("grad_sq_k", lay.kv_heads), ("grad_sq_v", lay.kv_heads)]
