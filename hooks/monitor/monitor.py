@@ -99,8 +99,9 @@ class Monitor:
             cadence), also sample it (and the spectra) with the loss while a head's sigma_1
             grows fast, a collapse is being confirmed or the first updates are large
             (``RiskConfig.watch_risk`` and ``watch_growth``; for ``CloserLook.HOLD`` steps, every
-            ``CloserLook.EARLY_EVERY`` steps within the first ``CloserLook.EARLY``; docs/cost.md#watching-closer). One process only: under DDP/FSDP the ranks would
-            have to agree every sampled step, so it is off there.
+            ``CloserLook.EARLY_EVERY`` steps within the first ``CloserLook.EARLY``;
+            docs/cost.md#watching-closer). One process only: under DDP, FSDP or tensor parallelism
+            the ranks would have to agree every sampled step, so it is off there.
     """
 
     def __init__(
