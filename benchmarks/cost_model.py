@@ -18,6 +18,20 @@ D, T tokens per sequence, n_s captured sequences, R = min(attn_rank_rows, T)):
 * attention: per captured sequence and layer, float64 logits 2 H T^2 D, ~10 passes over
   the H T^2 probabilities, the rank's Gram 2 H R^2 T and H eigvalsh of R x R (~ 9 R^3).
 
+Distributed (``ranks`` FSDP2 ranks, ``tp`` tensor-parallel ranks; the bytes a rank receives, over the
+inter-node link for FSDP2 and over NVLink for tensor parallelism, plus a latency per collective):
+
+* FSDP2 alone: every rank computes every family for every layer; each layer's Q/K/V/O weights (spectra,
+  update ratios) and Q/K/V gradients (gradient norms) are all-gathered, (ranks - 1) / ranks of them received.
+* tensor parallelism (x FSDP2): a rank holds H / tp query and G / tp key/value heads of every layer; the spectra
+  and gradient norms of its block are shared out among the ``ranks`` FSDP2 ranks holding it (1 / (tp ranks) of
+  the heads each), attention is its own block's (1 / tp); FSDP2's rows of the block's weights are all-gathered
+  over its dim (1 / tp of the above); the gradient norms come from each rank's own rows (per-head sums of
+  squares), no gradient is gathered; one all-gather of per-head float64 scalars per sampled step (per rank
+  ~ L x (its heads x (4 + D) + (H + 2G) / tp + H / tp x 4) values); the update ratios run on the block
+  (M_u / tp, the same work on each FSDP2 rank of the block) with all-reduces over the tensor-parallel group of
+  each Krylov block (n x 16 float32 per matrix, n = E) and of each Gram / Frobenius sum.
+
 The training step is 6 N tokens + 6 L B T^2 E flops (causal attention) at a stated
 utilisation. The rates of this CPU are measured when the script starts (a float64 GEMM,
 batched small eigensolvers, a skinny float32 product, a large copy); those of the H200 are
@@ -46,7 +60,8 @@ class Shape:
     tokens: int  # per sequence
     batch: int  # sequences per rank and optimizer step
     params: float
-    ranks: int = 1  # FSDP2 world size (every rank computes every family today)
+    ranks: int = 1  # FSDP2 (data-parallel) ranks
+    tp: int = 1  # tensor-parallel ranks: each holds heads / tp of every layer; they train the same sequences
 
 
 @dataclass(frozen=True)
@@ -57,7 +72,9 @@ class Rates:
     eig: float  # flop/s-equivalent of batched small eigvalsh
     bandwidth: float  # bytes/s
     train: float  # flop/s of the training step (its utilisation folded in)
-    gather: float = 0.0  # bytes/s of an all-gather per rank (FSDP2)
+    gather: float = 0.0  # bytes/s received per rank in an FSDP2 all-gather (across nodes beyond 8 GPUs)
+    nvlink: float = 0.0  # bytes/s of a collective inside a node (tensor parallelism)
+    latency: float = 0.0  # seconds per collective
 
 
 SHAPES = [
@@ -66,14 +83,19 @@ SHAPES = [
     Shape("LLaMA 7B, 1 GPU", 32, 4096, 32, 8, 128, 4096, 1, 6.7e9),
     Shape("LLaMA 7B, FSDP2 x 8", 32, 4096, 32, 8, 128, 4096, 1, 6.7e9, ranks=8),
     Shape("LLaMA 70B, FSDP2 x 64", 80, 8192, 64, 8, 128, 4096, 1, 70e9, ranks=64),
+    # torchtitan's 70B layout: TP 8 inside a node, FSDP2 across 8 nodes; the same 64 sequences per step
+    Shape("LLaMA 70B, TP 8 x FSDP2 8", 80, 8192, 64, 8, 128, 4096, 8, 70e9, ranks=8, tp=8),
 ]
 
 # H200: FP64 tensor 67 TFLOP/s at 50%; FP32 67 TFLOP/s at 30% (skinny products); batched small
 # eigensolvers ~1 TFLOP/s-equivalent (an assumption: cuSOLVER's batched Jacobi is far from peak);
 # HBM 4.8 TB/s at 70%; training at 40% of 989 TFLOP/s bf16; all-gather 300 GB/s in a node
-# (NVLink), 40 GB/s per GPU across nodes (400 Gb/s InfiniBand).
-H200 = Rates("H200 (datasheet)", 33e12, 20e12, 1e12, 3.4e12, 0.4 * 989e12, gather=300e9)
-H200_MULTINODE = Rates("H200 x 64 (datasheet)", 33e12, 20e12, 1e12, 3.4e12, 0.4 * 989e12, gather=40e9)
+# (NVLink), 40 GB/s per GPU across nodes (400 Gb/s InfiniBand); 20 us per collective (an assumption:
+# small NCCL collectives inside a node take 10-30 us, across nodes more).
+H200 = Rates("H200 (datasheet)", 33e12, 20e12, 1e12, 3.4e12, 0.4 * 989e12, gather=300e9, nvlink=300e9,
+             latency=20e-6)
+H200_MULTINODE = Rates("H200 x 64 (datasheet)", 33e12, 20e12, 1e12, 3.4e12, 0.4 * 989e12, gather=40e9,
+                       nvlink=300e9, latency=20e-6)
 
 
 def _timed(fn, reps: int = 3) -> float:
@@ -102,33 +124,68 @@ def calibrate(train_step_s: dict[str, float]) -> Rates:
 
 
 def family_costs(s: Shape, rates: Rates, seqs: int = 2, rank_rows: int = 256, cold: bool = False) -> dict:
-    """Seconds per sampled step of each family, and the peak extra bytes it holds."""
+    """Per family and sampled step, on one rank: (seconds, peak extra bytes held, bytes received)."""
     L, E, H, G, D, T = s.layers, s.width, s.heads, s.kv_heads, s.head_dim, s.tokens
     R = min(rank_rows, T)
+    t, d = s.tp, s.ranks
+    share = 1 / (t * d) if t > 1 else 1.0  # heads whose spectra / gradient norms this rank computes
     m_g, m_u, m_qk = L * E * D * (H + 2 * G), L * E * D * (2 * H + 2 * G), L * E * D * (H + G)
     krylov = (9, 9) if cold else (2, 4)  # blocks for sigma_1(W) and sigma_1(dW)
     n_mats = 4 * L
     ritz = sum(n_mats * 9 * (BLOCK * j) ** 3 for k in krylov for j in range(1, k + 1))  # Rayleigh-Ritz eigh
+    m_block = m_u / t  # the update ratios' matrices this rank works on (its block; every FSDP2 rank of it)
+    gathered = (d - 1) / d if d > 1 else 0.0  # of an FSDP2-gathered tensor, the part that comes from others
+    link = rates.gather or float("inf")
+    # FSDP2 gathers (float32); beside tensor parallelism the gradient norms come from each rank's own rows
+    grads_in, weights_in = (0.0 if t > 1 else 4 * m_g * gathered), 4 * m_u / t * gathered
     out = {
-        "grads": (m_g * 4 / rates.bandwidth, 0),
-        "spectra": (2 * D * D * E * (H + G) * L / rates.f64_gemm + 12 * m_qk / rates.bandwidth
-                    + 15 * D**3 * H * L / rates.eig, (H + G) * D * D * 8 * L),
-        "updates": (20 * m_u / rates.bandwidth + sum(krylov) * 4 * BLOCK * m_u / rates.f32_gemm
-                    + ritz / rates.eig,
-                    4 * m_u if s.ranks == 1 else 4 * m_u / s.ranks + 4 * m_u / L),  # FSDP2: own shards + 1 layer
-        "attention": (seqs * L * (2 * H * T * T * D / rates.f64_gemm + 10 * 8 * H * T * T / rates.bandwidth
-                                  + 2 * H * R * R * T / rates.f64_gemm + 9 * H * R**3 / rates.eig),
-                      H * R * T * 8 + 32 * 2**20),
+        "grads": (m_g * 4 * share / rates.bandwidth + grads_in / link + L * rates.latency * (d > 1), 0, grads_in),
+        "spectra": ((2 * D * D * E * (H + G) * L / rates.f64_gemm + 12 * m_qk / rates.bandwidth
+                     + 15 * D**3 * H * L / rates.eig) * share + weights_in / link + L * rates.latency * (d > 1),
+                    (H + G) * D * D * 8 * L * share, weights_in),
+        "updates": (20 * m_block / rates.bandwidth + sum(krylov) * 4 * BLOCK * m_block / rates.f32_gemm
+                    + ritz / rates.eig + weights_in / link,
+                    4 * m_u / (t * d) + (4 * m_u / (L * t) if d > 1 else 0),  # own shards + 1 layer's block
+                    weights_in),
+        "attention": (seqs * L / t * (2 * H * T * T * D / rates.f64_gemm + 10 * 8 * H * T * T / rates.bandwidth
+                                      + 2 * H * R * R * T / rates.f64_gemm + 9 * H * R**3 / rates.eig),
+                      H / t * R * T * 8 + 32 * 2**20, 0),
     }
-    if s.ranks > 1 and rates.gather:  # one layer gathered at a time: its weights (+ grads) pass every link
-        per_layer = (E * D * (2 * H + 2 * G) + E * D * (H + 2 * G)) * 4
-        out["gather (FSDP2)"] = (L * per_layer / rates.gather, per_layer)
+    if t > 1:
+        out["updates"] = _plus(out["updates"], _tp_reduces(s, rates, krylov))
+        out["grads"] = _plus(out["grads"], _scalar_gather(s, rates))  # the gather of the step's per-head scalars
     return out
 
 
+def _plus(a: tuple, b: tuple) -> tuple:
+    return a[0] + b[0], a[1], a[2] + b[2]
+
+
+def _scalar_gather(s: Shape, rates: Rates) -> tuple[float, int, float]:
+    """One all-gather of every rank's per-head float64 scalars: its share of the heads (grad norms of Q, K, V;
+    4 spectral scalars and D singular values) and its block's attention statistics, per layer."""
+    world = s.tp * s.ranks
+    heads = max(1, -(-s.heads // world))
+    width = s.layers * (6 + (s.heads + 2 * s.kv_heads) // s.tp + (4 + s.head_dim) * heads + 4 * s.heads // s.tp + 1)
+    received = 8 * width * (world - 1)
+    return received / rates.gather + rates.latency, 0, received
+
+
+def _tp_reduces(s: Shape, rates: Rates, krylov: tuple[int, int]) -> tuple[float, int, float]:
+    """The update ratios' all-reduces over the tensor-parallel group: per matrix and Krylov block, n x 16 float32
+    (n = E; twice the bytes for a ring all-reduce), one collective per stack and block (a stack of up to 32 MiB:
+    one W_Q or W_O^T block at 70B, several W_K / W_V blocks), plus the Frobenius sums."""
+    L, E, D = s.layers, s.width, s.head_dim
+    sizes = [s.heads // s.tp * D * E * 4] * 2 + [s.kv_heads // s.tp * D * E * 4] * 2  # W_Q, W_O^T, W_K, W_V
+    stacks = L * sum(1 / max(1, (32 * 2**20) // size) for size in sizes)
+    blocks = sum(krylov)
+    moved = 2 * (s.tp - 1) / s.tp * 4 * L * 4 * E * BLOCK * blocks
+    return moved / rates.nvlink + stacks * (blocks + 2) * rates.latency, 0, moved
+
+
 def step_seconds(s: Shape, rates: Rates) -> float:
-    tokens = s.tokens * s.batch
-    return (6 * s.params * tokens + 6 * s.layers * s.batch * s.tokens**2 * s.width) / rates.train
+    tokens = s.tokens * s.batch  # per data-parallel rank; its tensor-parallel ranks share the work
+    return (6 * s.params * tokens + 6 * s.layers * s.batch * s.tokens**2 * s.width) / rates.train / s.tp
 
 
 def cadence(costs: dict[str, float], budget: float = 0.01) -> dict[str, int]:
@@ -148,19 +205,34 @@ def cadence(costs: dict[str, float], budget: float = 0.01) -> dict[str, int]:
     return periods
 
 
+PERIODS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+
+
+def alone(fraction: float, budget: float = 0.01) -> int:
+    """The shortest period (1, 2, 5, 10, 20, ...) at which one family alone stays under ``budget`` of training."""
+    return next((p for p in PERIODS if fraction / p <= budget), PERIODS[-1])
+
+
 def report(shapes: list[Shape], rates_for, safety: float) -> None:
     for s in shapes:
         rates, step = rates_for(s)
         warm = family_costs(s, rates)
         cold = family_costs(s, rates, cold=True)["updates"][0]
-        fractions = {k: t / step for k, (t, _) in warm.items()}
+        fractions = {k: t / step for k, (t, _, _) in warm.items()}
         periods = cadence({k: f * safety for k, f in fractions.items()})
         total = sum(f / periods[k] for k, f in fractions.items())
+        layout = f"TP {s.tp} x FSDP2 {s.ranks}" if s.tp > 1 else f"FSDP2 {s.ranks}" if s.ranks > 1 else "1 rank"
         print(f"\n{s.name}: step {step * 1e3:.0f} ms on {rates.name}; L {s.layers}, E {s.width}, "
-              f"H {s.heads}/G {s.kv_heads}, D {s.head_dim}, {s.batch} x {s.tokens} tokens per rank")
-        for k, (t, mem) in warm.items():
-            print(f"  {k:>15}: {t * 1e3:9.1f} ms = {fractions[k] * 100:7.2f}% of a step, holds {mem / 2**20:8.0f} MiB;"
-                  f" every {periods[k]} -> {fractions[k] / periods[k] * 100:.3f}%")
+              f"H {s.heads}/G {s.kv_heads}, D {s.head_dim}, {s.batch} x {s.tokens} tokens per data-parallel rank, "
+              f"{layout}; per rank:")
+        for k, (t, mem, moved) in warm.items():
+            print(f"  {k:>9}: {t * 1e3:9.1f} ms = {fractions[k] * 100:7.2f}% of a step, holds {mem / 2**20:7.0f} MiB, "
+                  f"receives {moved / 2**20:8.1f} MiB; every {periods[k]} -> {fractions[k] / periods[k] * 100:.3f}%; "
+                  f"alone under 1% (x{safety:g}) from every {alone(fractions[k] * safety)}")
+        default = {"grads": 10, "spectra": 20, "updates": 100, "attention": 100}  # hooks/monitor/cadence.py
+        at_default = sum(f / default[k] for k, f in fractions.items())
+        print(f"  at the default cadence {default}: {at_default * 100:.2f}% modelled, "
+              f"{at_default * safety * 100:.2f}% with x{safety:g}")
         print(f"  updates cold (first sample): {cold * 1e3:.1f} ms = {cold / step * 100:.2f}% of a step once")
         print(f"  at that cadence: {total * 100:.2f}% of training time as modelled, {total * safety * 100:.2f}% "
               f"with the safety factor {safety} (the cadence is chosen so that this stays under 1%)")
@@ -187,7 +259,7 @@ def main() -> None:
     def rates_for(s: Shape) -> tuple[Rates, float]:
         if s.name in cpu_steps:
             return cpu, cpu_steps[s.name]
-        rates = H200_MULTINODE if s.ranks > 8 else H200
+        rates = H200_MULTINODE if s.ranks * s.tp > 8 else H200
         return rates, step_seconds(s, rates)
 
     report(SHAPES, rates_for, args.safety)

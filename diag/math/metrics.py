@@ -24,6 +24,7 @@ __all__ = [
     "spectrum_metrics",
     "layer_spectra",
     "grad_metrics",
+    "grad_ratio",
     "DEFAULT_SEC_TOP",
 ]
 
@@ -79,6 +80,11 @@ def grad_metrics(gq: Tensor, gk: Tensor, gv: Tensor) -> dict[str, Tensor]:
     mean per-head norms, so grouped-query layers (fewer K/V heads) compare fairly.
     """
     norms = {f"grad_norm_{name}": frobenius(g) for name, g in zip("qkv", (gq, gk, gv))}
-    qk = norms["grad_norm_q"].mean(-1) + norms["grad_norm_k"].mean(-1)
-    norms["grad_ratio_qk_v"] = qk / (2 * norms["grad_norm_v"].mean(-1))
+    norms["grad_ratio_qk_v"] = grad_ratio(norms["grad_norm_q"], norms["grad_norm_k"], norms["grad_norm_v"])
     return norms
+
+
+def grad_ratio(norm_q: Tensor, norm_k: Tensor, norm_v: Tensor) -> Tensor:
+    """grad_ratio_qk_v of :func:`grad_metrics` from the per-head norms (H,), (G,), (G,) (under tensor
+    parallelism: of every rank's heads, gathered)."""
+    return (norm_q.mean(-1) + norm_k.mean(-1)) / (2 * norm_v.mean(-1))

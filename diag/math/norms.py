@@ -13,12 +13,18 @@ needs the largest singular value of a weight or of an update:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
 from diag.errors import ConfigError
 
-__all__ = ["top_singular_value", "Sigma1", "power_sigma1", "largest_row", "frobenius"]
+__all__ = ["top_singular_value", "Sigma1", "power_sigma1", "largest_row", "frobenius", "Reduce"]
+
+# Sums a tensor over the processes that each hold some rows of the same matrices (an all-reduce under
+# tensor parallelism); every process calls it with tensors of the same shape, in the same order.
+Reduce = Callable[[Tensor], Tensor]
 
 _TINY = 1e-30
 COLD_POWER = 8  # block power steps before a cold Krylov start: the space starts near the top
@@ -56,19 +62,30 @@ class Sigma1:
     weights and AdamW updates, rtol=1e-3 gives a relative error below 1e-3 cold and
     well below that warm; block 16 is where CPU batched matmuls stop being
     matrix-vector bound.
+
+    ``reduce`` (tensor parallelism): each process passes its rows (..., m_r, n) of matrices whose rows
+    are split across processes and gets sigma_1 of the whole (..., m, n), the same on every process.
+    Every sum over rows goes through ``reduce``: with n <= ``exact_below`` the Gram matrix W^T W
+    (n x n, float64: exact, one reduce); else the same block Krylov on W^T W, its space in R^n, with one
+    reduce per block (the next block and the projected Gram matrix's new entries together) and one per
+    cold power step. The rows are never transposed to the short side here.
     """
 
     def __init__(
-        self, block: int = 16, rtol: float = 1e-3, exact_below: int = 128, max_dim: int | None = 256
+        self, block: int = 16, rtol: float = 1e-3, exact_below: int = 128, max_dim: int | None = 256,
+        reduce: Reduce | None = None,
     ) -> None:
         if block < 1 or not rtol > 0:
             raise ConfigError(f"Sigma1(block={block}, rtol={rtol}): expected block >= 1 and rtol > 0, e.g. "
                               "Sigma1(block=16, rtol=1e-3)")
         self.block, self.rtol, self.exact_below, self.max_dim = block, rtol, exact_below, max_dim
+        self.reduce = reduce
         self._starts: dict[object, Tensor] = {}
         self.last_dim = 0  # the subspace size the last Krylov call ended with (for benchmarks/tests)
 
     def __call__(self, w: Tensor, key: object = None) -> Tensor:
+        if self.reduce is not None:
+            return self._split_rows(w, key)
         if min(w.shape[-2:]) <= self.exact_below:  # exact; a non-finite matrix is NaN, without a host read
             finite = torch.isfinite(w).flatten(-2).all(-1)
             exact = torch.linalg.matrix_norm(torch.where(finite[..., None, None], w, 0).to(torch.float64), ord=2)
@@ -90,6 +107,81 @@ class Sigma1:
         if key is not None:
             self._starts[key] = ritz
         return sigma
+
+    def _split_rows(self, w: Tensor, key: object) -> Tensor:
+        """sigma_1 of matrices whose rows are split across processes (see the class docstring); NaN for the
+        whole batch when any of it is not finite (every process takes the same branch: it sees the reduced sums)."""
+        if w.shape[-1] <= self.exact_below:
+            return self._gram_split(w)
+        work = w.to(torch.float32)
+        try:
+            sigma, ritz = self._krylov_split(work, self._start_split(work, key))
+        except RuntimeError:  # torch.linalg errors on NaN input, on every process alike
+            sigma, ritz = None, None
+        if sigma is None or not bool(torch.isfinite(sigma).all()):
+            self._starts.pop(key, None)
+            return torch.full(w.shape[:-2], torch.nan, dtype=torch.float64, device=w.device)
+        if ritz is None:  # the Krylov space would be nearly all of R^n: exact instead
+            self._starts.pop(key, None)
+            return self._gram_split(w)
+        if key is not None:
+            self._starts[key] = ritz
+        return sigma
+
+    def _gram_split(self, w: Tensor) -> Tensor:
+        """Exact: the top eigenvalue of W^T W (n x n, float64), summed over every process's rows."""
+        w64 = w.to(torch.float64)
+        gram = self.reduce(w64.transpose(-1, -2) @ w64)
+        finite = torch.isfinite(gram).flatten(-2).all(-1)
+        vals = torch.linalg.eigvalsh(torch.where(finite[..., None, None], gram, 0))
+        return torch.where(finite, vals[..., -1].clamp_min(0).sqrt(), torch.nan)
+
+    def _start_split(self, work: Tensor, key: object) -> Tensor:
+        n = work.shape[-1]
+        block = min(self.block, n)
+        previous = self._starts.get(key) if key is not None else None
+        if (previous is not None and previous.shape == (*work.shape[:-2], n, block)
+                and previous.device == work.device and bool(torch.isfinite(previous).all())):
+            return previous
+        gen = torch.Generator(device=work.device).manual_seed(0)
+        start = torch.randn(n, block, generator=gen, dtype=torch.float32, device=work.device)
+        start = start.expand(*work.shape[:-2], n, block)
+        for _ in range(COLD_POWER):
+            start = torch.linalg.qr(self.reduce(work.transpose(-1, -2) @ (work @ start))).Q
+        return start
+
+    def _krylov_split(self, work: Tensor, start: Tensor) -> tuple[Tensor, Tensor | None]:
+        """:meth:`_krylov` with the rows split across processes: each block's sums over rows (the next Krylov
+        block W^T W q and the new entries of the projected Gram matrix) in one reduce."""
+        n, block = work.shape[-1], start.shape[-1]
+        q = torch.linalg.qr(start).Q  # (..., n, b), the same on every process
+        wq = work @ q  # (..., m_r, b): this process's rows
+        both = self.reduce(torch.cat([work.transpose(-1, -2) @ wq, wq.transpose(-1, -2) @ wq], -2))
+        z, gram = both[..., :n, :], both[..., n:, :].double()  # (..., n, b), (..., b, b)
+        basis, w_basis = q, wq
+        estimate = None
+        while True:
+            vals, vecs = torch.linalg.eigh((gram + gram.transpose(-1, -2)) / 2)
+            new = vals[..., -1].clamp_min(0).sqrt()
+            done = estimate is not None and bool(((new - estimate).abs() <= self.rtol * new).all())
+            full = self.max_dim is not None and basis.shape[-1] + block > self.max_dim
+            if done or full:
+                self.last_dim = basis.shape[-1]
+                return new, basis @ vecs[..., -block:].to(basis.dtype)
+            if basis.shape[-1] + block > n:
+                self.last_dim = n
+                return new, None
+            estimate = new
+            for _ in range(2):  # re-orthogonalise twice against the whole basis
+                z = z - basis @ (basis.transpose(-1, -2) @ z)
+            q = torch.linalg.qr(z).Q
+            wq = work @ q
+            both = self.reduce(torch.cat([work.transpose(-1, -2) @ wq, w_basis.transpose(-1, -2) @ wq,
+                                          wq.transpose(-1, -2) @ wq], -2))
+            d = basis.shape[-1]
+            z, cross, corner = both[..., :n, :], both[..., n:n + d, :].double(), both[..., n + d:, :].double()
+            gram = torch.cat([torch.cat([gram, cross], -1), torch.cat([cross.transpose(-1, -2), corner], -1)], -2)
+            basis, w_basis = torch.cat([basis, q], -1), torch.cat([w_basis, wq], -1)
 
     def _per_matrix_nan_safe(self, w: Tensor, key: object) -> Tensor:
         """Non-finite matrices are NaN; the finite ones of the batch are still measured (cold)."""
@@ -146,17 +238,28 @@ class Sigma1:
             basis, w_basis = torch.cat([basis, q], -1), torch.cat([w_basis, wq], -1)
 
 
-def power_sigma1(a: Tensor, v: Tensor, iters: int) -> tuple[Tensor, Tensor]:
+def power_sigma1(a: Tensor, v: Tensor, iters: int, rows: Reduce | None = None,
+                 cols: Reduce | None = None) -> tuple[Tensor, Tensor]:
     """Warm-started power iteration on a (B, m, n) batch from k unit start vectors v (B, k, n), each
     iterated on its own: sigma_1 (the largest of the k estimates |A^T u|, u = Av/|Av|: a lower bound)
-    and the right vector that gave it (a start vector stays where A v = 0)."""
+    and the right vector that gave it (a start vector stays where A v = 0).
+
+    rows / cols: where the matrices' rows (columns) are split across processes (tensor parallelism), the
+    sum over them; each process passes its block (B, m_r, n_c) and its columns of v, and gets the same
+    sigma_1 as one process holding the whole (to float rounding: the sums run in another order), and its
+    columns of the vector. Two reduces per iteration for each split."""
     vecs = v.transpose(1, 2)  # (B, n, k)
     sigma = torch.zeros(v.shape[:2], dtype=a.dtype, device=a.device)  # (B, k)
     for _ in range(iters):
         u = torch.bmm(a, vecs)  # (B, m, k)
-        u = u / u.norm(dim=1, keepdim=True).clamp_min(_TINY)
+        if cols is not None:
+            u = cols(u)
+        norm = u.norm(dim=1, keepdim=True) if rows is None else rows(u.square().sum(1, keepdim=True)).sqrt()
+        u = u / norm.clamp_min(_TINY)
         w = torch.bmm(a.transpose(1, 2), u)  # (B, n, k)
-        sigma = w.norm(dim=1)  # (B, k)
+        if rows is not None:
+            w = rows(w)
+        sigma = w.norm(dim=1) if cols is None else cols(w.square().sum(1)).sqrt()  # (B, k)
         vecs = torch.where(sigma.unsqueeze(1) > 0, w / sigma.clamp_min(_TINY).unsqueeze(1), vecs)
     best = sigma.argmax(dim=1)  # (B,)
     return sigma.max(dim=1).values, vecs[torch.arange(a.shape[0], device=a.device), :, best]

@@ -21,7 +21,7 @@ from typing import Generic, TypeVar
 import torch
 from torch import Tensor
 
-from diag.math.norms import Sigma1, frobenius
+from diag.math.norms import Reduce, Sigma1, frobenius
 
 __all__ = ["UpdateTracker", "Stack", "stack_by_shape", "update_of", "work_dtype", "UPDATE_CHUNK_BYTES"]
 
@@ -91,10 +91,11 @@ def update_of(stack: Stack, after: Sequence[Tensor], *, in_place: bool) -> Tenso
 Projections = Sequence[Tensor] | Mapping[str, Tensor]
 
 
-def _named(mats: Projections) -> list[tuple[str, Tensor]]:
-    """(name, matrix) of one layer; a sequence is (wq, wk, wv). Per-head (heads, D, E) -> (heads*D, E)."""
+def _named(mats: Projections, as_given: bool = False) -> list[tuple[str, Tensor]]:
+    """(name, matrix) of one layer; a sequence is (wq, wk, wv). Per-head (heads, D, E) -> (heads*D, E).
+    as_given: keep each matrix's orientation (rows split across processes stay rows)."""
     items = mats.items() if isinstance(mats, Mapping) else zip("qkv", mats)
-    return [(name, _storage_order(w.flatten(0, -2))) for name, w in items]
+    return [(name, w.flatten(0, -2) if as_given else _storage_order(w.flatten(0, -2))) for name, w in items]
 
 
 def _storage_order(w: Tensor) -> Tensor:
@@ -121,14 +122,18 @@ class UpdateTracker:
     layers: per layer, the per-head (wq, wk, wv) of :func:`diag.layouts.split_qkv`, or a
     mapping name -> matrix such as :func:`diag.layouts.split_projections` gives (``q``,
     ``k``, ``v`` and, where the layer has one, ``o``); the same names before and after.
+    reduce: under tensor parallelism, each process passes its rows of every matrix (W_O transposed, its
+    heads as rows) and ``reduce`` sums over the processes (:class:`diag.math.norms.Sigma1`): the ratios
+    are those of the whole matrices, the same on every process.
     """
 
-    def __init__(self, rtol: float = 1e-3, chunk_bytes: int = UPDATE_CHUNK_BYTES) -> None:
-        self.sigma_w, self.sigma_d = Sigma1(rtol=rtol), Sigma1(rtol=rtol)
-        self.chunk_bytes = chunk_bytes
+    def __init__(self, rtol: float = 1e-3, chunk_bytes: int = UPDATE_CHUNK_BYTES, reduce: Reduce | None = None) -> None:
+        self.sigma_w, self.sigma_d = Sigma1(rtol=rtol, reduce=reduce), Sigma1(rtol=rtol, reduce=reduce)
+        self.chunk_bytes, self.reduce = chunk_bytes, reduce
 
     def snapshot(self, layers: Sequence[Projections]) -> list[Stack[tuple[int, str]]]:
-        items = [((i, name), flat) for i, mats in enumerate(layers) for name, flat in _named(mats)]
+        items = [((i, name), flat) for i, mats in enumerate(layers)
+                 for name, flat in _named(mats, as_given=self.reduce is not None)]
         return stack_by_shape(items, self.chunk_bytes)
 
     def measure(self, snapshot: list[Stack[tuple[int, str]]], layers: Sequence[Projections]) -> list[dict[str, Tensor]]:
@@ -140,13 +145,13 @@ class UpdateTracker:
     def norms_before(self, snapshot: list[Stack[tuple[int, str]]]) -> list[tuple[Tensor, Tensor]]:
         """(sigma_1(W), ||W||_F) of each stacked matrix, per stack: what the ratios divide by, computed
         while the snapshot still holds W (the Monitor does it on the sampled step that took it)."""
-        return [(self.sigma_w(chunk.before, (c, tuple(chunk.before.shape))), frobenius(chunk.before))
+        return [(self.sigma_w(chunk.before, (c, tuple(chunk.before.shape))), self._frobenius(chunk.before))
                 for c, chunk in enumerate(snapshot)]
 
     def advance(self, snapshot: list[Stack[tuple[int, str]]], layers: Sequence[Projections]) -> list[Tensor]:
         """-dW per stack, written over the snapshot (which is spent): elementwise work only, no host
         read, so the step right after a sampled one can take it on an accelerator without a sync."""
-        mats = {(i, name): w for i, ws in enumerate(layers) for name, w in _named(ws)}
+        mats = {(i, name): w for i, ws in enumerate(layers) for name, w in _named(ws, as_given=self.reduce is not None)}
         return [update_of(chunk, [mats[m] for m in chunk.members], in_place=True) for chunk in snapshot]
 
     def finish(self, snapshot: list[Stack[tuple[int, str]]], deltas: Sequence[Tensor],
@@ -156,8 +161,14 @@ class UpdateTracker:
         out: list[dict[str, Tensor]] = [{} for _ in range(n_layers)]
         for c, (chunk, delta, (sigma_w, fro_w)) in enumerate(zip(snapshot, deltas, norms)):
             ratio = self.sigma_d(delta, (c, tuple(delta.shape))) / sigma_w
-            fro = frobenius(delta) / fro_w
+            fro = self._frobenius(delta) / fro_w
             for j, (i, name) in enumerate(chunk.members):
                 out[i][f"update_ratio_{name}"] = ratio[j]
                 out[i][f"update_fro_{name}"] = fro[j]
         return out
+
+    def _frobenius(self, x: Tensor) -> Tensor:
+        """||x||_F per matrix; with ``reduce``, of the whole matrices whose rows the processes share."""
+        if self.reduce is None:
+            return frobenius(x)
+        return self.reduce(frobenius(x).square()).sqrt()

@@ -38,6 +38,7 @@ from torch import Tensor
 
 from diag.layouts.infer import query_source
 from diag.layouts.vocab import QKVLayout, qk_heads
+from hooks.layout.blocks import local_tensor
 from hooks.layout.discover import AttentionLayer
 
 __all__ = ["Inputs", "Elementwise", "Observation", "Verdict", "Comparison", "module_inputs", "with_keys_from",
@@ -109,8 +110,9 @@ def tolerance(t: Tensor) -> float:
 
 def _first_3d(values, n: int) -> Tensor | None:
     """The first tensor as (n, tokens, E): a channels-last 4-D input (batch, height, width, E), as timm's MaxViT
-    passes its windows, is read with its two token axes as one (a view)."""
-    for v in values:
+    passes its windows, is read with its two token axes as one (a view). A DTensor input (tensor parallelism's
+    ``PrepareModuleInput``) is read as this rank holds it: a replicated one whole."""
+    for v in map(local_tensor, values):
         if isinstance(v, Tensor):
             if not v.is_floating_point() or v.dim() not in (3, 4):
                 return None
@@ -257,7 +259,8 @@ def readings(obs: Observation, n: int) -> tuple[Inputs | None, Inputs | None]:
 def _check_norms(layer: AttentionLayer, q: Tensor, k: Tensor, x: Tensor, kv: Tensor | None,
                  keys_from: tuple[Tensor, ...] = ()) -> Comparison:
     lay = layer.layout
-    wq, wk, bq, bk = qk_heads({n: p.detach() for n, p in layer.module.named_parameters()}, lay)  # K unpaired (G)
+    # under tensor parallelism: this rank's heads, as its kernel computes them
+    wq, wk, bq, bk = qk_heads({n: p.detach() for n, p in layer.local_parameters().items()}, lay)  # K unpaired (G)
     xq = query_source(x, q, k, lay.cross)
     if x.shape[-1] != wq.shape[-1] or x.shape[0] != q.shape[0] or xq.shape[1] != q.shape[2]:
         return Comparison(checked="shapes")  # the first input is not what the projections read

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from torch import nn
+from torch import Tensor, nn
 
 from diag.catalog.tags import layer_labels
 from diag.errors import SpecError
@@ -13,6 +13,7 @@ from diag.layouts.adapters import ADAPTERS, HEAD_ATTRS, ModuleView, find_layout,
 from diag.layouts.generic import generic_o, head_count, is_provisional
 from diag.layouts.patterns import first_match, generalise, matches, patterns_for
 from diag.layouts.vocab import QKVLayout, shape_problem
+from hooks.layout.blocks import HeadBlock, fsdp_managed, head_block, local_tensor
 from hooks.layout.record import LayoutRecord
 from hooks.layout.suspects import computation_candidates, suspects_text
 
@@ -42,9 +43,22 @@ class AttentionLayer:
     # spec patterns that select this module and its like (its siblings in other blocks) and no other
     # module: one pattern, or the exact names when ``*`` would also take feed-forward children (messages)
     patterns: tuple[str, ...] = ()
+    # under tensor parallelism: the contiguous block of heads this rank holds (hooks/layout/blocks.py)
+    block: HeadBlock | None = None
 
     def __post_init__(self) -> None:
         self.patterns = self.patterns or (generalise(self.name),)
+
+    def on_this_rank(self) -> AttentionLayer:
+        """The layer as this rank's attention kernel computes it: under tensor parallelism, with the layout of
+        its block of heads (what the capture checks the kernel against); else the layer itself."""
+        if self.block is None:
+            return self
+        return replace(self, record=LayoutRecord(self.block.layout, self.o, self.record.state), block=None)
+
+    def local_parameters(self) -> dict[str, Tensor]:
+        """The module's parameters as this rank holds them (a DTensor's local shard), by their relative names."""
+        return {n: local_tensor(p) for n, p in self.module.named_parameters()}
 
     @property
     def layout(self) -> QKVLayout:
@@ -183,8 +197,10 @@ def discover(model: nn.Module, spec: Mapping[str, QKVLayout] | None = None,
     labels = layer_labels([layout.cross for _, _, layout, _ in found])
     names = [name for name, _, _, _ in found]
     patterns = patterns_for(names, (n for n, _ in model.named_modules()))
+    fsdp = fsdp_managed(model)
     return [
-        AttentionLayer(i, label, name, module, _first_record(layout, o), _kin(name, names, patterns))
+        AttentionLayer(i, label, name, module, _first_record(layout, o), _kin(name, names, patterns),
+                       _block(name, module, layout, o, fsdp))
         for i, (label, (name, module, layout, o)) in enumerate(zip(labels, found))
     ]
 
@@ -192,6 +208,17 @@ def discover(model: nn.Module, spec: Mapping[str, QKVLayout] | None = None,
 def _first_record(layout: QKVLayout, o: nn.Parameter | None) -> LayoutRecord:
     """A spec's or a named family's layout is given; a generic adapter's only proposed."""
     return LayoutRecord(layout, o, "proposed" if is_provisional(layout) else "given")
+
+
+def _block(name: str, module: nn.Module, layout: QKVLayout, o: nn.Parameter | None,
+           fsdp: frozenset[str]) -> HeadBlock | None:
+    """This rank's heads under tensor parallelism (None without it); FSDP2 shards parameters of modules below
+    an ``FSDPModule`` (the root's name is "")."""
+    weights = {n: p for n, p in module.named_parameters() if n in layout.param_names}
+    if o is not None:
+        weights[layout.o] = o
+    under = any(f == "" or name == f or name.startswith(f + ".") for f in fsdp)
+    return head_block(name, layout, weights, under)
 
 
 def _kin(name: str, names: list[str], patterns: list[str]) -> tuple[str, ...]:

@@ -46,6 +46,7 @@ from hooks.layout.book import LayoutBook
 from hooks.layout.discover import AttentionLayer, discover
 from hooks.monitor.cadence import CloserLook, CloserLookConfig, resolve_cadence
 from hooks.monitor.distributed import SharedDetectors, rank, world_size
+from hooks.monitor.tensorparallel import HeadGather
 from hooks.monitor.weightside import WeightSide
 
 __all__ = ["Monitor", "SIGNALS"]
@@ -100,8 +101,8 @@ class Monitor:
             grows fast, a collapse is being confirmed or the first updates are large
             (``RiskConfig.watch_risk`` and ``watch_growth``; for ``CloserLookConfig.hold`` steps, every
             ``early_every`` steps within the first ``early``; pass a ``CloserLookConfig`` to change them;
-            docs/cost.md#watching-closer). One process only: under DDP/FSDP the ranks would
-            have to agree every sampled step, so it is off there.
+            docs/cost.md#watching-closer). One process only: under DDP, FSDP or tensor parallelism
+            the ranks would have to agree every sampled step, so it is off there.
     """
 
     def __init__(
@@ -168,10 +169,16 @@ class Monitor:
             self.detectors = SharedDetectors(self.detectors, stop_on_critical)
         # FSDP2: gathers a layer at a time on sampled steps; W_O only for its update ratio
         self._warn_once = WarnOnce(log, stacklevel=3)  # (kind, message): each kind of fault reported once
-        self._weights = WeightSide(self.layers, self.signals, sec_top, self._warn_once)
-        # the layers' layouts, decided in one place: only a captured forward confirms a layout proposed from names
-        self.layouts = LayoutBook(self.layers, watching="attention" in self.signals)
-        self.capture = EagerCapture(self.layers, attn_seqs, attn_rank_rows, model=model, layouts=self.layouts)
+        # tensor parallelism: each rank measures its own heads, one gather of their scalars (docs/distributed.md)
+        self._heads = HeadGather(self.layers) if any(layer.block is not None for layer in self.layers) else None
+        self._weights = WeightSide(self.layers, self.signals, sec_top, self._warn_once,
+                                   heads=self._heads)
+        # the layers' layouts, decided in one place: only a captured forward confirms a layout proposed from names;
+        # under tensor parallelism each rank's kernel computes its own block of heads (hooks/layout/blocks.py),
+        # which the book checks
+        local = [layer.on_this_rank() for layer in self.layers]
+        self.layouts = LayoutBook(local, watching="attention" in self.signals)
+        self.capture = EagerCapture(local, attn_seqs, attn_rank_rows, model=model, layouts=self.layouts)
         self.last: dict[str, float] = {}
         self._closed = False
         self._init_tensorboard(images, image_every)
@@ -197,7 +204,7 @@ class Monitor:
         due = self.cadence.due(step)
         if self.closer.until >= step:  # a closer look is on: it may add families, or a step of its own
             due = due | self.closer.adds(step)
-        if weights.deltas is not None and (due or weights.deltas[0] < self._updates_at_once):
+        if weights.applied is not None and (due or weights.applied.step < self._updates_at_once):
             self._guard("updates", self._finish_updates)  # on a sampled step, or in the run's first steps
             if self.closer.until >= step:  # the ratios may have started a closer look
                 due = due | self.closer.adds(step)
@@ -231,9 +238,9 @@ class Monitor:
         if measure_pending:
             if self._weights.pending is not None:
                 self._guard("updates", self._weights.advance)
-            if self._weights.deltas is not None:
+            if self._weights.applied is not None:
                 self._guard("updates", self._finish_updates)
-        self._weights.pending = self._weights.deltas = None
+        self._weights.pending = self._weights.applied = None
         self.sinks.close()
 
     def __enter__(self) -> Monitor:
@@ -293,6 +300,10 @@ class Monitor:
             per_layer = [by_index[layer.index] for layer in self.layers]
             for layer, values in zip(self.layers, per_layer):
                 self._attention(layer, values, results, problems)
+            if self._heads is not None and due & {"grads", "spectra", "attention"}:  # every rank, every such step
+                spectra_failed = self._gather_heads(by_index, results, due, spectra_failed)
+                per_layer = [by_index[layer.index] for layer in self.layers]
+            for layer, values in zip(self.layers, per_layer):
                 if layer.index in self.refused:
                     values.clear()  # its weights are still snapshotted: the update is dropped when measured
             record, arrays, loss_value = self._record(step, per_layer, loss if "loss" in due else None)
@@ -351,8 +362,20 @@ class Monitor:
         if note is not None:
             self._warn_once(f"attn-note-{layer.index}", f"diag: attention of {layer.name}: {note}")
         stats = results.get(layer.index)
-        if stats is not None:
+        if stats is not None and layer.block is None:  # under tensor parallelism: gathered with every rank's heads
             values.update(attention_metrics(stats))
+
+    def _gather_heads(self, by_index: dict, results: dict, due: frozenset[str], spectra_failed: bool) -> bool:
+        """Tensor parallelism: every rank's heads into whole layers (in ``by_index``); a layer refused on any rank is
+        refused on all. Returns whether any rank's spectra failed."""
+        refused = {i for i in self.refused if i in self._heads.blocks}
+        whole, refused_any, failed = self._heads.gather(by_index, results, refused, due, spectra_failed)
+        for layer in self._heads.layers:
+            by_index[layer.index] = whole[layer.index]
+            if layer.index in refused_any and layer.index not in self.refused:
+                self.refused[layer.index] = (f"{layer.name}: another tensor-parallel rank found its heads disagree "
+                                             "with the layout (its warning says how)")
+        return failed
 
     def _record(
         self, step: int, per_layer: list[dict], loss: Tensor | float | None
@@ -431,6 +454,8 @@ class Monitor:
                      due: frozenset[str]) -> None:
         """The layout, alert events and images of this step (diag.outputs.tb_views); the layout is built
         from the tags of the first step that samples every family."""
-        maps = {layer.label: getattr(results.get(layer.index), "maps", None) for layer in self.layers}
+        # under tensor parallelism rank 0's kernel saw its own block of heads: the first, numbered as in one process
+        maps = {layer.label: getattr(results.get(layer.index), "maps", None) for layer in self.layers
+                if layer.block is None or layer.block.index == 0}
         self._views.on_sample(record, arrays, maps, alerts, complete=due == frozenset(self.cadence.periods))
 

@@ -127,7 +127,7 @@ def main() -> None:
                 halted = step
         collectives[step], sizes[step] = counter.names, counter.sizes
         if step == 0 and monitor._weights.pending is not None:
-            held = [t for snap in monitor._weights.pending[2]
+            held = [t for snap in monitor._weights.pending.snapshots
                     for t in (snap.local.values() if isinstance(snap, ShardSnapshot) else [c.before for c in snap])]
             snapshot_bytes = sum(t.numel() * t.element_size() for t in held)
             (args.out / f"snapshot_bytes_rank{rank}.json").write_text(json.dumps(snapshot_bytes))

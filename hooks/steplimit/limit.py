@@ -32,8 +32,10 @@ from torch import Tensor, nn
 from diag.catalog.tags import stat_tag
 from diag.errors import ConfigError, WarnOnce
 from diag.layouts.packings import packing_of
-from diag.math.norms import largest_row, power_sigma1
+from diag.math.norms import power_sigma1
 from diag.math.updates import Stack, stack_by_shape, update_of, work_dtype
+from hooks.layout.blocks import local_tensor
+from hooks.steplimit.splits import Split, split_largest_row, split_of
 
 __all__ = ["SpectralStepLimit", "LimitedMatrix", "StepReporter", "STATE_KEY"]
 
@@ -56,6 +58,7 @@ class LimitedMatrix:
     role: str  # "q", "k", "v" or the name inside the layer's block, e.g. "mlp.0"
     v_w: Tensor = field(repr=False, default=None)  # right singular vector estimates of W and dW
     v_dw: Tensor = field(repr=False, default=None)
+    split: Split | None = None  # split across ranks (tensor parallelism, FSDP2): this rank holds a block (splits.py)
 
     def matrix(self, t: Tensor) -> Tensor:
         s = self.view(t)
@@ -135,11 +138,15 @@ class SpectralStepLimit(torch.optim.Optimizer):
         self._warned_capturable_if_run_uncaptured = True
         layers = list(attention if attention is not None else monitor.layers if monitor is not None else [])
         self.matrices = _select(optimizer, model, select, include, list(exclude), layers, split_qkv)
+        _check_splits(self.matrices, exact, audit)
         gen = torch.Generator().manual_seed(0)  # private: the global RNG is never touched
         for m in self.matrices:
-            cols = m.matrix(m.param.detach()).shape[-1]
+            cols = m.matrix(m.param.detach()).shape[-1]  # of the whole matrix (a DTensor's global shape)
             v = torch.randn(cols, generator=gen, dtype=torch.float64)
-            v = (v / v.norm()).to(device=m.param.device, dtype=work_dtype(m.param))
+            v = v / v.norm()
+            if m.split is not None:  # this rank's columns of the one-process start vector
+                v = v[m.split.first_col : m.split.first_col + m.split.n_cols]
+            v = v.to(device=m.param.device, dtype=work_dtype(m.param))
             m.v_w, m.v_dw = v.clone(), v.clone()
         self.totals = {m.name: {"steps": 0, "limited": 0, "scale": 0.0, "lr": 0.0} for m in self.matrices}
         self._cold = True  # the vectors are random until the first step: it iterates COLD_ITERS times
@@ -220,7 +227,7 @@ class SpectralStepLimit(torch.optim.Optimizer):
 
     def step(self, closure: Callable[[], float] | None = None):  # noqa: ANN201 - what the inner step returns
         with torch.no_grad():  # the selected matrices before the inner step, stacked by shape: the base of dW
-            stacks = stack_by_shape([(i, m.matrix(m.param.detach())) for i, m in enumerate(self.matrices)])
+            stacks = self._stacks()
         loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
         with torch.no_grad():
             self._limit(stacks)
@@ -233,8 +240,15 @@ class SpectralStepLimit(torch.optim.Optimizer):
         return {name: {"mean_scale": t["scale"] / max(t["steps"], 1), "mean_lr": t["lr"] / max(t["steps"], 1),
                        "limited": t["limited"] / max(t["steps"], 1)} for name, t in self.totals.items()}
 
+    def _stacks(self) -> list[Stack[int]]:
+        """This rank's part of every selected matrix, stacked by shape and by how it is split across ranks."""
+        parts: dict[tuple, list[tuple[int, Tensor]]] = {}
+        for i, m in enumerate(self.matrices):
+            parts.setdefault(() if m.split is None else m.split.key, []).append((i, _matrix(m)))
+        return [stack for items in parts.values() for stack in stack_by_shape(items)]
+
     def _limit(self, stacks: list[Stack[int]]) -> None:
-        deltas = [update_of(g, [self.matrices[i].matrix(self.matrices[i].param.detach()) for i in g.members],
+        deltas = [update_of(g, [_matrix(self.matrices[i]) for i in g.members],
                             in_place=False) for g in stacks]  # dW per stack; g.before kept
         sig_w, sig_dw = self._sigmas(stacks, deltas)
         ratios = (sig_dw / sig_w.clamp_min(_TINY)).where(sig_w > 0, torch.zeros_like(sig_w))
@@ -247,7 +261,7 @@ class SpectralStepLimit(torch.optim.Optimizer):
             if ratio == ratio and ratio != float("inf") and ratio > self.tau:  # non-finite: left as is
                 scale = self.tau / ratio
                 k, j = where[i]
-                target = m.view(m.param.data)
+                target = m.view(local_tensor(m.param.data))  # this rank's block where the matrix is split
                 target.copy_(torch.add(stacks[k].before[j], deltas[k][j], alpha=scale).reshape(target.shape))
             lr = lrs.get(id(m.param), float("nan")) * scale
             self.last[m.name] = {"scale": scale, "ratio": ratio * scale, "lr": lr}
@@ -273,14 +287,16 @@ class SpectralStepLimit(torch.optim.Optimizer):
         out_dw: list[Tensor | None] = [None] * len(self.matrices)
         for g, dw in zip(stacks, deltas):
             mats = [self.matrices[i] for i in g.members]
-            w = g.before
+            w, split = g.before, mats[0].split  # a stack holds matrices split alike (self._stacks)
             if self.exact:
                 s_w, s_dw = (torch.linalg.matrix_norm(a, ord=2) for a in (w, dw))
             else:
                 iters = max(self.iters, COLD_ITERS) if self._cold else self.iters
-                s_w, v_w = power_sigma1(w, torch.stack([m.v_w for m in mats]).unsqueeze(1), iters)
+                sums = {} if split is None else {"rows": split.sum_rows, "cols": split.sum_cols}
+                s_w, v_w = power_sigma1(w, torch.stack([m.v_w for m in mats]).unsqueeze(1), iters, **sums)
                 warm = torch.stack([m.v_dw for m in mats])  # (B, n)
-                s_dw, v_dw = power_sigma1(dw, torch.stack([warm, largest_row(dw, warm)], dim=1), iters)
+                starts = torch.stack([warm, split_largest_row(dw, warm, split)], dim=1)
+                s_dw, v_dw = power_sigma1(dw, starts, iters, **sums)
                 for j, m in enumerate(mats):
                     if bool(torch.isfinite(v_w[j]).all()):  # a NaN update must not poison the warm start
                         m.v_w.copy_(v_w[j])
@@ -335,6 +351,26 @@ def _check_args(optimizer: object, tau: object, iters: object, model: object) ->
         raise ConfigError(f"SpectralStepLimit(iters={iters!r}): expected an integer >= 1, e.g. iters=2")
     if model is not None and not isinstance(model, nn.Module):
         raise ConfigError(f"SpectralStepLimit(model=...) needs an nn.Module, got {type(model).__name__}")
+
+
+def _matrix(m: LimitedMatrix) -> Tensor:
+    """The matrix as this rank holds it: its block where it is split across ranks."""
+    return m.matrix(local_tensor(m.param.detach()))
+
+
+def _check_splits(matrices: list[LimitedMatrix], exact: bool, audit: bool) -> None:
+    """Read how each matrix is split across ranks; what cannot be bounded split is refused now, by name."""
+    for m in matrices:
+        split = split_of(m.name, m.param)
+        if split is not None and m.view is not _whole:
+            raise ConfigError(f"SpectralStepLimit: {m.name!r} is a slice of a fused weight that is split across ranks "
+                              f"({m.param.placements}); its rows on this rank are not its slice's; bound it whole "
+                              f"(split_qkv=False) or exclude it (exclude=[{m.name.split('[')[0]!r}])")
+        if split is not None and (exact or audit):
+            raise ConfigError(f"SpectralStepLimit(exact={exact}, audit={audit}): {m.name!r} is split across ranks "
+                              f"({m.param.placements}); the exact sigma_1 needs the whole matrix on one rank; use "
+                              "the power iteration (exact=False, audit=False) there")
+        m.split = split
 
 
 def _names(optimizer: torch.optim.Optimizer, model: nn.Module | None) -> list[tuple[str, nn.Parameter, bool]]:
