@@ -4,7 +4,8 @@ Windows are in steps. A plateau: the mean losses of the two halves of the last `
 at most ``plateau_rel``, the level (the window's least-squares trend at this step) is at least
 ``plateau_min_frac`` of the first loss (a converged run is not stuck), and the Q/K-to-V
 gradient ratio, averaged over layers and the window, is at most ``plateau_qk_ratio``; and, where the
-window holds them, ``sigma_1(Wq^T Wk)`` grew by at most ``plateau_qk_growth`` (the heads' geometric mean) and
+window holds them, ``sigma_1(Wq^T Wk)`` moved at most ``plateau_qk_motion`` per unit of the Q/K update ratios
+applied meanwhile (:func:`_motion`: the heads' geometric mean growth, schedule-free) and
 the attention entropy is at least ``plateau_uniformity`` of uniform's: attention is what stopped learning (a
 flat loss while the query/key product still grows, or with attention already focused, is another state). The
 plateau is an episode, ``since`` the first sample of the window inside its band (at most ``1 + plateau_rel``
@@ -96,6 +97,20 @@ def _growth(points: list[list]) -> float:
     return float(np.exp(np.mean(changes))) if changes else math.nan
 
 
+def _motion(points: list[list], updates: list[list[float]]) -> tuple[float, float]:
+    """(growth, motion): the growth of sigma_1(Wq^T Wk) over the window (:func:`_growth`) and how far that is per
+    unit of the Q/K update ratios the optimizer applied meanwhile, ``ln(growth) / (steps * mean update ratio)``:
+    ~0 when the steps Q and K take are noise (Hoffmann et al.'s plateau), near the alignment of a head learning
+    otherwise. Schedule-free: a decaying learning rate shrinks the growth and the updates alike. NaN without
+    two spectra samples or an update ratio in the window."""
+    growth = _growth(points)
+    have = [p[0] for p in points if p[4]]
+    ratios = [u for _, u in updates if math.isfinite(u) and u > 0]
+    if not math.isfinite(growth) or growth <= 0 or len(have) < 2 or not ratios:
+        return growth, math.nan
+    return growth, math.log(growth) / ((have[-1] - have[0]) * float(np.mean(ratios)))
+
+
 def _mean(points: list[list[float]], column: int) -> float:
     values = [p[column] for p in points if math.isfinite(p[column])]
     return float(np.mean(values)) if values else math.nan
@@ -116,8 +131,14 @@ class Plateau:
         self.gap = 0  # ... with this many samples over it since the last one under (0 or 1)
         self.recent: list[list[float]] = []  # the samples of the last eureka_span steps (the smoothed loss)
         self.start: int | None = None  # the first step of the current watch (the run's, or after a moment)
+        self.updates: list[list[float]] = []  # [step, mean Q/K update ratio over layers] in the window
 
     def observe(self, obs: Observation) -> list[Alert]:
+        ratios = [(float(m["update_ratio_q"][0]) + float(m["update_ratio_k"][0])) / 2 for m in obs.layers.values()
+                  if "update_ratio_q" in m and "update_ratio_k" in m]
+        if ratios:
+            self.updates = [u for u in self.updates if u[0] > obs.step - self.cfg.plateau_window] + \
+                [[float(obs.step), float(np.mean(ratios))]]
         if obs.loss is None or not math.isfinite(obs.loss):
             return []
         self.first_loss = obs.loss if self.first_loss is None else self.first_loss
@@ -147,10 +168,10 @@ class Plateau:
         rise_noise = 2.0 * noise * math.sqrt(sum(1.0 / max(len(h), 1) for h in halves))
         flat = first - second <= self.cfg.plateau_rel * first and second - first <= rise_noise
         high = self.first_loss is not None and level >= self.cfg.plateau_min_frac * self.first_loss
-        growth, uniformity = _growth(self.losses), _mean(self.losses, 5)
-        # what the alert claims is measured, or the test is switched off: a missing signal (no spectra, no
-        # attention in the window) is missing, not a pass
-        still = math.isinf(self.cfg.plateau_qk_growth) or growth <= self.cfg.plateau_qk_growth
+        (growth, motion), uniformity = _motion(self.losses, self.updates), _mean(self.losses, 5)
+        # what the alert claims is measured, or the test is switched off: a missing signal (no spectra, no update
+        # ratio, no attention in the window) is missing, not a pass
+        still = math.isinf(self.cfg.plateau_qk_motion) or motion <= self.cfg.plateau_qk_motion
         diffuse = self.cfg.plateau_uniformity == 0 or uniformity >= self.cfg.plateau_uniformity
         if not (flat and high and ratio <= self.cfg.plateau_qk_ratio and still and diffuse):
             return []
@@ -164,8 +185,8 @@ class Plateau:
         slope = fit_trend(on)[1] if len(on) >= MIN_POINTS else b
         sinking = -100.0 * slope / level if level > 0 else 0.0  # the fall per 100 steps, relative
         evidence = [f"Q/K gradients are {ratio:.2f}x of V's"]
-        if math.isfinite(growth):
-            evidence.append(f"sigma_1(Wq^T Wk) grew only x{growth:.2f}")
+        if math.isfinite(motion):
+            evidence.append(f"sigma_1(Wq^T Wk) moved {motion:.2f} per unit of the Q/K updates (grew x{growth:.2f})")
         if math.isfinite(uniformity):
             evidence.append(f"attention entropy is at {uniformity:.0%} of uniform")
         slow = (f" The loss still sinks {sinking:.1%} per 100 steps, as Eureka plateaus do before their moment; on "
@@ -176,6 +197,7 @@ class Plateau:
             f"the last {window} steps differ by {(first - second) / first:.1%}) while "
             f"{', '.join(evidence)}: the model may be stuck before a Eureka-moment.{slow} What to do: {TODO}"),
             {"loss": level, "grad_ratio_qk_v": ratio, "noise": noise, "qk_sigma1_growth": growth,
+             "qk_motion": motion,
              "attn_uniformity": uniformity, "loss_sink_per_100": sinking},
             "firing", since)]
 
@@ -248,7 +270,7 @@ class Plateau:
                 "loss_signals": [[p[4], p[5]] for p in self.losses],
                 "first_loss": self.first_loss, "plateau": self.plateau, "below": self.below, "below_gap": self.gap,
                 "loss_start": self.start,
-                "recent": self.recent}
+                "recent": self.recent, "plateau_updates": self.updates}
 
     def load_state_dict(self, state: dict) -> None:
         points = state.get("loss_points", [])  # format 1 has losses but no points: the window starts afresh
@@ -264,3 +286,4 @@ class Plateau:
         self.gap = 1 if state.get("below_gap") == 1 and self.below else 0
         self.recent = [list(p) for p in state.get("recent", [])]
         self.start = state.get("loss_start", self.losses[0][0] if self.losses else None)
+        self.updates = [list(u) for u in state.get("plateau_updates", [])]

@@ -15,9 +15,11 @@ from diag.errors import ConfigError
 from diag.outputs.alert_sink import AlertSink
 from diag.outputs.sinks import FanOut, MemorySink
 
-# the spectra and attention of a softmax plateau: sigma_1(Wq^T Wk) still, attention at 0.9 of uniform's entropy
+# the spectra and attention of a softmax plateau: sigma_1(Wq^T Wk) still under updates of 1%, attention at 0.9 of
+# uniform's entropy
 # (a missing signal is missing: a plateau is flagged only on what it claims, issue #31)
-STILL = {"qk_sigma1": np.array([1.0]), "attn_entropy": np.array([2.7]), "attn_entropy_uniform": np.array([3.0])}
+STILL = {"qk_sigma1": np.array([1.0]), "attn_entropy": np.array([2.7]), "attn_entropy_uniform": np.array([3.0]),
+         "update_ratio_q": np.array([0.01]), "update_ratio_k": np.array([0.01])}
 QK_RATIO = {"grad_ratio_qk_v": np.array([0.1])}
 
 
@@ -196,14 +198,14 @@ def test_config_checks_itself():
         AlertConfig(plateau_window=0)
     with pytest.raises(ConfigError, match="plateau_uniformity=72.*from 0 to 1"):
         AlertConfig(plateau_uniformity=72)  # a percentage: it would switch the plateau alert off
-    with pytest.raises(ConfigError, match="plateau_qk_growth=0.5.*at least 1"):
-        AlertConfig(plateau_qk_growth=0.5)
+    with pytest.raises(ConfigError, match="plateau_qk_motion=-0.5.*positive"):
+        AlertConfig(plateau_qk_motion=-0.5)
     for depth in (42.5, 1.0, -0.1):  # 42.5: a percentage, no loss could ever reach the line
         with pytest.raises(ConfigError, match=f"eureka_depth={depth}.*in \\[0, 1\\)"):
             AlertConfig(eureka_depth=depth)
     with pytest.raises(ConfigError, match="eureka_drop=25.*in \\(0, 1\\)"):
         AlertConfig(eureka_drop=25)
-    AlertConfig(plateau_uniformity=0.0, plateau_qk_growth=float("inf"))  # both entry tests off
+    AlertConfig(plateau_uniformity=0.0, plateau_qk_motion=float("inf"))  # both entry tests off
 
 
 @pytest.mark.parametrize("field, value, says", [
