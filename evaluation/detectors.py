@@ -7,8 +7,9 @@
 ``every=1`` is replayed at ``every`` 2, 5, 10 and 20 (the observations whose step is a multiple of ``every``:
 what a Monitor at that interval passes its detectors) and at the Monitor's default per-family cadence
 (``"default"``: each family at its own period, plus the closer look the detectors ask for, as
-``hooks.monitor.cadence.CloserLook`` adds it). Hugging Face runs were recorded at the default cadence and are
-replayed as recorded. A run counts once in every figure, whatever the cadences it is replayed at.
+``hooks.monitor.cadence.CloserLook`` adds it). Hugging Face runs, recorded with every family every 10 steps, are
+replayed at the default cadence only (the design set's, recorded at the default cadence of the time, as recorded).
+A run counts once in every figure, whatever the cadences it is replayed at.
 """
 
 from __future__ import annotations
@@ -60,8 +61,9 @@ def replay(obs: list[Observation], cfg: AlertConfig, every: int | str) -> list:
 
 
 def replay_run(run: Run, cfg: AlertConfig, every) -> list:
-    """:func:`replay` at ``every``; a Hugging Face run (recorded at the default cadence) as recorded."""
-    if run.spec.task == "hf":
+    """:func:`replay` at ``every``; a run recorded at the default cadence (``every=0``: the design set's Hugging
+    Face runs) as recorded."""
+    if run.spec.every == 0:
         det = Detectors(cfg)
         return [a for o in run.obs for a in det.observe(o)]
     return replay(run.obs, cfg, every)

@@ -105,10 +105,15 @@ def _motion(points: list[list], updates: list[list[float]]) -> tuple[float, floa
     two spectra samples or an update ratio in the window."""
     growth = _growth(points)
     have = [p[0] for p in points if p[4]]
-    ratios = [u for _, u in updates if math.isfinite(u) and u > 0]
+    ratios = sorted((s, u) for s, u in updates if math.isfinite(u) and u > 0)
     if not math.isfinite(growth) or growth <= 0 or len(have) < 2 or not ratios:
         return growth, math.nan
-    return growth, math.log(growth) / ((have[-1] - have[0]) * float(np.mean(ratios)))
+    # the update ratio over the window's steps: each sample holds until the next (a run's first steps, sampled
+    # densely and with the largest updates, weigh as many steps as they last, not as many samples as they have)
+    ends = [s for s, _ in ratios[1:]] + [max(have[-1], ratios[-1][0]) + 1.0]
+    weights = [e - s for (s, _), e in zip(ratios, ends)]
+    mean = sum(u * w for (_, u), w in zip(ratios, weights)) / sum(weights)
+    return growth, math.log(growth) / ((have[-1] - have[0]) * mean)
 
 
 def _mean(points: list[list[float]], column: int) -> float:

@@ -215,7 +215,8 @@ def main() -> None:
     record["last"] = monitor.last
     record["histograms"] = {f"{r.step}/{tag}": [float(v) for v in values] for r in memory.records
                             for tag, values in r.histograms.items()}
-    record["confirmed"] = {str(i): c for i, c in monitor.capture._confirmed.items()}  # what the layout check compared
+    record["confirmed"] = {str(layer.index): layer.record.checked for layer in monitor.layouts.layers
+                           if layer.record.state in ("confirmed", "adopted")}  # what the layout check compared
     record["blocks"] = {layer.label: None if layer.block is None else [layer.block.index, layer.block.size,
                                                                        layer.block.layout.describe()]
                         for layer in monitor.layers}

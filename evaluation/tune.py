@@ -1,0 +1,105 @@
+"""Choose the thresholds on the tuning runs, with the features and the risk model frozen (evaluation/seeds.py).
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m evaluation.tune RUNS_DIR
+
+Two choices, each printed as a table of every value tried:
+
+* ``warn_risk``, the risk at which ``collapse_warning`` fires: on the tuning runs of the GPT away from the boundary
+  learning rate at the default cadence, the most collapses warned 5 steps or more before their onset, minus two
+  for each warned run without a layer collapse; ties go to the higher value (fewer warnings).
+* ``plateau_qk_motion``, how little the query/key product may move per unit of its updates on a plateau: every
+  softmax Eureka plateau flagged before its accuracy jump at every cadence, minus two for each plateau alert on a
+  healthy run that the NormSoftmax twin test does not call a real plateau; ties go to the value in the middle of
+  the best ones. It is also chosen leaving each healthy family out, to show whether that family's report depends
+  on its own runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from diag.detectors import AlertConfig
+from evaluation import detectors as judge
+from evaluation.seeds import BOUNDARY_LR, SETS
+from evaluation.truth import Run, load_runs
+
+WARN_RISK = (0.1, 0.15, 0.2, 0.3, 0.4, 0.5)
+QK_MOTION = (0.06, 0.08, 0.1, 0.12, 0.15, 0.2)
+
+
+def warn_score(rows: list[dict]) -> tuple[int, int, int]:
+    away = [r for r in rows if r["kind"] == "collapse" and r["lr"] != BOUNDARY_LR and not r["twin"]]
+    caught = sum(r["warned"] and r["lead"] >= 5 for r in away)
+    false = sum(r["false_warning"] for r in away)
+    return caught - 2 * false, caught, false
+
+
+def tune_warn(runs: list[Run]) -> tuple[float, list[str]]:
+    collapse = [r for r in runs if r.spec.task == "lm"]
+    table = ["| warn_risk | collapses warned >= 5 steps ahead | false warnings | score |", "|---|---|---|---|"]
+    best = None
+    for value in WARN_RISK:
+        rows = judge.rows_of(collapse, AlertConfig(warn_risk=value, watch_risk=min(value, 0.2)), ("default",))
+        score, caught, false = warn_score(rows)
+        table.append(f"| {value:g} | {caught} | {false} | {score} |")
+        if best is None or score >= best[0]:
+            best = (score, value)
+    return best[1], table
+
+
+def plateau_rows(runs: list[Run], value: float) -> list[dict]:
+    cfg = AlertConfig(plateau_qk_motion=value)
+    eureka = [r for r in runs if r.spec.task == "vit" and r.spec.steps > 1000 and not r.spec.twin]
+    hf = [r for r in runs if r.spec.task == "hf"]
+    return judge.rows_of(eureka, cfg) + judge.rows_of(hf, cfg)
+
+
+def plateau_score(rows: list[dict], leave_out: str = "") -> tuple[int, int, int]:
+    eureka = [r for r in rows if r["kind"] == "eureka" and r["jump"] is not None]
+    flagged = sum(r["plateau_in_time"] for r in eureka)
+    false = sum(r["plateau_alerts"] > 0 and not r["plateau_real"] for r in rows
+                if r["kind"] == "hf" and not r["twin"] and r["model"] != leave_out)
+    return flagged - 2 * false, flagged, false
+
+
+def _middle(scores: dict[float, int]) -> float:
+    top = max(scores.values())
+    best = [v for v in sorted(scores) if scores[v] == top]
+    return best[len(best) // 2]
+
+
+def tune_plateau(runs: list[Run]) -> tuple[float, list[str], dict[str, float]]:
+    table = ["| plateau_qk_motion | Eureka plateaus flagged before the jump (runs x cadences) | plateau alerts on "
+             "healthy runs without a real plateau | score |", "|---|---|---|---|"]
+    rows = {v: plateau_rows(runs, v) for v in QK_MOTION}
+    scores = {}
+    for v in QK_MOTION:
+        scores[v], flagged, false = plateau_score(rows[v])
+        table.append(f"| {v:g} | {flagged} | {false} | {scores[v]} |")
+    left_out = {}
+    for family in ("gpt2", "llama", "bert", "vit"):
+        kept = {v: [r for r in rows[v] if r.get("model") != family] for v in QK_MOTION}
+        left_out[family] = _middle({v: plateau_score(kept[v])[0] for v in QK_MOTION})
+    return _middle(scores), table, left_out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", type=Path)
+    parser.add_argument("--set", default="tuning", choices=sorted(SETS))
+    parser.add_argument("--only", choices=("warn", "plateau"), help="one of the two choices")
+    args = parser.parse_args()
+    runs = load_runs(args.runs, SETS[args.set])
+    print(f"{args.set}: {len(runs)} runs of {len(SETS[args.set])} planned\n")
+    if args.only in (None, "warn"):
+        value, table = tune_warn(runs)
+        print("\n".join(table) + f"\n\nwarn_risk: {value:g}\n")
+    if args.only in (None, "plateau"):
+        value, table, left_out = tune_plateau(runs)
+        print("\n".join(table) + f"\n\nplateau_qk_motion: {value:g}")
+        print("chosen leaving each healthy family out: " + ", ".join(f"{k} {v:g}" for k, v in left_out.items()))
+
+
+if __name__ == "__main__":
+    main()
