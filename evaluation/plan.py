@@ -32,9 +32,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--list", action="store_true", help="print the runs still to record and stop")
-    parser.add_argument("--only", default="", help="record only runs whose name contains this")
+    parser.add_argument("--only", action="append", default=[],
+                        help="record only runs whose name contains this (repeated: all of them)")
     args = parser.parse_args()
-    todo = [s for s in missing(args.set, args.out) if args.only in s.name]
+    todo = [s for s in missing(args.set, args.out) if all(part in s.name for part in args.only)]
     print(f"{args.set}: {len(SETS[args.set])} runs, {len(todo)} to record", flush=True)
     if args.list:
         print("\n".join(s.name for s in todo))

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -204,6 +205,10 @@ def record(spec: RunSpec, root: Path) -> Path:
     if (out / "run.json").exists():  # recorded meanwhile (another plan process)
         return out
     out.mkdir(parents=True, exist_ok=True)
+    try:  # claimed by one process only (two plans over one folder); a crashed run's claim is removed by hand
+        os.close(os.open(out / ".claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return out
     torch.set_num_threads(spec.threads)
     result = TRAIN[spec.task](spec, out)
     lrs = [spec.lr * lr_factor(spec, s) for s in range(spec.steps)]
