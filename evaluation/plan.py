@@ -23,7 +23,9 @@ COST = {"lm": 1.0, "vit": 0.15, "hf": 0.25}  # rough seconds per step at the run
 
 def missing(name: str, root: Path) -> list[RunSpec]:
     todo = [s for s in SETS[name] if not (root / s.name / "run.json").exists()]
-    return sorted(todo, key=lambda s: -COST[s.task] * s.steps * (1 + (s.layers or 4) / 4))
+    # longest first; the Hugging Face language models' NormSoftmax twins (the causal test of a plateau alert) last
+    return sorted(todo, key=lambda s: (s.task == "hf" and s.twin != "",
+                                       -COST[s.task] * s.steps * (1 + (s.layers or 4) / 4)))
 
 
 def main() -> None:
