@@ -8,10 +8,10 @@ Two choices, each printed as a table of every value tried:
   learning rate at the default cadence, the most collapses warned 5 steps or more before their onset, minus two
   for each warned run without a layer collapse; ties go to the higher value (fewer warnings).
 * ``plateau_qk_motion``, how little the query/key product may move per unit of its updates on a plateau: every
-  softmax Eureka plateau flagged before its accuracy jump at every cadence, minus two for each plateau alert on a
-  healthy run that the NormSoftmax twin test does not call a real plateau; ties go to the value in the middle of
-  the best ones. It is also chosen leaving each healthy family out, to show whether that family's report depends
-  on its own runs.
+  softmax Eureka plateau of the tuning set flagged before its accuracy jump at every cadence, minus two for each
+  plateau alert on a healthy run (the design set's: the tuning set has none) that the NormSoftmax twin test does
+  not call a real plateau; ties go to the value in the middle of the best ones. It is also chosen leaving each
+  healthy family out, to show whether that family's report depends on its own runs.
 """
 
 from __future__ import annotations
@@ -92,6 +92,8 @@ def main() -> None:
     args = parser.parse_args()
     runs = load_runs(args.runs, SETS[args.set])
     print(f"{args.set}: {len(runs)} runs of {len(SETS[args.set])} planned\n")
+    if not any(r.spec.task == "hf" for r in runs):  # the tuning set has none: the design set's healthy runs
+        runs += [r for r in load_runs(args.runs, SETS["design"]) if r.spec.task == "hf"]
     if args.only in (None, "warn"):
         value, table = tune_warn(runs)
         print("\n".join(table) + f"\n\nwarn_risk: {value:g}\n")
