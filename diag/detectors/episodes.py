@@ -73,8 +73,10 @@ class Episodes:
                 return Opened(since)
             self.keys[key] = [False, since, count, None, 0]
             return None
-        if not outside:
+        if inside:  # back inside: the exit dwell starts again
             self.keys[key] = [True, since, count, None, 0]
+            return None
+        if not outside:  # between the lines (or not measurable) while open: changes nothing either
             return None
         out_since = step if out_since is None else out_since
         out_count += 1

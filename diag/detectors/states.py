@@ -12,9 +12,10 @@ The definition, used alike by the live detector (:class:`AttentionStates`) and b
   when the effective rank is at most ``1 + low_rank_frac * (rows - 1)`` (rank 1 is the floor: every row the
   same); uniform when low-rank with an entropy of at least ``uniform_frac`` of uniform attention's over the same
   keys. An exit line sits ``exit_factor`` beyond each entry line (hysteresis).
-* **dwell, per head**: a head *enters* a state once the entry test held at ``collapse_persist`` samples spanning
-  ``collapse_dwell`` steps (samples between the lines do not break it; one beyond the exit line does); it *leaves*
-  once the exit test held at 2 samples spanning ``exit_dwell`` steps. ``since`` is the first sample of the dwell.
+* **dwell, per head**: a head *enters* malignant once the entry test held at ``collapse_persist`` samples spanning
+  ``collapse_dwell`` steps (benign and uniform at once; samples between the lines do not break it, one beyond the
+  exit line does); it *leaves* once the exit test held at 2 samples spanning ``exit_dwell`` steps (samples between
+  the lines, or not finite, change nothing there either). ``since`` is the first sample of the dwell.
 * **layers**: a layer is in a state while at least ``layer_share`` of its heads, and at least 2 when it has 2 or
   more, are in it; it enters at the step the last of those heads entered.
 
@@ -114,6 +115,7 @@ class _Machine:
         enter = {"malignant": Dwell(cfg.collapse_persist, cfg.collapse_dwell)}
         self.heads = {s: Episodes(enter.get(s, Dwell(1, 0)), leave) for s in STATES}
         self.layers: dict[str, dict[str, bool]] = {s: {} for s in STATES}  # state -> layer label -> in it
+        self.derive = False  # a state of heads only (format 2): each layer's membership is derived, silently
 
     def step(self, step: int, label: str, m: dict[str, np.ndarray]) -> list[tuple[str, str, Opened | Closed]]:
         """The events of one layer's sample: (state, head key or layer label, event)."""
@@ -134,11 +136,17 @@ class _Machine:
         for state, episodes in self.heads.items():
             active = [h for h in range(n) if episodes.active(head_key(label, h, n))]
             now = len(active) >= layer_needs(n, self.cfg)
+            if label not in self.layers[state] and self.derive:  # resumed from heads only: known, not news
+                self.layers[state][label] = now
             was = self.layers[state].get(label, False)
             if now != was:
                 self.layers[state][label] = now
-                sinces = sorted(episodes.since(head_key(label, h, n)) for h in active)
-                event = Opened(sinces[layer_needs(n, self.cfg) - 1]) if now else Closed(-1, step)
+                if now:
+                    sinces = sorted(episodes.since(head_key(label, h, n)) for h in active)
+                    event = Opened(sinces[layer_needs(n, self.cfg) - 1])
+                else:  # the layer's state ended where the exit of the head that left it began
+                    ends = [e.until for st, w, e in out if st == state and isinstance(e, Closed)]
+                    event = Closed(-1, min(ends, default=step))
                 out.append((state, label, event))
         return out
 
@@ -246,6 +254,7 @@ class AttentionStates:
         mine = state.get("attention_states")
         if mine is None and "attention_episodes" in state:  # format 2: head episodes only; layers from them
             mine = {"heads": state["attention_episodes"]}
+            self.machine.derive = True
         if mine is not None:
             self.machine.load_state_dict(mine)
             self.open_since = dict(mine.get("open_since", {}))

@@ -67,3 +67,12 @@ def test_heads_of_a_layer_that_start_together_are_one_record():
                                                                    ("L03/H00", "L03/H01"))
     assert heads.message.startswith("2 heads together") and heads.values["heads"] == 2
     assert (layer.where, layer.level, layer.heads) == ("L03", "critical", ("L03/H00", "L03/H01"))
+
+
+def test_a_sample_between_the_lines_while_open_does_not_restart_the_exit_dwell():
+    """Neither test holding changes nothing, open or not: the exit dwell that began at 20 ends at 30."""
+    ep = Episodes(Dwell(1, 0), Dwell(2, 10))
+    assert ep.update("k", 0, True, False) == Opened(0)
+    assert ep.update("k", 20, False, True) is None  # the exit dwell starts
+    assert ep.update("k", 25, False, False) is None  # between the lines: neither in nor out
+    assert ep.update("k", 30, False, True) == Closed(0, 20)

@@ -132,3 +132,29 @@ def test_states_resume_from_a_saved_state_identically():
     second.load_state_dict(first.state_dict())
     out += [a for s, m in script[12:] for a in second.observe(Observation(s, None, {"L00": m}))]
     assert out == whole
+
+
+def test_a_layers_state_ends_where_the_exit_of_the_head_that_left_it_began():
+    """Both heads malignant from step 0; head 1 recovers from step 100 (its exit dwell: 100 to 120): the layer's
+    resolved record says it ended at 100, as the head's does, not at the step the dwell was met."""
+    script = [(s, attn([0.1, 0.1 if s < 100 else 2.0], [2.0, 2.0 if s < 100 else 40.0])) for s in range(0, 200, 10)]
+    alerts, episodes = run(script)
+    resolved = {a.where: a for a in alerts if a.status == "resolved"}
+    assert "ended at step 100" in resolved["L00/H01"].message
+    assert "ended at step 100" in resolved["L00"].message
+    assert [(e.where, e.until) for e in episodes if e.where == "L00"] == [("L00", 100)]
+
+
+def test_a_resume_from_head_episodes_only_does_not_announce_the_layer_again():
+    """A state saved before layers were kept (format 2: ``attention_episodes``, heads only): the layer's state is
+    derived from its heads on resume, silently, not fired as news."""
+    script = [(s, attn([0.1, 0.1], [2.0, 2.0])) for s in range(0, 100, 10)]
+    first = AttentionStates(StatesConfig())
+    before = [a for s, m in script[:5] for a in first.observe(Observation(s, None, {"L00": m}))]
+    assert ("critical", "L00") in {(a.level, a.where) for a in before}
+    saved = first.state_dict()
+    old = {"attention_episodes": saved["attention_states"]["heads"]}
+    second = AttentionStates(StatesConfig())
+    second.load_state_dict(old)
+    after = [a for s, m in script[5:] for a in second.observe(Observation(s, None, {"L00": m}))]
+    assert after == []
