@@ -414,9 +414,13 @@ class Monitor:
 
     def _check_finite(self, record: Record, skip: Iterable[str] = ()) -> None:
         """Non-finite values the detectors do not report: the loss, the weights (every ``qk_`` metric follows
-        them) and the gradients are the ``nonfinite_*`` alerts' (one console line each, not two)."""
-        skip = tuple(f"{metric}/" for metric in skip) + REPORTED_NONFINITE
-        bad = [tag for tag, v in record.scalars.items() if not math.isfinite(v) and not tag.startswith(skip)]
+        them) and the gradients are the ``nonfinite_*`` alerts' (one console line each, not two), and on a record
+        where one of them is non-finite, what follows from it (the attention statistics) is not said again."""
+        skipped = tuple(f"{metric}/" for metric in skip)
+        nonfinite = [tag for tag, v in record.scalars.items() if not math.isfinite(v) and not tag.startswith(skipped)]
+        if any(tag.startswith(REPORTED_NONFINITE) for tag in nonfinite):
+            return  # a nonfinite_* alert says it; NaN attention statistics follow from NaN weights or inputs
+        bad = [tag for tag in nonfinite if not tag.startswith(REPORTED_NONFINITE)]
         if bad:
             self._warn_once("nonfinite", f"diag: non-finite values at step {record.step} "
                             f"(e.g. {bad[:3]}); logged as NaN, training continues")
