@@ -22,6 +22,7 @@ import numpy as np
 
 from diag.detectors import AlertConfig, Detectors, Observation
 from evaluation import detectors as judge
+from evaluation.risk import outcome_at
 from evaluation.seeds import BOUNDARY_LR, SETS
 from evaluation.truth import Run, load_runs, states
 from hooks import SIGNALS
@@ -69,20 +70,11 @@ def forecasts(run: Run, cfg: AlertConfig | None = None) -> list[Forecast]:
         det.observe(Observation(o.step, o.loss if "loss" in due else None, layers))
         closer.update(o.step, det.wants_attention())
         for label, p in det.scalars().get("collapse_risk", {}).items():
-            y = _outcome(onsets.get(label, []), o.step, cfg.risk.risk_horizon)
+            y = outcome_at(onsets.get(label, []), o.step, cfg.risk.risk_horizon)
             if y >= 0:
                 out.append(Forecast(run.name, run.spec.lr, run.spec.warmup, run.spec.twin, run.spec.task, o.step,
                                     label, p, y))
     return out
-
-
-def _outcome(episodes: list[tuple[int, int | None]], t: int, horizon: int) -> int:
-    for opened, until in episodes:
-        if opened <= t and (until is None or until > t):
-            return -1
-        if t < opened <= t + horizon:
-            return 1
-    return 0
 
 
 def brier(p: np.ndarray, y: np.ndarray) -> float:

@@ -75,7 +75,8 @@ def _onsets(run: Run, cfg: StatesConfig) -> tuple[dict[str, list[tuple[int, int 
     return heads, layers
 
 
-def _label(episodes: list[tuple[int, int | None]], t: int, horizon: int) -> int:
+def outcome_at(episodes: list[tuple[int, int | None]], t: int, horizon: int) -> int:
+    """-1: in an established episode at step ``t`` (not a forecast); 1: one opens within ``horizon`` steps; 0."""
     for opened, until in episodes:
         if opened <= t and (until is None or until > t):
             return -1
@@ -106,9 +107,9 @@ def samples_of(run: Run, cfg: RiskConfig | None = None, horizon: int = HORIZON, 
         for label, x in observe_features(trends, Observation(o.step, o.loss, layers_now), cfg.risk_window,
                                          cfg.update_fresh).items():
             n = x.shape[0]
-            head_y = np.array([_label(heads.get(head_key(label, h, n), []), o.step, horizon) for h in range(n)])
+            head_y = np.array([outcome_at(heads.get(head_key(label, h, n), []), o.step, horizon) for h in range(n)])
             out.append(Sample(run.name, run.spec.lr, run.spec.warmup, run.spec.twin, label, o.step, x, head_y,
-                              _label(layers.get(label, []), o.step, horizon), layer_needs(n, st)))
+                              outcome_at(layers.get(label, []), o.step, horizon), layer_needs(n, st)))
     return out
 
 
@@ -192,8 +193,10 @@ def main() -> None:
     print(f"  layer: scale {model.layer_scale:.3f} bias {model.layer_bias:.3f}")
     if args.command == "fit":
         args.out.write_text(json.dumps(model.to_dict(), indent=1) + "\n")
-        quoted = [r for name in args.trust for r in collapse_runs(args.runs, name)]
+        by_set = {name: collapse_runs(args.runs, name) for name in args.trust}
+        quoted = [r for runs_of_set in by_set.values() for r in runs_of_set]
         model.trust = trust(quoted)
+        model.trust_on = " and ".join(name for name, found in by_set.items() if found) + " runs"
         args.out.write_text(json.dumps(model.to_dict(), indent=1) + "\n")
         print(f"trust over {len(quoted)} runs: {model.trust}\nwrote {args.out}")
 

@@ -115,7 +115,7 @@ class Sigma1:
             return self._gram_split(w)
         work = w.to(torch.float32)
         try:
-            sigma, ritz = self._krylov_split(work, self._start_split(work, key))
+            sigma, ritz = self._krylov_split(work, self._start(work, key))
         except RuntimeError:  # torch.linalg errors on NaN input, on every process alike
             sigma, ritz = None, None
         if sigma is None or not bool(torch.isfinite(sigma).all()):
@@ -135,20 +135,6 @@ class Sigma1:
         finite = torch.isfinite(gram).flatten(-2).all(-1)
         vals = torch.linalg.eigvalsh(torch.where(finite[..., None, None], gram, 0))
         return torch.where(finite, vals[..., -1].clamp_min(0).sqrt(), torch.nan)
-
-    def _start_split(self, work: Tensor, key: object) -> Tensor:
-        n = work.shape[-1]
-        block = min(self.block, n)
-        previous = self._starts.get(key) if key is not None else None
-        if (previous is not None and previous.shape == (*work.shape[:-2], n, block)
-                and previous.device == work.device and bool(torch.isfinite(previous).all())):
-            return previous
-        gen = torch.Generator(device=work.device).manual_seed(0)
-        start = torch.randn(n, block, generator=gen, dtype=torch.float32, device=work.device)
-        start = start.expand(*work.shape[:-2], n, block)
-        for _ in range(COLD_POWER):
-            start = torch.linalg.qr(self.reduce(work.transpose(-1, -2) @ (work @ start))).Q
-        return start
 
     def _krylov_split(self, work: Tensor, start: Tensor) -> tuple[Tensor, Tensor | None]:
         """:meth:`_krylov` with the rows split across processes: each block's sums over rows (the next Krylov
@@ -204,7 +190,8 @@ class Sigma1:
         start = torch.randn(n, block, generator=gen, dtype=torch.float32, device=work.device)
         start = start.expand(*work.shape[:-2], n, block)
         for _ in range(COLD_POWER):  # block power steps: two skinny products each, no eigensolver
-            start = torch.linalg.qr(work.transpose(-1, -2) @ (work @ start)).Q
+            gram_start = work.transpose(-1, -2) @ (work @ start)  # (..., n, b): summed over every process's rows
+            start = torch.linalg.qr(gram_start if self.reduce is None else self.reduce(gram_start)).Q
         return start
 
     def _krylov(self, work: Tensor, start: Tensor) -> tuple[Tensor, Tensor | None]:

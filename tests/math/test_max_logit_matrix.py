@@ -38,13 +38,7 @@ def build(fam: str, impl: str) -> zoo.Case:
     if fam == "torch-seq2seq":
         return zoo.torch_seq2seq(dropout=0.0)
     if fam == "torch-encoder":
-        case = zoo.torch_encoder()
-        for m in case.model.modules():
-            if isinstance(m, torch.nn.Dropout):
-                m.p = 0.0
-            if isinstance(m, torch.nn.MultiheadAttention):
-                m.dropout = 0.0  # attention dropout is a float here, not a module
-        return case
+        return zoo.torch_encoder(dropout=0.0)
     builder = {"gpt2": zoo.gpt2, "llama": zoo.llama, **zoo.FAMILY_BUILDERS}[fam]
     return builder(impl, dropout=0.0)
 

@@ -38,13 +38,7 @@ def build(name: str) -> zoo.Case:
         return zoo.gpt2(name.split("-")[1], dropout=0.0)
     if name.startswith("llama"):
         return zoo.llama(name.split("-")[1], dropout=0.0)
-    case = zoo.torch_encoder()
-    for m in case.model.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
-        if isinstance(m, torch.nn.MultiheadAttention):
-            m.dropout = 0.0  # attention dropout is a float here, not a module
-    return case
+    return zoo.torch_encoder(dropout=0.0)
 
 
 def hand_o(case: zoo.Case, module: torch.nn.Module) -> torch.Tensor:

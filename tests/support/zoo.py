@@ -158,9 +158,17 @@ def _encoder_batch(gen: torch.Generator) -> dict:
     return {"input_ids": ids, "pad": pad}
 
 
-def torch_encoder() -> Case:
+def torch_encoder(dropout: float | None = None) -> Case:
+    """``dropout``: None keeps the encoder's defaults; a number sets every dropout to it, the attention's
+    (a float in ``nn.MultiheadAttention``, not a module) included."""
     torch.manual_seed(0)
     model = EncoderClassifier()
+    if dropout is not None:
+        for m in model.modules():
+            if isinstance(m, nn.Dropout):
+                m.p = dropout
+            if isinstance(m, nn.MultiheadAttention):
+                m.dropout = dropout
 
     def loss(m: nn.Module, b: dict) -> torch.Tensor:
         logits = m(b["input_ids"], b["pad"])
