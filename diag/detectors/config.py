@@ -138,6 +138,13 @@ class SpikeConfig(Checked):
 _PARTS = {"states": StatesConfig, "risk": RiskConfig, "early": EarlyUpdatesConfig, "plateau": PlateauConfig,
           "spike": SpikeConfig}
 _OWNER = {f.name: part for part, cls in _PARTS.items() for f in fields(cls)}
+_TREND_WARNING = "collapse_warning reads collapse_risk since issue #31: set warn_risk (and risk_window) instead"
+REMOVED = {**{name: _TREND_WARNING for name in ("sigma_growth", "entropy_drop", "rank_drop", "near_entropy",
+                                                "near_growth", "logit_factor", "sec_warn", "tau_warn",
+                                                "warn_window", "warn_persist")},
+           "plateau_qk_growth": "replaced by plateau_qk_motion (growth per unit of the Q/K updates: schedule-free)",
+           **{name: "the closer look's knobs are the Monitor's: Monitor(closer_look=CloserLookConfig(...)) from "
+                    "hooks.monitor.cadence" for name in ("watch_hold", "watch_early", "watch_early_every")}}
 
 
 class AlertConfig:
@@ -153,6 +160,10 @@ class AlertConfig:
                 raise ConfigError(f"AlertConfig({part}=...): expected a {cls.__name__}, got "
                                   f"{type(given[part]).__name__}")
         unknown = sorted(set(values) - set(_OWNER))
+        removed = [f"{name}: {REMOVED[name]}" for name in unknown if name in REMOVED]
+        if removed:
+            raise ConfigError("AlertConfig: field(s) no longer exist: " + "; ".join(removed)
+                              + " (docs/alerts.md#defaults)")
         if unknown:
             raise ConfigError(f"AlertConfig: unknown field(s) {unknown}; the fields are {sorted(_OWNER)} "
                               "(docs/alerts.md#defaults)")

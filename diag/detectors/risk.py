@@ -117,6 +117,7 @@ class RiskModel:
     horizon: int
     fitted_on: str = ""
     trust: list[list[float]] = field(default_factory=list)  # [level, runs that reached it, of which collapsed]
+    trust_on: str = "evaluation runs"  # which runs ``trust`` counts, as the warning's message names them
 
     def head_logits(self, x: np.ndarray) -> np.ndarray:
         return ((x - self.mean) / self.scale) @ self.weights + self.bias
@@ -130,7 +131,7 @@ class RiskModel:
         return {"features": list(FEATURES), "mean": self.mean.tolist(), "scale": self.scale.tolist(),
                 "weights": self.weights.tolist(), "bias": self.bias, "layer_scale": self.layer_scale,
                 "layer_bias": self.layer_bias, "horizon": self.horizon, "fitted_on": self.fitted_on,
-                "trust": self.trust}
+                "trust": self.trust, "trust_on": self.trust_on}
 
     @classmethod
     def from_dict(cls, d: dict) -> RiskModel:
@@ -138,7 +139,8 @@ class RiskModel:
             raise ValueError(f"risk model features {d.get('features')} are not this version's {list(FEATURES)}")
         return cls(np.asarray(d["mean"], float), np.asarray(d["scale"], float), np.asarray(d["weights"], float),
                    float(d["bias"]), float(d["layer_scale"]), float(d["layer_bias"]), int(d["horizon"]),
-                   str(d.get("fitted_on", "")), [list(r) for r in d.get("trust", [])])
+                   str(d.get("fitted_on", "")), [list(r) for r in d.get("trust", [])],
+                   str(d.get("trust_on", "evaluation runs")))
 
     @classmethod
     def shipped(cls) -> RiskModel:
@@ -164,12 +166,12 @@ TODO = ("add or lengthen warmup, lower the learning rate, or bound the step (QK-
 
 
 def _trust_text(model: RiskModel, p: float) -> str:
-    """What the design and tuning runs whose risk reached this level did: "of 19 such runs, 9 collapsed"."""
+    """What the runs the model quotes did at this level: "of 19 evaluation runs whose risk reached 0.50, 9 collapsed"."""
     rows = [row for row in model.trust if row[0] <= p]
     if not rows:
         return ""
     level, runs, collapsed = rows[-1]
-    return (f"; of {runs} design and tuning runs whose risk reached {level:.2f}, {collapsed} collapsed within "
+    return (f"; of {runs} {model.trust_on} whose risk reached {level:.2f}, {collapsed} collapsed within "
             f"{model.horizon} steps")
 
 

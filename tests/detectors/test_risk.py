@@ -109,7 +109,7 @@ def test_warning_states_the_probability_and_what_such_runs_did():
         alerts += risk.observe(Observation(step, None, {"L00": m}))
     (warning,) = alerts
     assert (warning.kind, warning.level, warning.where, warning.step) == ("collapse_warning", "warning", "L00", 20)
-    assert "collapse risk 0.65" in warning.message and "of 19 design and tuning runs whose risk reached 0.50, 9 " \
+    assert "collapse risk 0.65" in warning.message and "of 19 evaluation runs whose risk reached 0.50, 9 " \
         "collapsed within 50 steps" in warning.message
     assert warning.values["collapse_risk"] == risk.scalars()["collapse_risk"]["L00"]
     assert risk.wants_attention().startswith("collapse risk")
