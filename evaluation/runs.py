@@ -1,7 +1,7 @@
 """One training run of the evaluation, described by a :class:`RunSpec`, trained and recorded.
 
-    OMP_NUM_THREADS=1 .venv/bin/python -m evaluation.runs lm --seed 0 --lr 5e-3 --out runs/eval
-    OMP_NUM_THREADS=1 .venv/bin/python -m evaluation.runs lm --seed 0 --lr 5e-3 --qk-norm --out runs/eval
+    OMP_NUM_THREADS=1 .venv/bin/python -m evaluation.runs lm --seed 0 --lr 5e-3 --steps 300 --out runs/eval
+    OMP_NUM_THREADS=1 .venv/bin/python -m evaluation.runs lm --seed 0 --lr 5e-3 --steps 300 --qk-norm --out runs/eval
 
 Tasks:
 
