@@ -191,7 +191,9 @@ def runs_table(rows: list[dict]) -> list[str]:
         if r["kind"] != "collapse" or r["every"] != "default":
             continue
         dmg = "-" if r["damaged"] is None else f"yes ({r['damage_from']})" if r["damaged"] else "no"
-        out.append(f"| {r['run']} | {r['onset']} ({r['head_onset']}) | {dmg} | {r['critical']} | {r['warning']} | "
+        first = {k: "-" if r[k] is None else r[k] for k in ("onset", "head_onset", "critical", "warning")}
+        out.append(f"| {r['run']} | {first['onset']} ({first['head_onset']}) | {dmg} | {first['critical']} | "
+                   f"{first['warning']} | "
                    f"{', '.join(a for a in r['bad'] if not a.startswith(('malignant', 'collapse_warning')))} |")
     return out
 
