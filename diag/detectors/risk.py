@@ -166,7 +166,7 @@ TODO = ("add or lengthen warmup, lower the learning rate, or bound the step (QK-
 
 
 def _trust_text(model: RiskModel, p: float) -> str:
-    """What the runs the model quotes did at this level: "of 19 evaluation runs whose risk reached 0.50, 9 collapsed"."""
+    """What the runs the model quotes did at this level: "of 19 evaluation runs whose risk reached 0.50, 9 ..."."""
     rows = [row for row in model.trust if row[0] <= p]
     if not rows:
         return ""
