@@ -28,6 +28,15 @@ def missing(name: str, root: Path) -> list[RunSpec]:
                                        -COST[s.task] * s.steps * (1 + (s.layers or 4) / 4)))
 
 
+def groups(todo: list[RunSpec], jobs: int) -> list[tuple[int, list[RunSpec]]]:
+    """The runs by their thread count, each group with as many processes as keep the threads within ``jobs``
+    (the rounding replicas' two threads each, two side by side on two cores, took three times as long)."""
+    by_threads: dict[int, list[RunSpec]] = {}
+    for spec in todo:
+        by_threads.setdefault(max(spec.threads, 1), []).append(spec)
+    return [(max(1, jobs // threads), specs) for threads, specs in sorted(by_threads.items())]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("set", choices=sorted(SETS))
@@ -42,14 +51,14 @@ def main() -> None:
     if args.list:
         print("\n".join(s.name for s in todo))
         return
-    start = time.perf_counter()
-    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {pool.submit(record, spec, args.out): spec for spec in todo}
-        for done, future in enumerate(as_completed(futures), 1):
-            spec = futures[future]
-            error = future.exception()
-            print(f"[{done}/{len(todo)}] {time.perf_counter() - start:7.0f}s {spec.name}"
-                  + (f" FAILED: {error!r}" if error else ""), flush=True)
+    start, done = time.perf_counter(), 0
+    for jobs, specs in groups(todo, args.jobs):
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = {pool.submit(record, spec, args.out): spec for spec in specs}
+            for future in as_completed(futures):
+                done, spec, error = done + 1, futures[future], future.exception()
+                print(f"[{done}/{len(todo)}] {time.perf_counter() - start:7.0f}s {spec.name}"
+                      + (f" FAILED: {error!r}" if error else ""), flush=True)
 
 
 if __name__ == "__main__":

@@ -142,3 +142,14 @@ def test_short_eureka_run_is_monitored(attention):
     else:
         assert ratio[0] > 0.4
     assert not [a for a in run.monitor.alert_sink.history if a.level != "info"]
+
+
+def test_a_plan_runs_multi_threaded_runs_with_fewer_processes():
+    """The rounding replicas (2 torch threads) go in their own group, one process at a time on 2 jobs."""
+    from evaluation.plan import groups
+    from evaluation.seeds import SETS
+
+    out = groups(SETS["report"], 2)
+    assert [(jobs, {s.threads for s in specs}) for jobs, specs in out] == [(2, {1}), (1, {2})]
+    assert sum(len(specs) for _, specs in out) == len(SETS["report"])
+    assert len(out[1][1]) == 20  # the 20 replicas at the boundary
