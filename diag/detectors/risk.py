@@ -140,7 +140,7 @@ class RiskModel:
         return cls(np.asarray(d["mean"], float), np.asarray(d["scale"], float), np.asarray(d["weights"], float),
                    float(d["bias"]), float(d["layer_scale"]), float(d["layer_bias"]), int(d["horizon"]),
                    str(d.get("fitted_on", "")), [list(r) for r in d.get("trust", [])],
-                   str(d.get("trust_on", "evaluation runs")))
+                   str(d.get("trust_on", cls.trust_on)))
 
     @classmethod
     def shipped(cls) -> RiskModel:
