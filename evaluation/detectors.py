@@ -42,22 +42,28 @@ def replay(obs: list[Observation], cfg: AlertConfig, every: int | str) -> list:
     det = Detectors(cfg)
     if every != "default":
         return [a for o in obs if o.step % every == 0 for a in det.observe(o)]
+    return [a for _, alerts in at_default_cadence(obs, det) for a in alerts]
+
+
+def at_default_cadence(obs: list[Observation], det: Detectors):
+    """Feed ``det`` what a Monitor at its default cadence would: each family at its own period, plus the closer
+    look the detectors ask for (``CloserLook.heed``: attention every 10 steps while they watch, every 2 while a
+    state is being confirmed). Yields (the observation they were given, the alerts it raised)."""
     cadence = resolve_cadence(None, None, SIGNALS)
     closer = CloserLook(cadence)
-    out = []
     for o in obs:
         if o.loss is None and all(family(k) == "updates" for m in o.layers.values() for k in m):
             if cadence.is_due("updates", o.step):  # the update ratio of a step that sampled updates
-                out += det.observe(o)
-                closer.update(o.step, det.wants_attention())
+                yield o, det.observe(o)
+                closer.heed(o.step, det)
             continue
         due = cadence.due(o.step) | closer.adds(o.step)
         if not due:
             continue
         layers = {label: {k: v for k, v in m.items() if family(k) in due} for label, m in o.layers.items()}
-        out += det.observe(Observation(o.step, o.loss if "loss" in due else None, layers))
-        closer.update(o.step, det.wants_attention())
-    return out
+        given = Observation(o.step, o.loss if "loss" in due else None, layers)
+        yield given, det.observe(given)
+        closer.heed(o.step, det)
 
 
 def replay_run(run: Run, cfg: AlertConfig, every) -> list:

@@ -20,13 +20,11 @@ from pathlib import Path
 
 import numpy as np
 
-from diag.detectors import AlertConfig, Detectors, Observation
+from diag.detectors import AlertConfig, Detectors
 from evaluation import detectors as judge
 from evaluation.risk import outcome_at
 from evaluation.seeds import BOUNDARY_LR, SETS
 from evaluation.truth import Run, load_runs, states
-from hooks import SIGNALS
-from hooks.monitor.cadence import CloserLook, resolve_cadence
 
 BINS = ((0.0, 0.2), (0.2, 0.8), (0.8, 1.0000001))
 
@@ -50,25 +48,14 @@ def forecasts(run: Run, cfg: AlertConfig | None = None) -> list[Forecast]:
     out)."""
     cfg = cfg or AlertConfig()
     det = Detectors(cfg)
-    cadence = resolve_cadence(None, None, SIGNALS)
-    closer = CloserLook(cadence)
     onsets: dict[str, list[tuple[int, int | None]]] = {}
     for e in states(run, cfg.states):
         if e.state == "malignant" and "/" not in e.where:
             onsets.setdefault(e.where, []).append((e.opened, e.until))
     out = []
-    for o in run.obs:
+    for o, _ in judge.at_default_cadence(run.obs, det):
         if o.loss is None and all(judge.family(k) == "updates" for m in o.layers.values() for k in m):
-            if cadence.is_due("updates", o.step):
-                det.observe(o)
-                closer.update(o.step, det.wants_attention())
-            continue
-        due = cadence.due(o.step) | closer.adds(o.step)
-        if not due:
-            continue
-        layers = {label: {k: v for k, v in m.items() if judge.family(k) in due} for label, m in o.layers.items()}
-        det.observe(Observation(o.step, o.loss if "loss" in due else None, layers))
-        closer.update(o.step, det.wants_attention())
+            continue  # the update ratios of the step after a sample: no risk is judged on them
         for label, p in det.scalars().get("collapse_risk", {}).items():
             y = outcome_at(onsets.get(label, []), o.step, cfg.risk.risk_horizon)
             if y >= 0:

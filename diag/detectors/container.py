@@ -79,6 +79,11 @@ class Detectors:
                 return reason
         return None
 
+    def confirming(self) -> int:
+        """How many more steps of close attention samples a state being confirmed needs (0: none is); the
+        Monitor samples attention every ``CloserLookConfig.early_every`` steps meanwhile."""
+        return max((getattr(d, "confirming", lambda: 0)() for d in self.detectors), default=0)
+
     def state_dict(self) -> dict:
         state: dict = {"version": STATE_VERSION}
         for detector in self.detectors:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Dwell", "Episodes", "Opened", "Closed"]
+__all__ = ["Dwell", "Episodes", "Opened", "Closed", "Recurrence"]
 
 
 @dataclass(frozen=True)
@@ -91,3 +91,31 @@ class Episodes:
 
     def load_state_dict(self, state: dict) -> None:
         self.keys = {key: list(entry) for key, entry in state.items()}
+
+
+class Recurrence:
+    """At most three records per key and kind: the first episode (its alert and its ``resolved`` record), and a
+    second one, announced as recurring and then held: its end and any later episode of the key are not
+    announced. A head that keeps returning to a state is one thing to look at, not a stream of records (issue
+    #31 measured up to six records of one kind on one head in a 300-step run); its scalars still show every
+    episode. State: ``{key: episodes opened}``."""
+
+    LIMIT = 2  # episodes announced per key
+
+    def __init__(self) -> None:
+        self.opened: dict[str, int] = {}
+
+    def announce(self, key: str, event: Opened | Closed) -> int | None:
+        """Whether ``event`` on ``key`` becomes a record: the episode's number (1, or 2 for the recurring one)
+        for an opening, 1 for the first episode's end; None when it is held back."""
+        n = self.opened.get(key, 0)
+        if isinstance(event, Opened):
+            self.opened[key] = n + 1
+            return n + 1 if n < self.LIMIT else None
+        return 1 if n <= 1 else None
+
+    def state_dict(self) -> dict:
+        return dict(self.opened)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.opened = {str(k): int(v) for k, v in (state or {}).items()}

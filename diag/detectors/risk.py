@@ -32,7 +32,7 @@ import numpy as np
 
 from diag.detectors.base import Alert, Observation
 from diag.detectors.config import RiskConfig
-from diag.detectors.episodes import Closed, Dwell, Episodes
+from diag.detectors.episodes import Closed, Dwell, Episodes, Recurrence
 from diag.detectors.states import AttentionStates, layer_needs
 
 __all__ = ["CollapseRisk", "FEATURES", "HeadTrend", "RiskModel", "TAU", "layer_features", "observe_features"]
@@ -187,6 +187,7 @@ class CollapseRisk:
         self.risk: dict[str, list[float]] = {}  # layer -> [step, p] of its last judged sample
         self.fresh: dict[str, float] = {}  # the risks of the last observation, for the Monitor to log
         self.episodes = Episodes(Dwell(1, 0), Dwell(2, exit_dwell))
+        self.recurrence = Recurrence()  # at most three collapse_warning records per layer
         self.growth: dict[str, float] = {}  # layer -> sigma_1 growth of its fastest head over risk_window
 
     def observe(self, obs: Observation) -> list[Alert]:
@@ -204,21 +205,24 @@ class CollapseRisk:
                 self.growth[label] = float(np.exp(np.nanmax(growth))) if np.isfinite(growth).any() else 1.0
         return alerts
 
-    def _judge(self, step: int, label: str, p: float, n: int) -> list[Alert]:
+    def _judge(self, step: int, label: str, p: float, heads: int) -> list[Alert]:
         collapsed = self.states.layer_in("malignant", label)
         inside = p >= self.cfg.warn_risk and not collapsed
         outside = p < self.cfg.risk_clear or collapsed
         event = self.episodes.update(label, step, inside, outside)
+        n = None if event is None else self.recurrence.announce(label, event)
+        if n is None:
+            return []
         if isinstance(event, Closed):
             end = "the layer collapsed" if collapsed else f"the risk fell under {self.cfg.risk_clear:g}"
             return [Alert(step, "collapse_warning", "info", label, f"resolved: {end} at step {event.until}, "
                           f"after {event.duration} steps", {"duration_steps": float(event.duration),
                                                             "collapse_risk": p}, "resolved", event.since)]
-        if event is None:
-            return []
+        again = (" The layer's second warning: its risk keeps returning, so this warning's end and any later one "
+                 "are not announced (collapse_risk shows them)." if n > 1 else "")
         return [Alert(step, "collapse_warning", "warning", label, (
-            f"collapse risk {p:.2f}: the probability that {self._needs(n)} of this layer's {n} heads reach a "
-            f"malignant collapse within the next {self.model.horizon} steps{_trust_text(self.model, p)}. "
+            f"collapse risk {p:.2f}: the probability that {self._needs(heads)} of this layer's {heads} heads reach "
+            f"a malignant collapse within the next {self.model.horizon} steps{_trust_text(self.model, p)}.{again} "
             f"What to do: {TODO}"), {"collapse_risk": p}, "firing", event.since)]
 
     def _needs(self, n: int) -> str:
@@ -246,7 +250,8 @@ class CollapseRisk:
 
     def state_dict(self) -> dict:
         return {"risk": {"trends": {k: vars(t) for k, t in self.trends.items()}, "latest": self.risk,
-                         "episodes": self.episodes.state_dict(), "growth": self.growth}}
+                         "episodes": self.episodes.state_dict(), "growth": self.growth,
+                         "recurrence": self.recurrence.state_dict()}}
 
     def load_state_dict(self, state: dict) -> None:
         mine = state.get("risk")
@@ -256,4 +261,5 @@ class CollapseRisk:
                        for k, t in mine.get("trends", {}).items()}
         self.risk = {k: list(v) for k, v in mine.get("latest", {}).items()}
         self.episodes.load_state_dict(mine.get("episodes", {}))
+        self.recurrence.load_state_dict(mine.get("recurrence", {}))
         self.growth = dict(mine.get("growth", {}))

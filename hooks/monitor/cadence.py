@@ -132,21 +132,35 @@ class CloserLook:
         self.early = early if early_every < base else 0  # steps [0, early) sample every early_every steps
         self.early_every = early_every
         self.until = -1  # the last step that samples attention closely
+        self.confirm_until = -1  # ... and the last that samples it every early_every steps to confirm a state
 
     def adds(self, step: int) -> frozenset[str]:
         """The families ``step`` samples beyond the cadence (none, or attention and maybe the spectra); a step
-        the cadence does not sample can sample them within the first ``early`` steps."""
+        the cadence does not sample can sample them within the first ``early`` steps, and while a state is
+        being confirmed."""
         if self.period is None or step > self.until:
             return _NOTHING
-        if step % (self.early_every if step < self.early else self.period) == 0:
+        dense = step < self.early or step <= self.confirm_until
+        if step % (self.early_every if dense else self.period) == 0:
             return self.families
         return _NOTHING
 
-    def update(self, step: int, reason: str | None) -> bool:
+    def update(self, step: int, reason: str | None, confirm: int = 0) -> bool:
         """After the detectors judged ``step``: extend the close look if they gave a reason. True when a
-        close look starts (none was on)."""
+        close look starts (none was on). ``confirm`` (steps, from ``Detectors.confirming``): a state that
+        needs that many more steps of attention to be established or cleared is sampled every
+        ``early_every`` steps meanwhile: a dwell judged on samples 10 or 50 steps apart misses what happens
+        between them (docs/alerts.md#episodes)."""
         if self.period is None or not reason:
             return False
         started = step >= self.until
-        self.until = step + self.hold
+        self.until = max(self.until, step + self.hold)
+        if confirm > 0 and self.early_every < self.period:
+            self.confirm_until = max(self.confirm_until, step + confirm)
+            self.until = max(self.until, self.confirm_until)
         return started
+
+    def heed(self, step: int, detectors) -> bool:
+        """:meth:`update` with what ``detectors`` ask for (``wants_attention`` and ``confirming``)."""
+        confirming = getattr(detectors, "confirming", None)
+        return self.update(step, detectors.wants_attention(), confirming() if confirming is not None else 0)

@@ -337,11 +337,13 @@ class Monitor:
         if self.closer.period is None:
             return
         reason = self.detectors.wants_attention()
-        if self.closer.update(step, reason):
-            early = step < self.closer.early
+        confirm = getattr(self.detectors, "confirming", lambda: 0)()
+        if self.closer.update(step, reason, confirm):
+            dense = max(self.closer.early - 1, self.closer.confirm_until)
+            early = step <= dense
             log.info("diag: %s: attention sampled every %d steps%s until at least step %d (closer_look)", reason,
                      self.closer.early_every if early else self.closer.period,
-                     f" up to step {self.closer.early}, then every {self.closer.period}" if early else "",
+                     f" up to step {dense}, then every {self.closer.period}" if early else "",
                      self.closer.until)
 
     def _grad_overflow(self, arrays: dict) -> bool:
