@@ -45,8 +45,11 @@ def main() -> None:
     parser.add_argument("--list", action="store_true", help="print the runs still to record and stop")
     parser.add_argument("--only", action="append", default=[],
                         help="record only runs whose name contains this (repeated: all of them)")
+    parser.add_argument("--skip", action="append", default=[],
+                        help="leave out runs whose name contains this (repeated: any of them)")
     args = parser.parse_args()
-    todo = [s for s in missing(args.set, args.out) if all(part in s.name for part in args.only)]
+    todo = [s for s in missing(args.set, args.out) if all(part in s.name for part in args.only)
+            and not any(part in s.name for part in args.skip)]
     print(f"{args.set}: {len(SETS[args.set])} runs, {len(todo)} to record", flush=True)
     if args.list:
         print("\n".join(s.name for s in todo))

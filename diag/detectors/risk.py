@@ -118,6 +118,7 @@ class RiskModel:
     fitted_on: str = ""
     trust: list[list[float]] = field(default_factory=list)  # [level, runs that reached it, of which collapsed]
     trust_on: str = "evaluation runs"  # which runs ``trust`` counts, as the warning's message names them
+    calibrated_on: str = ""  # the runs the layer's mapping was recalibrated on (evaluation.risk calibrate)
 
     def head_logits(self, x: np.ndarray) -> np.ndarray:
         return ((x - self.mean) / self.scale) @ self.weights + self.bias
@@ -131,7 +132,7 @@ class RiskModel:
         return {"features": list(FEATURES), "mean": self.mean.tolist(), "scale": self.scale.tolist(),
                 "weights": self.weights.tolist(), "bias": self.bias, "layer_scale": self.layer_scale,
                 "layer_bias": self.layer_bias, "horizon": self.horizon, "fitted_on": self.fitted_on,
-                "trust": self.trust, "trust_on": self.trust_on}
+                "trust": self.trust, "trust_on": self.trust_on, "calibrated_on": self.calibrated_on}
 
     @classmethod
     def from_dict(cls, d: dict) -> RiskModel:
@@ -140,7 +141,7 @@ class RiskModel:
         return cls(np.asarray(d["mean"], float), np.asarray(d["scale"], float), np.asarray(d["weights"], float),
                    float(d["bias"]), float(d["layer_scale"]), float(d["layer_bias"]), int(d["horizon"]),
                    str(d.get("fitted_on", "")), [list(r) for r in d.get("trust", [])],
-                   str(d.get("trust_on", cls.trust_on)))
+                   str(d.get("trust_on", cls.trust_on)), str(d.get("calibrated_on", "")))
 
     @classmethod
     def shipped(cls) -> RiskModel:
