@@ -241,6 +241,29 @@ def eureka_table(rows: list[dict]) -> list[str]:
     return out
 
 
+def _avg(values: list[float]) -> str:
+    return f"{sum(values) / len(values):.2f}" if values else "-"
+
+
+def plateau_signals_table(runs: list[Run]) -> list[str]:
+    """The entry tests' signals of ``eureka_plateau`` on the Eureka runs, averaged over steps 200 to the accuracy
+    jump (the whole run without one), every 10 steps: what tells a NormSoftmax plateau from a softmax one."""
+    from diag.detectors.plateau import _uniformity
+
+    out = ["| run | attention | jump | attention entropy / uniform's | Q/K:V gradient ratio |", "|---|---|---|---|---|"]
+    for run in runs:
+        if run.spec.task != "vit" or run.spec.steps <= 1000:
+            continue
+        jump = accuracy_jump(run.info)
+        end = jump if jump is not None else run.spec.steps
+        obs = [o for o in run.obs if 200 <= o.step < end and o.step % 10 == 0 and o.loss is not None]
+        u = [x for x in (_uniformity(o) for o in obs) if x == x]
+        q = [float(m["grad_ratio_qk_v"][0]) for o in obs for m in o.layers.values() if "grad_ratio_qk_v" in m]
+        out.append(f"| {run.name} | {run.spec.twin or 'softmax'} | {'-' if jump is None else jump} | {_avg(u)} | "
+                   f"{_avg(q)} |")
+    return out
+
+
 def healthy_table(rows: list[dict]) -> list[str]:
     out = ["| run | plateau alerts | the NormSoftmax twin says | warning or critical alerts |", "|---|---|---|---|"]
     for r in rows:

@@ -187,6 +187,7 @@ def main() -> None:
                          ("Eureka runs", judge.eureka_table), ("Healthy runs", judge.healthy_table),
                          ("Collapse runs one by one", judge.runs_table)):
         print(f"### {title}\n\n" + "\n".join(table(rows)) + "\n")
+    print("### The plateau's signals on the Eureka runs\n\n" + "\n".join(judge.plateau_signals_table(runs)) + "\n")
     collapsing = [r for r in runs if r.spec.task in ("lm", "vit") and r.spec.steps <= 400]
     fs = [f for r in collapsing for f in forecasts(r)]
     design_fs = [f for r in design if r.spec.task in ("lm", "vit") and r.spec.steps <= 400 for f in forecasts(r)]
