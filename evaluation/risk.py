@@ -181,17 +181,23 @@ def calibrate(runs: list[Run], model: RiskModel) -> tuple[float, float, int]:
     The fit samples a closer look's steps; the Monitor forecasts where its cadence and its closer look sample,
     which weighs the samples differently (issue #31: the first report set found 0.2-0.8 under-forecast and
     0.8-1 over-confident). Returns (a, b, forecasts)."""
-    from sklearn.linear_model import LogisticRegression
-
     from evaluation.report import forecasts
 
     fs = [f for r in runs for f in forecasts(r)]
-    p = np.clip(np.array([f.p for f in fs]), 1e-6, 1 - 1e-6)
-    y = np.array([f.y for f in fs])
-    top = LogisticRegression(C=100.0, max_iter=2000).fit(np.log(p / (1 - p))[:, None], y)
+    a, b = recalibrate(model, np.array([f.p for f in fs]), np.array([f.y for f in fs]))
+    return a, b, len(fs)
+
+
+def recalibrate(model: RiskModel, p: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """Fit ``logit y ~ a * logit p + b`` on forecasts ``p`` with outcomes ``y`` and fold it into ``model``'s
+    layer mapping (``sigmoid(layer_scale * z + layer_bias)`` becomes ``sigmoid(a * (...) + b)``)."""
+    from sklearn.linear_model import LogisticRegression
+
+    p = np.clip(np.asarray(p, float), 1e-6, 1 - 1e-6)
+    top = LogisticRegression(C=100.0, max_iter=2000).fit(np.log(p / (1 - p))[:, None], np.asarray(y))
     a, b = float(top.coef_[0][0]), float(top.intercept_[0])
     model.layer_scale, model.layer_bias = a * model.layer_scale, a * model.layer_bias + b
-    return a, b, len(fs)
+    return a, b
 
 
 def main() -> None:

@@ -146,3 +146,38 @@ def test_risk_resumes_from_its_state():
         second.observe(Observation(s, None, {"L00": m}))
         got.append(second.scalars().get("collapse_risk", {}).get("L00"))
     assert got == expected
+
+
+def test_recalibration_recovers_a_known_distortion_and_folds_it_into_the_layer_mapping():
+    """Outcomes drawn from sigmoid(2 logit p - 0.5): Platt's fit finds (2, -0.5) within sampling error, and the
+    recalibrated model's layer probability is that transform of the old one, at any input."""
+    from evaluation.risk import recalibrate
+
+    rng = np.random.default_rng(0)
+    p = rng.uniform(0.01, 0.99, 40000)
+    logit = np.log(p / (1 - p))
+    y = (rng.uniform(size=p.size) < 1 / (1 + np.exp(-(2.0 * logit - 0.5)))).astype(int)
+    model = toy_model()
+    x = np.zeros((4, len(FEATURES)))
+    x[:2, F["entropy_frac"]] = -0.3
+    before = model.layer_probability(x, 2)
+    a, b = recalibrate(model, p, y)
+    assert abs(a - 2.0) < 0.1 and abs(b + 0.5) < 0.1
+    z = math.log(before / (1 - before))
+    assert math.isclose(model.layer_probability(x, 2), 1 / (1 + math.exp(-(a * z + b))), rel_tol=1e-9)
+
+
+def test_a_layer_whose_risk_keeps_returning_gets_a_second_warning_that_says_so_and_no_more():
+    states = AttentionStates(StatesConfig())
+    risk = CollapseRisk(RiskConfig(), states, 50, toy_model())
+    alerts = []
+    for cycle in range(4):  # risky for 20 steps, calm for 80, four times
+        for step in range(cycle * 100, cycle * 100 + 100, 10):
+            e = 0.1 if step % 100 < 20 else 0.9
+            m = sample([0.1, 0.1], [0.3, 0.3], [e * 4.0] * 2, [60, 60], [2.0, 2.0])
+            alerts += risk.observe(Observation(step, None, {"L00": m}))
+    assert [a.status for a in alerts] == ["firing", "resolved", "firing"]
+    assert "second warning" in alerts[2].message and "second warning" not in alerts[0].message
+    restored = CollapseRisk(RiskConfig(), AttentionStates(StatesConfig()), 50, toy_model())
+    restored.load_state_dict(json.loads(json.dumps(risk.state_dict())))
+    assert restored.recurrence.opened == {"L00": 4}
