@@ -109,6 +109,9 @@ def judge_collapse(run: Run, cfg: AlertConfig, every, twin: Run | None) -> dict:
     return {"run": run.name, "every": every, "lr": run.spec.lr, "twin": run.spec.twin, "onset": onset,
             "head_onset": head_onset, "critical": critical, "warning": warning,
             "critical_in_time": onset is not None and critical is not None and critical <= onset + LATE,
+            # established within LATE steps of the run's end and no critical record before it ended: whether it
+            # would have come in time is unknown (counted apart, and as a miss in the plain count)
+            "censored": onset is not None and critical is None and onset + LATE > run.spec.steps - 1,
             "false_critical": onset is None and critical is not None,
             "warned": onset is not None and warning is not None and warning < onset,
             "lead": None if onset is None or warning is None else onset - warning,
@@ -174,16 +177,18 @@ def _frac(rows: list[dict], key: str) -> str:
 
 def collapse_table(rows: list[dict]) -> list[str]:
     """One row per cadence over the collapse runs (twins included; no run counted twice at a cadence)."""
-    out = ["| every | runs | layer collapses | critical within 50 steps | critical on runs without a layer "
-           "collapse | warned before the onset | warning leads >= 5 steps | warnings on runs without a layer "
-           "collapse | most records of one kind on one head |", "|---|---|---|---|---|---|---|---|---|"]
+    out = ["| every | runs | layer collapses | critical within 50 steps | ... of those the run lasted 50 steps past "
+           "| critical on runs without a layer collapse | warned before the onset | warning leads >= 5 steps | "
+           "warnings on runs without a layer collapse | most records of one kind on one head |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for every in EVERYS:
         rs = [r for r in rows if r["kind"] == "collapse" and r["every"] == every]
         est = [r for r in rs if r["onset"] is not None]
         none = [r for r in rs if r["onset"] is None]
         warned = [r for r in est if r["warned"]]
+        seen = [r for r in est if not r["censored"]]
         out.append(f"| {every} | {len(rs)} | {len(est)} | {_frac(est, 'critical_in_time')} | "
-                   f"{_frac(none, 'false_critical')} | {_frac(est, 'warned')} | "
+                   f"{_frac(seen, 'critical_in_time')} | {_frac(none, 'false_critical')} | {_frac(est, 'warned')} | "
                    f"{sum(r['lead'] >= 5 for r in warned)}/{len(warned)} | {_frac(none, 'false_warning')} | "
                    f"{max((r['records'] for r in rs), default=0)} |")
     return out

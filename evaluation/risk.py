@@ -13,8 +13,9 @@ samples of a head (layer) already established are left out (the risk is of an on
 
 ``fit``: a logistic regression per head (standardised features, L2 with C = 0.1, scikit-learn), then a
 one-feature logistic fit of the layer's label on its ``k``-th largest head logit (``k`` heads make a layer
-collapse), cross-fitted by seed; samples at the closer look's steps and at the default cadence's. ``calibrate``: Platt's
-recalibration of the layer's mapping on the forecasts the Monitor logs on the tuning runs (:func:`calibrate`).
+collapse), cross-fitted by seed; samples at the closer look's steps and at the default cadence's.
+``calibrate``: an isotonic recalibration of the layer's probability on the forecasts the Monitor logs on the
+tuning runs (:func:`calibrate`).
 ``report``:
 Brier score and its skill over two baselines fitted on the design runs (the base rate per learning rate, and
 a configuration-only model: learning rate, warmup, QK-norm), calibration in bins, and per-run warning figures.
@@ -175,29 +176,29 @@ def trust(runs: list[Run], levels=(0.2, 0.5, 0.8)) -> list[list[float]]:
     return rows
 
 
-def calibrate(runs: list[Run], model: RiskModel) -> tuple[float, float, int]:
-    """Platt's recalibration of the layer's mapping on the forecasts a Monitor at its default cadence logs on
-    ``runs`` (the tuning set's): ``logit p' = a * logit p + b``, folded into ``layer_scale`` and ``layer_bias``.
-    The fit samples a closer look's steps; the Monitor forecasts where its cadence and its closer look sample,
-    which weighs the samples differently (issue #31: the first report set found 0.2-0.8 under-forecast and
-    0.8-1 over-confident). Returns (a, b, forecasts)."""
+def calibrate(runs: list[Run], model: RiskModel) -> int:
+    """Recalibrate the layer's probability on the forecasts a Monitor at its default cadence logs on ``runs``
+    (the tuning set's): :func:`recalibrate`. The fit samples a closer look's steps; the Monitor forecasts where
+    its cadence and its closer look sample, which weighs the samples differently, and the first report set of
+    issue #31 found forecasts of 0.2-0.8 under-forecast and of 0.8-1 over-confident: a miscalibration no
+    single slope and intercept mends (a Platt fit on the tuning runs moved one bin into its interval and the
+    other out). Returns the number of forecasts."""
     from evaluation.report import forecasts
 
+    model.calibration = []
     fs = [f for r in runs for f in forecasts(r)]
-    a, b = recalibrate(model, np.array([f.p for f in fs]), np.array([f.y for f in fs]))
-    return a, b, len(fs)
+    recalibrate(model, np.array([f.p for f in fs]), np.array([f.y for f in fs]))
+    return len(fs)
 
 
-def recalibrate(model: RiskModel, p: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-    """Fit ``logit y ~ a * logit p + b`` on forecasts ``p`` with outcomes ``y`` and fold it into ``model``'s
-    layer mapping (``sigmoid(layer_scale * z + layer_bias)`` becomes ``sigmoid(a * (...) + b)``)."""
-    from sklearn.linear_model import LogisticRegression
+def recalibrate(model: RiskModel, p: np.ndarray, y: np.ndarray, knots: int = 41) -> None:
+    """Isotonic regression of the outcomes ``y`` on the forecasts ``p`` (scikit-learn's, monotone, clipped at
+    the ends), stored in ``model.calibration`` at ``knots`` points over [0, 1] (interpolated in between)."""
+    from sklearn.isotonic import IsotonicRegression
 
-    p = np.clip(np.asarray(p, float), 1e-6, 1 - 1e-6)
-    top = LogisticRegression(C=100.0, max_iter=2000).fit(np.log(p / (1 - p))[:, None], np.asarray(y))
-    a, b = float(top.coef_[0][0]), float(top.intercept_[0])
-    model.layer_scale, model.layer_bias = a * model.layer_scale, a * model.layer_bias + b
-    return a, b
+    iso = IsotonicRegression(y_min=0.0, y_max=1.0, out_of_bounds="clip").fit(np.asarray(p, float), np.asarray(y))
+    xs = np.linspace(0.0, 1.0, knots)
+    model.calibration = [xs.tolist(), [float(v) for v in iso.predict(xs)]]
 
 
 def main() -> None:
@@ -212,10 +213,12 @@ def main() -> None:
     runs = collapse_runs(args.runs, args.set)
     if args.command == "calibrate":
         model = RiskModel.shipped()
-        a, b, n = calibrate(runs, model)
+        model.calibration = []
+        args.out.write_text(json.dumps(model.to_dict(), indent=1) + "\n")  # the forecasts before any calibration
+        n = calibrate(runs, model)
         model.calibrated_on = f"the {args.set} runs of evaluation/seeds.py ({len(runs)} runs, {n} forecasts)"
-        print(f"{model.calibrated_on}: logit p' = {a:.3f} logit p {b:+.3f}; layer: scale {model.layer_scale:.3f} "
-              f"bias {model.layer_bias:.3f}")
+        print(f"{model.calibrated_on}: " + ", ".join(f"{x:.2f} -> {v:.3f}" for x, v in zip(*model.calibration)
+                                                     if round(x * 40) % 4 == 0))
         args.out.write_text(json.dumps(model.to_dict(), indent=1) + "\n")
         model.trust = trust(runs)  # what the runs did at each level, with the recalibrated model
         model.trust_on = f"{args.set} runs"

@@ -119,6 +119,9 @@ class RiskModel:
     trust: list[list[float]] = field(default_factory=list)  # [level, runs that reached it, of which collapsed]
     trust_on: str = "evaluation runs"  # which runs ``trust`` counts, as the warning's message names them
     calibrated_on: str = ""  # the runs the layer's mapping was recalibrated on (evaluation.risk calibrate)
+    # a monotone map of the layer's probability, [[p knots], [calibrated p at them]], linear in between (empty:
+    # none): isotonic regression of the outcome on the Monitor's own forecasts (evaluation.risk calibrate)
+    calibration: list[list[float]] = field(default_factory=list)
 
     def head_logits(self, x: np.ndarray) -> np.ndarray:
         return ((x - self.mean) / self.scale) @ self.weights + self.bias
@@ -126,13 +129,15 @@ class RiskModel:
     def layer_probability(self, x: np.ndarray, k: int) -> float:
         logits = np.sort(self.head_logits(x))[::-1]
         z = self.layer_scale * float(logits[min(k, len(logits)) - 1]) + self.layer_bias
-        return 1.0 / (1.0 + math.exp(-max(min(z, 60.0), -60.0)))
+        p = 1.0 / (1.0 + math.exp(-max(min(z, 60.0), -60.0)))
+        return float(np.interp(p, *self.calibration)) if self.calibration else p
 
     def to_dict(self) -> dict:
         return {"features": list(FEATURES), "mean": self.mean.tolist(), "scale": self.scale.tolist(),
                 "weights": self.weights.tolist(), "bias": self.bias, "layer_scale": self.layer_scale,
                 "layer_bias": self.layer_bias, "horizon": self.horizon, "fitted_on": self.fitted_on,
-                "trust": self.trust, "trust_on": self.trust_on, "calibrated_on": self.calibrated_on}
+                "trust": self.trust, "trust_on": self.trust_on, "calibrated_on": self.calibrated_on,
+                "calibration": self.calibration}
 
     @classmethod
     def from_dict(cls, d: dict) -> RiskModel:
@@ -141,7 +146,8 @@ class RiskModel:
         return cls(np.asarray(d["mean"], float), np.asarray(d["scale"], float), np.asarray(d["weights"], float),
                    float(d["bias"]), float(d["layer_scale"]), float(d["layer_bias"]), int(d["horizon"]),
                    str(d.get("fitted_on", "")), [list(r) for r in d.get("trust", [])],
-                   str(d.get("trust_on", cls.trust_on)), str(d.get("calibrated_on", "")))
+                   str(d.get("trust_on", cls.trust_on)), str(d.get("calibrated_on", "")),
+                   [[float(v) for v in row] for row in d.get("calibration", [])])
 
     @classmethod
     def shipped(cls) -> RiskModel:
