@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python -m evaluation.tune RUNS_DIR
 
-Two choices, each printed as a table of every value tried:
+Three choices, each printed as a table of every value tried:
 
 * ``warn_risk``, the risk at which ``collapse_warning`` fires: on the tuning runs of the GPT away from the boundary
   learning rate at the default cadence, the most collapses warned 5 steps or more before their onset, minus two
@@ -12,6 +12,8 @@ Two choices, each printed as a table of every value tried:
   plateau alert on a healthy run (the design set's: the tuning set has none) that the NormSoftmax twin test does
   not call a real plateau; ties go to the value in the middle of the best ones. It is also chosen leaving each
   healthy family out, to show whether that family's report depends on its own runs.
+* ``plateau_max_growth``, how much sigma_1(Wq^T Wk) may grow over a plateau's window: the same score, at the
+  configured motion line.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from evaluation.truth import Run, load_runs
 
 WARN_RISK = (0.1, 0.15, 0.2, 0.3, 0.4, 0.5)
 QK_MOTION = (0.06, 0.08, 0.1, 0.12, 0.15, 0.2)
+MAX_GROWTH = (1.2, 1.3, 1.35, 1.5, 2.0, float("inf"))
 
 
 def warn_score(rows: list[dict]) -> tuple[int, int, int]:
@@ -84,6 +87,20 @@ def tune_plateau(runs: list[Run]) -> tuple[float, list[str], dict[str, float]]:
     return _middle(scores), table, left_out
 
 
+def tune_growth(runs: list[Run]) -> tuple[float, list[str]]:
+    """``plateau_max_growth`` at the tuned motion line: the same score; ties go to the value in the middle."""
+    table = ["| plateau_max_growth | Eureka plateaus flagged before the jump (runs x cadences) | plateau alerts on "
+             "healthy runs without a real plateau | score |", "|---|---|---|---|"]
+    scores = {}
+    for g in MAX_GROWTH:
+        cfg = AlertConfig(plateau_max_growth=g)
+        eureka = [r for r in runs if r.spec.task == "vit" and r.spec.steps > 1000 and not r.spec.twin]
+        rows = judge.rows_of(eureka, cfg) + judge.rows_of([r for r in runs if r.spec.task == "hf"], cfg)
+        scores[g], flagged, false = plateau_score(rows)
+        table.append(f"| {g:g} | {flagged} | {false} | {scores[g]} |")
+    return _middle(scores), table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", type=Path)
@@ -101,6 +118,8 @@ def main() -> None:
         value, table, left_out = tune_plateau(runs)
         print("\n".join(table) + f"\n\nplateau_qk_motion: {value:g}")
         print("chosen leaving each healthy family out: " + ", ".join(f"{k} {v:g}" for k, v in left_out.items()))
+        value, table = tune_growth(runs)
+        print("\n".join(table) + f"\n\nplateau_max_growth: {value:g}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ at most ``plateau_rel``, the level (the window's least-squares trend at this ste
 ``plateau_min_frac`` of the first loss (a converged run is not stuck), and the Q/K-to-V
 gradient ratio, averaged over layers and the window, is at most ``plateau_qk_ratio``; and, where the
 window holds them, ``sigma_1(Wq^T Wk)`` moved at most ``plateau_qk_motion`` per unit of the Q/K update ratios
-applied meanwhile (:func:`_motion`: the heads' geometric mean growth, schedule-free) and
+applied meanwhile (:func:`_motion`: the heads' geometric mean growth, schedule-free), that growth is at most
+``plateau_max_growth`` over the window, and
 the attention entropy is at least ``plateau_uniformity`` of uniform's: attention is what stopped learning (a
 flat loss while the query/key product still grows, or with attention already focused, is another state). The
 plateau is an episode, ``since`` the first sample of the window inside its band (at most ``1 + plateau_rel``
@@ -177,8 +178,11 @@ class Plateau:
         # what the alert claims is measured, or the test is switched off: a missing signal (no spectra, no update
         # ratio, no attention in the window) is missing, not a pass
         still = math.isinf(self.cfg.plateau_qk_motion) or motion <= self.cfg.plateau_qk_motion
+        # ... and it did not grow much in all (a window over the run's first steps, whose update ratios are as
+        # large as the weights, can show a query/key product grown 3-7x as a small motion per unit of them)
+        settled = math.isinf(self.cfg.plateau_max_growth) or growth <= self.cfg.plateau_max_growth
         diffuse = self.cfg.plateau_uniformity == 0 or uniformity >= self.cfg.plateau_uniformity
-        if not (flat and high and ratio <= self.cfg.plateau_qk_ratio and still and diffuse):
+        if not (flat and high and ratio <= self.cfg.plateau_qk_ratio and still and settled and diffuse):
             return []
         # the plateau began where the loss came down into its band (a window flat to plateau_rel may still hold
         # the end of the fall before it); how fast it sinks is measured from there
