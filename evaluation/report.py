@@ -101,7 +101,7 @@ def interval90(k: int, n: int) -> tuple[float, float]:
     return lo, hi
 
 
-def risk_tables(fs: list[Forecast], design: list[Forecast]) -> list[str]:
+def risk_tables(fs: list[Forecast], design: list[Forecast], fitted_on: str = "design") -> list[str]:
     p, y = np.array([f.p for f in fs]), np.array([f.y for f in fs], float)
     b = brier(p, y)
     base = brier(lr_base_rate(fs), y)
@@ -113,7 +113,7 @@ def risk_tables(fs: list[Forecast], design: list[Forecast]) -> list[str]:
            f"| collapse_risk | {b:.4f} | - |",
            f"| the learning rate's base rate (this set's own frequency per setting) | {base:.4f} | "
            f"{1 - b / base:.3f} |" if base > 0 else "| base rate | 0 | - |",
-           f"| configuration only (ln lr, warmup, QK-norm, ln step; fitted on the design runs) | {conf:.4f} | "
+           f"| configuration only (ln lr, warmup, QK-norm, ln step; fitted on the {fitted_on} runs) | {conf:.4f} | "
            f"{1 - b / conf:.3f} |" if conf > 0 else "| configuration | 0 | - |", "",
            "| predicted | forecasts | mean predicted | observed frequency | its 90% interval | inside |",
            "|---|---|---|---|---|---|"]
@@ -179,7 +179,12 @@ def main() -> None:
     parser.add_argument("--figure", type=Path, help="write the calibration figure here")
     args = parser.parse_args()
     runs = load_runs(args.runs, SETS[args.set])
-    design = load_runs(args.runs, SETS["design"])
+    # the configuration-only baseline is fitted on the design runs of the GPT, or where those are not recorded
+    # under RUNS on the tuning set's (never on the set reported)
+    design = [r for r in load_runs(args.runs, SETS["design"]) if r.spec.task == "lm"]
+    baseline = "design"
+    if not design and args.set not in ("design", "tuning"):
+        design, baseline = [r for r in load_runs(args.runs, SETS["tuning"]) if r.spec.task == "lm"], "tuning"
     print(f"{args.set}: {len(runs)} runs of {len(SETS[args.set])} planned\n")
     rows = judge.rows_of(runs, AlertConfig())
     for title, table in (("Collapse runs", judge.collapse_table), ("The twin test", judge.damage_table),
@@ -191,7 +196,7 @@ def main() -> None:
     collapsing = [r for r in runs if r.spec.task in ("lm", "vit") and r.spec.steps <= 400]
     fs = [f for r in collapsing for f in forecasts(r)]
     design_fs = [f for r in design if r.spec.task in ("lm", "vit") and r.spec.steps <= 400 for f in forecasts(r)]
-    print("### collapse_risk\n\n" + "\n".join(risk_tables(fs, design_fs)) + "\n")
+    print("### collapse_risk\n\n" + "\n".join(risk_tables(fs, design_fs, baseline)) + "\n")
     if args.figure:
         figure(fs, args.figure)
         print(f"figure: {args.figure}")
