@@ -56,10 +56,10 @@ def _metrics(out: Path) -> dict[tuple[int, str], float | None]:
     return {(r["step"], r["tag"]): r["value"] for r in rows}
 
 
-def _same(ref: dict, got: dict, skip: tuple[str, ...] = ()) -> None:
+def _same(ref: dict, got: dict, skip: tuple[str, ...] = (), rtol: float = 1e-5) -> None:
     assert set(got) == set(ref), (sorted(set(ref) - set(got))[:5], sorted(set(got) - set(ref))[:5])
     bad = [(k, ref[k], got[k]) for k in ref if k[1] not in skip
-           and not math.isclose(ref[k], got[k], rel_tol=1e-5, abs_tol=1e-9)]
+           and not math.isclose(ref[k], got[k], rel_tol=rtol, abs_tol=1e-9)]
     assert not bad, f"{len(bad)} of {len(ref)} values differ, e.g. {bad[:5]}"
 
 
@@ -202,7 +202,10 @@ def test_step_limit_under_tensor_parallelism_is_the_one_process_limit(singles, t
     limited = [k for k in ref if k[1].startswith("step_limit_scale/") and ref[k] < 1]
     row_split, col_split = {"L00/q", "L00/k", "L00/mlp.up_proj"}, {"L00/self_attn.o_proj", "L00/mlp.down_proj"}
     assert {t.split("/", 1)[1] for _, t in limited} >= row_split | col_split | {"lm_head"}  # lm_head: not split
-    _same(ref, got)
+    # six steps of float32 training, each limited by a power iteration summed over the ranks in another order:
+    # measured on one 2-core machine (and at this test's commit before issue #31's fourth session), gradient norms
+    # at step 6 differ from one process's by up to 1.3e-5 relative, so 1e-5 failed there; CI's machine passed it
+    _same(ref, got, rtol=5e-5)
     _same_weights(singles["llama-limit"], ranks[0])
 
 
