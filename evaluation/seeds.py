@@ -76,18 +76,21 @@ def _common(seeds: range, hf_seed: int | None, eureka_seeds: range, normsoftmax_
     return out
 
 
-def _report() -> list[RunSpec]:
-    seeds = REPORT_SEEDS
-    out = [_lm(s, BOUNDARY_LR) for s in seeds]  # 20 runs at the boundary ...
+def _report(seeds: range, away: int, twins: int, other: int, vit: int, boundary_twins: int = 0) -> list[RunSpec]:
+    """A report set: every seed at the boundary with a rounding replica; ``away`` seeds on both sides of it,
+    ``twins`` with their QK-norm twins, ``other`` at another width and depth and another corpus, ``vit`` of the
+    collapse ViT (``boundary_twins`` more QK-norm twins at the boundary); 8 Eureka seeds, 3 NormSoftmax twins,
+    the healthy families (2 seeds) and their twins."""
+    out = [_lm(s, BOUNDARY_LR) for s in seeds]  # the runs at the boundary ...
     out += [_lm(s, BOUNDARY_LR, threads=2) for s in seeds]  # ... each with a rounding replica
-    out += [_lm(s, lr) for s in seeds[:5] for lr in LM_LRS if lr != BOUNDARY_LR]  # both sides of the boundary
-    out += [_lm(s, lr, twin="qknorm") for s in seeds[:3] for lr in LM_LRS]  # the damage test's twins
-    out += [_lm(s, BOUNDARY_LR, twin="qknorm") for s in seeds[3:5]]
+    out += [_lm(s, lr) for s in seeds[:away] for lr in LM_LRS if lr != BOUNDARY_LR]  # both sides of the boundary
+    out += [_lm(s, lr, twin="qknorm") for s in seeds[:twins] for lr in LM_LRS]  # the damage test's twins
+    out += [_lm(s, BOUNDARY_LR, twin="qknorm") for s in seeds[twins:twins + boundary_twins]]
     out += [_lm(s, BOUNDARY_LR, warmup=100) for s in seeds[:2]]
     # settings never used in design or tuning
-    out += [_lm(s, lr, layers=6, heads=4, width=128) for s in seeds[:3] for lr in (5e-3, 1e-2)]
-    out += [_lm(s, lr, corpus="pydoc") for s in seeds[:3] for lr in (5e-3, 1e-2)]
-    out += [RunSpec("vit", s, lr, 400) for s in seeds[:4] for lr in (3e-3, 1e-2, 3e-2)]
+    out += [_lm(s, lr, layers=6, heads=4, width=128) for s in seeds[:other] for lr in (5e-3, 1e-2)]
+    out += [_lm(s, lr, corpus="pydoc") for s in seeds[:other] for lr in (5e-3, 1e-2)]
+    out += [RunSpec("vit", s, lr, 400) for s in seeds[:vit] for lr in (3e-3, 1e-2, 3e-2)]
     out += [_eureka(s) for s in seeds[:8]]
     out += [_eureka(s, twin="normsoftmax") for s in seeds[:3]]
     for model in HF_FAMILIES:
@@ -100,32 +103,11 @@ def _report() -> list[RunSpec]:
     return out
 
 
-def _report2() -> list[RunSpec]:
-    seeds = REPORT2_SEEDS
-    out = [_lm(s, BOUNDARY_LR) for s in seeds]  # 10 runs at the boundary ...
-    out += [_lm(s, BOUNDARY_LR, threads=2) for s in seeds]  # ... each with a rounding replica
-    out += [_lm(s, lr) for s in seeds[:4] for lr in LM_LRS if lr != BOUNDARY_LR]  # both sides of the boundary
-    out += [_lm(s, lr, twin="qknorm") for s in seeds[:2] for lr in LM_LRS]  # the damage test's twins
-    out += [_lm(s, BOUNDARY_LR, warmup=100) for s in seeds[:2]]
-    out += [_lm(s, lr, layers=6, heads=4, width=128) for s in seeds[:2] for lr in (5e-3, 1e-2)]
-    out += [_lm(s, lr, corpus="pydoc") for s in seeds[:2] for lr in (5e-3, 1e-2)]
-    out += [RunSpec("vit", s, lr, 400) for s in seeds[:2] for lr in (3e-3, 1e-2, 3e-2)]
-    out += [_eureka(s) for s in seeds[:8]]
-    out += [_eureka(s, twin="normsoftmax") for s in seeds[:3]]
-    for model in HF_FAMILIES:
-        for seed in seeds[:2]:
-            for schedule in ("constant", "cosine"):
-                out += _hf(model, seed, schedule)
-    out += [t for model in HF_LMS for seed in seeds[:2] for schedule in ("constant", "cosine")
-            for t in _hf(model, seed, schedule, twin="normsoftmax")]
-    return out
-
-
 SETS: dict[str, list[RunSpec]] = {
     "design": _common(DESIGN_SEEDS, 0, range(0, 6), range(0, 3)),
     "tuning": _common(TUNING_SEEDS, None, range(10, 16), range(10, 13)),
-    "report": _report(),
-    "report2": _report2(),
+    "report": _report(REPORT_SEEDS, away=5, twins=3, other=3, vit=4, boundary_twins=2),
+    "report2": _report(REPORT2_SEEDS, away=4, twins=2, other=2, vit=2),
 }
 
 
