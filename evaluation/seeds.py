@@ -35,6 +35,13 @@ REPORT_SEEDS = range(100, 120)
 # the boundary with QK-norm twins, another width and depth, another corpus, the ViT, Eureka and NormSoftmax runs,
 # the four healthy families under both schedules, 2 seeds each, with their NormSoftmax twins
 REPORT2_SEEDS = range(120, 130)
+# the third report set, committed before any of its runs was recorded (issue #31's fifth session): the second
+# report set was looked at, whole, with the detectors of 60b7d5e, and is consulted from then on (as tuning
+# runs are) for the changes of that session, which touch the collapse side only (collapse_risk, its
+# calibration, collapse_warning, malignant_collapse). So this set holds every collapse part of the second, the
+# healthy families once under both schedules (no warning or critical alert may reach them) and 4 Eureka seeds
+# (the plateau detector unchanged: a fresh look at it), no NormSoftmax twins: about an hour on 2 cores
+REPORT3_SEEDS = range(130, 140)
 
 LM_LRS = (2e-3, 3e-3, 5e-3, 7e-3, 1e-2)  # no warmup; 5e-3 is the boundary: about half the runs collapse
 BOUNDARY_LR = 5e-3
@@ -76,11 +83,13 @@ def _common(seeds: range, hf_seed: int | None, eureka_seeds: range, normsoftmax_
     return out
 
 
-def _report(seeds: range, away: int, twins: int, other: int, vit: int, boundary_twins: int = 0) -> list[RunSpec]:
+def _report(seeds: range, away: int, twins: int, other: int, vit: int, boundary_twins: int = 0, eureka: int = 8,
+            normsoftmax: int = 3, hf_seeds: int = 2, hf_twins: bool = True) -> list[RunSpec]:
     """A report set: every seed at the boundary with a rounding replica; ``away`` seeds on both sides of it,
     ``twins`` with their QK-norm twins, ``other`` at another width and depth and another corpus, ``vit`` of the
-    collapse ViT (``boundary_twins`` more QK-norm twins at the boundary); 8 Eureka seeds, 3 NormSoftmax twins,
-    the healthy families (2 seeds) and their twins."""
+    collapse ViT (``boundary_twins`` more QK-norm twins at the boundary); ``eureka`` Eureka seeds,
+    ``normsoftmax`` NormSoftmax twins of them, the healthy families (``hf_seeds`` seeds) and, with ``hf_twins``,
+    their twins."""
     out = [_lm(s, BOUNDARY_LR) for s in seeds]  # the runs at the boundary ...
     out += [_lm(s, BOUNDARY_LR, threads=2) for s in seeds]  # ... each with a rounding replica
     out += [_lm(s, lr) for s in seeds[:away] for lr in LM_LRS if lr != BOUNDARY_LR]  # both sides of the boundary
@@ -91,15 +100,15 @@ def _report(seeds: range, away: int, twins: int, other: int, vit: int, boundary_
     out += [_lm(s, lr, layers=6, heads=4, width=128) for s in seeds[:other] for lr in (5e-3, 1e-2)]
     out += [_lm(s, lr, corpus="pydoc") for s in seeds[:other] for lr in (5e-3, 1e-2)]
     out += [RunSpec("vit", s, lr, 400) for s in seeds[:vit] for lr in (3e-3, 1e-2, 3e-2)]
-    out += [_eureka(s) for s in seeds[:8]]
-    out += [_eureka(s, twin="normsoftmax") for s in seeds[:3]]
+    out += [_eureka(s) for s in seeds[:eureka]]
+    out += [_eureka(s, twin="normsoftmax") for s in seeds[:normsoftmax]]
     for model in HF_FAMILIES:
-        for seed in seeds[:2]:
+        for seed in seeds[:hf_seeds]:
             for schedule in ("constant", "cosine"):
                 out += _hf(model, seed, schedule)
     # the NormSoftmax twins of the language models: the causal test of a plateau alert (recorded last)
-    out += [t for model in HF_LMS for seed in seeds[:2] for schedule in ("constant", "cosine")
-            for t in _hf(model, seed, schedule, twin="normsoftmax")]
+    out += [t for model in HF_LMS for seed in seeds[:hf_seeds] for schedule in ("constant", "cosine")
+            for t in _hf(model, seed, schedule, twin="normsoftmax") if hf_twins]
     return out
 
 
@@ -108,6 +117,8 @@ SETS: dict[str, list[RunSpec]] = {
     "tuning": _common(TUNING_SEEDS, None, range(10, 16), range(10, 13)),
     "report": _report(REPORT_SEEDS, away=5, twins=3, other=3, vit=4, boundary_twins=2),
     "report2": _report(REPORT2_SEEDS, away=4, twins=2, other=2, vit=2),
+    "report3": _report(REPORT3_SEEDS, away=4, twins=2, other=2, vit=2, eureka=4, normsoftmax=0, hf_seeds=1,
+                       hf_twins=False),
 }
 
 
