@@ -6,8 +6,9 @@
 Prints, in markdown: the collapse runs at every cadence (critical records against the established collapses,
 ``collapse_warning`` against them, leads); the twin test (damage against the QK-norm twin, and whether an alert
 came before it); ``collapse_risk``'s Brier score and skill over two baselines, and its calibration in bins with
-90% intervals; ``collapse_warning`` away from the boundary learning rate; the Eureka runs; the healthy runs with
-the NormSoftmax twin's verdict on each plateau alert. A run counts once in each figure (per cadence where the
+90% intervals (the runs resampled, and beside it the interval that counts forecasts as independent);
+``collapse_warning`` away from the boundary learning rate; the Eureka runs; the healthy runs with the
+NormSoftmax twin's verdict on each plateau alert. A run counts once in each figure (per cadence where the
 figure is per cadence). Nothing here tunes anything: the thresholds are AlertConfig's defaults.
 """
 
@@ -101,6 +102,26 @@ def interval90(k: int, n: int) -> tuple[float, float]:
     return lo, hi
 
 
+def run_interval90(fs: list[Forecast], mask: np.ndarray, draws: int = 2000) -> tuple[float, float]:
+    """The 90% interval of a bin's observed frequency with the run as the unit: the runs are resampled with
+    replacement (a percentile bootstrap, seeded). A run's forecasts at consecutive steps share its fate, so
+    treating its few hundred forecasts as independent trials (``interval90``) makes the interval far too
+    narrow: the set holds some fifty runs, not ten thousand coin flips."""
+    runs = sorted({f.run for f in fs})
+    index = {r: i for i, r in enumerate(runs)}
+    which = np.array([index[f.run] for f in fs])
+    y = np.array([f.y for f in fs], float)
+    k = np.bincount(which[mask], weights=y[mask], minlength=len(runs))
+    n = np.bincount(which[mask], minlength=len(runs)).astype(float)
+    if n.sum() == 0:
+        return (math.nan, math.nan)
+    rng = np.random.default_rng(0)
+    picks = rng.integers(0, len(runs), size=(draws, len(runs)))
+    kk, nn = k[picks].sum(1), n[picks].sum(1)
+    freq = kk[nn > 0] / nn[nn > 0]
+    return float(np.quantile(freq, 0.05)), float(np.quantile(freq, 0.95))
+
+
 def risk_tables(fs: list[Forecast], design: list[Forecast], fitted_on: str = "design") -> list[str]:
     p, y = np.array([f.p for f in fs]), np.array([f.y for f in fs], float)
     b = brier(p, y)
@@ -115,21 +136,26 @@ def risk_tables(fs: list[Forecast], design: list[Forecast], fitted_on: str = "de
            f"{1 - b / base:.3f} |" if base > 0 else "| base rate | 0 | - |",
            f"| configuration only (ln lr, warmup, QK-norm, ln step; fitted on the {fitted_on} runs) | {conf:.4f} | "
            f"{1 - b / conf:.3f} |" if conf > 0 else "| configuration | 0 | - |", "",
-           "| predicted | forecasts | mean predicted | observed frequency | its 90% interval | inside |",
-           "|---|---|---|---|---|---|"]
+           "| predicted | forecasts (runs) | mean predicted | observed frequency | its 90% interval, runs "
+           "resampled | inside | the interval counting forecasts as independent | inside |",
+           "|---|---|---|---|---|---|---|---|"]
     for lo, hi in BINS:
         mask = (p >= lo) & (p < hi)
         n, k = int(mask.sum()), int(y[mask].sum())
         a, c = interval90(k, n)
+        ra, rc = run_interval90(fs, mask)
         mean = float(p[mask].mean()) if n else math.nan
         inside = "-" if not n else "yes" if a <= mean <= c else "no"
-        out.append(f"| [{lo:.1f}, {min(hi, 1.0):.1f}{']' if hi > 1 else ')'} | {n} | {mean:.3f} | "
-                   f"{k / n if n else math.nan:.3f} | {a:.3f}-{c:.3f} | {inside} |")
+        run_inside = "-" if not n else "yes" if ra <= mean <= rc else "no"
+        nruns = len({f.run for f, m in zip(fs, mask) if m})
+        out.append(f"| [{lo:.1f}, {min(hi, 1.0):.1f}{']' if hi > 1 else ')'} | {n} ({nruns}) | {mean:.3f} | "
+                   f"{k / n if n else math.nan:.3f} | {ra:.3f}-{rc:.3f} | {run_inside} | {a:.3f}-{c:.3f} | "
+                   f"{inside} |")
     return out
 
 
 def figure(fs: list[Forecast], path: Path) -> None:
-    """Predicted against observed in ten bins, with the 90% intervals and the count per bin."""
+    """Predicted against observed in ten bins, with the 90% intervals (runs resampled) and the count per bin."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -145,13 +171,13 @@ def figure(fs: list[Forecast], path: Path) -> None:
         if not n:
             continue
         k = int(y[mask].sum())
-        a, c = interval90(k, n)
+        a, c = run_interval90(fs, mask)
         x = float(p[mask].mean())
-        ax.errorbar(x, k / n, yerr=[[k / n - a], [c - k / n]], fmt="o", color="#1f77b4", capsize=3)
+        ax.errorbar(x, k / n, yerr=[[max(0.0, k / n - a)], [max(0.0, c - k / n)]], fmt="o", color="#1f77b4", capsize=3)
         ax.annotate(str(n), (x, k / n), textcoords="offset points", xytext=(6, -10), fontsize=7)
     ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="collapse_risk (mean in the bin)",
            ylabel="observed frequency of a collapse within 50 steps",
-           title="collapse_risk on the report runs (90% intervals; n per bin)")
+           title="collapse_risk on the report runs\n(90% intervals, runs resampled; forecasts per bin)")
     ax.legend(loc="upper left", fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -188,3 +188,25 @@ def test_a_layer_whose_risk_keeps_returning_gets_a_second_warning_that_says_so_a
     restored = CollapseRisk(RiskConfig(), AttentionStates(StatesConfig()), 50, toy_model())
     restored.load_state_dict(json.loads(json.dumps(risk.state_dict())))
     assert restored.recurrence.opened == {"L00": 4}
+
+
+def test_the_calibration_interval_resamples_runs_not_forecasts():
+    """Fifty runs whose forecasts share their run's fate: the interval with the run as the unit is as wide as
+    fifty trials allow (and the Jeffreys interval of 5,000 'independent' forecasts far narrower); with one forecast
+    per run both agree."""
+    from evaluation.report import Forecast, interval90, run_interval90
+
+    def runs(per_run: int) -> list[Forecast]:
+        return [Forecast(f"r{i}", 1e-3, 0, "", "lm", t, "layer0", 0.3, int(i % 10 < 3))
+                for i in range(50) for t in range(per_run)]
+
+    many = runs(100)
+    mask = np.ones(len(many), bool)
+    lo, hi = run_interval90(many, mask)
+    jlo, jhi = interval90(sum(f.y for f in many), len(many))
+    assert lo < 0.3 < hi and 0.15 < hi - lo < 0.3  # about 2 x 1.645 x sqrt(0.21 / 50) = 0.21
+    assert jhi - jlo < 0.03
+    one = runs(1)
+    lo1, hi1 = run_interval90(one, np.ones(len(one), bool))
+    jlo1, jhi1 = interval90(15, 50)
+    assert abs((hi1 - lo1) - (jhi1 - jlo1)) < 0.05
