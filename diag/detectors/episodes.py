@@ -55,6 +55,12 @@ class Episodes:
         entry = self.keys.get(key)
         return entry[1] if entry else None
 
+    def holding(self, key: str) -> bool:
+        """Active and not on its way out: no exit dwell under way (the last sample that left the between-lines
+        band was inside)."""
+        entry = self.keys.get(key)
+        return bool(entry and entry[0] and entry[3] is None)
+
     def update(self, key: str, step: int, inside: bool, outside: bool) -> Opened | Closed | None:
         """``inside``: the enter test holds; ``outside``: the exit test holds (never both). Neither
         (between the lines, or not measurable) changes nothing: not the count, not the dwell's start."""

@@ -134,16 +134,22 @@ class _Machine:
                 if event is not None:
                     out.append((state, key, event))
         for state, episodes in self.heads.items():
+            need = layer_needs(n, self.cfg)
             active = [h for h in range(n) if episodes.active(head_key(label, h, n))]
-            now = len(active) >= layer_needs(n, self.cfg)
+            # a layer enters a state when enough heads hold it at once, and leaves it when too few are still in
+            # it: a head already on its way out (its exit dwell under way) does not open a layer, or a layer
+            # would be "established" by a head whose attention had left the state before the others entered
+            # it (issue #31's second report set: a layer opened at step 75 by a head whose exit began at 52)
+            holding = [h for h in active if episodes.holding(head_key(label, h, n))]
             if label not in self.layers[state] and self.derive:  # resumed from heads only: known, not news
-                self.layers[state][label] = now
+                self.layers[state][label] = len(active) >= need
             was = self.layers[state].get(label, False)
+            now = len(active) >= need if was else len(holding) >= need
             if now != was:
                 self.layers[state][label] = now
                 if now:
-                    sinces = sorted(episodes.since(head_key(label, h, n)) for h in active)
-                    event = Opened(sinces[layer_needs(n, self.cfg) - 1])
+                    sinces = sorted(episodes.since(head_key(label, h, n)) for h in holding)
+                    event = Opened(sinces[need - 1])
                 else:  # the layer's state ended where the exit of the head that left it began
                     ends = [e.until for st, w, e in out if st == state and isinstance(e, Closed)]
                     event = Closed(-1, min(ends, default=step))

@@ -189,6 +189,21 @@ def test_a_layers_state_ends_where_the_exit_of_the_head_that_left_it_began():
     assert [(e.where, e.until) for e in episodes if e.where == "L00"] == [("L00", 100)]
 
 
+def test_a_head_on_its_way_out_does_not_open_its_layer_with_a_head_coming_in():
+    """Head 0 malignant from 0 to 40, then healthy (its exit dwell: 40 to 90); head 1 malignant from 60 on: the two
+    were never in the state together, so the layer is not (before the fix, its episode opened at step 70 and
+    "ended" at 40). Once both hold it at once, it is."""
+    def e0(s):
+        return 0.1 if s < 40 or s >= 150 else 2.0
+    script = [(s, attn([e0(s), 0.1 if s >= 60 else 2.0], [2.0 if e0(s) < 1 else 40.0, 2.0 if s >= 60 else 40.0]))
+              for s in range(0, 200, 5)]
+    alerts, episodes = run(script)
+    layer = [(e.since, e.opened, e.until) for e in episodes if e.where == "L00" and e.state == "malignant"]
+    assert layer == [(150, 160, None)]
+    assert all(e.until is None or e.until >= e.opened for e in episodes)
+    assert [(a.step, a.since) for a in alerts if a.where == "L00" and a.status == "firing"] == [(160, 150)]
+
+
 def test_a_resume_from_head_episodes_only_does_not_announce_the_layer_again():
     """A state saved before layers were kept (format 2: ``attention_episodes``, heads only): the layer's state is
     derived from its heads on resume, silently, not fired as news."""
