@@ -205,23 +205,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=("fit", "calibrate", "explore"))
     parser.add_argument("runs", type=Path)
-    parser.add_argument("--set", default="design")
+    parser.add_argument("--set", nargs="+", default=["design"],
+                        help="the sets whose runs are fitted on (calibrate: e.g. tuning report2)")
     parser.add_argument("--trust", nargs="+", default=["design", "tuning"],
                         help="the sets whose runs the warning's message quotes (default: design tuning)")
     parser.add_argument("--out", type=Path, default=MODEL_FILE)
     args = parser.parse_args()
-    runs = collapse_runs(args.runs, args.set)
+    runs = [r for name in args.set for r in collapse_runs(args.runs, name)]
+    sets = " and ".join(args.set)
     if args.command == "calibrate":
         model = RiskModel.shipped()
         model.calibration = []
         args.out.write_text(json.dumps(model.to_dict(), indent=1) + "\n")  # the forecasts before any calibration
         n = calibrate(runs, model)
-        model.calibrated_on = f"the {args.set} runs of evaluation/seeds.py ({len(runs)} runs, {n} forecasts)"
+        model.calibrated_on = f"the {sets} runs of evaluation/seeds.py ({len(runs)} runs, {n} forecasts)"
         print(f"{model.calibrated_on}: " + ", ".join(f"{x:.2f} -> {v:.3f}" for x, v in zip(*model.calibration)
                                                      if round(x * 40) % 4 == 0))
         args.out.write_text(json.dumps(model.to_dict(), indent=1) + "\n")
         model.trust = trust(runs)  # what the runs did at each level, with the recalibrated model
-        model.trust_on = f"{args.set} runs"
+        model.trust_on = f"{sets} runs" if len(args.set) == 1 else "evaluation runs"
         args.out.write_text(json.dumps(model.to_dict(), indent=1) + "\n")
         print(f"trust over {len(runs)} runs: {model.trust}\nwrote {args.out}")
         return
@@ -230,7 +232,7 @@ def main() -> None:
           f"{sum(s.layer_y == 1 for s in samples)} layer positives, "
           f"{sum(int((s.head_y == 1).sum()) for s in samples)} head positives")
     model = fit(samples)
-    model.fitted_on = f"the {args.set} runs of evaluation/seeds.py ({len(runs)} runs)"
+    model.fitted_on = f"the {sets} runs of evaluation/seeds.py ({len(runs)} runs)"
     for name, w in zip(FEATURES, model.weights):
         print(f"  {name:20s} {w:+.3f}")
     print(f"  layer: scale {model.layer_scale:.3f} bias {model.layer_bias:.3f}")

@@ -4,9 +4,11 @@
 
 Three choices, each printed as a table of every value tried:
 
-* ``warn_risk``, the risk at which ``collapse_warning`` fires: on the tuning runs of the GPT away from the boundary
-  learning rate at the default cadence, the most collapses warned 5 steps or more before their onset, minus two
-  for each warned run without a layer collapse; ties go to the higher value (fewer warnings).
+* ``warn_risk`` and ``warn_samples``, the risk at which ``collapse_warning`` fires and at how many samples in a
+  row: on the collapse runs (the GPT, its QK-norm twins and the collapse ViT: the runs of the report's warning
+  table) away from the boundary learning rate at the default cadence, the most collapses warned 5 steps or more
+  before their onset, minus two for each warned run without a layer collapse; ties go to the higher value and
+  then to more samples (fewer warnings).
 * ``plateau_qk_motion``, how little the query/key product may move per unit of its updates on a plateau: every
   softmax Eureka plateau of the tuning set flagged before its accuracy jump at every cadence, minus two for each
   plateau alert on a healthy run (the design set's: the tuning set has none) that the NormSoftmax twin test does
@@ -27,27 +29,30 @@ from evaluation.seeds import BOUNDARY_LR, SETS
 from evaluation.truth import Run, load_runs
 
 WARN_RISK = (0.1, 0.15, 0.2, 0.3, 0.4, 0.5)
+WARN_SAMPLES = (1, 2, 3)
 QK_MOTION = (0.06, 0.08, 0.1, 0.12, 0.15, 0.2)
 MAX_GROWTH = (1.2, 1.3, 1.35, 1.5, 2.0, float("inf"))
 
 
 def warn_score(rows: list[dict]) -> tuple[int, int, int]:
-    away = [r for r in rows if r["kind"] == "collapse" and r["lr"] != BOUNDARY_LR and not r["twin"]]
+    away = [r for r in rows if r["kind"] == "collapse" and r["lr"] != BOUNDARY_LR]
     caught = sum(r["warned"] and r["lead"] >= 5 for r in away)
     false = sum(r["false_warning"] for r in away)
     return caught - 2 * false, caught, false
 
 
-def tune_warn(runs: list[Run]) -> tuple[float, list[str]]:
-    collapse = [r for r in runs if r.spec.task == "lm"]
-    table = ["| warn_risk | collapses warned >= 5 steps ahead | false warnings | score |", "|---|---|---|---|"]
+def tune_warn(runs: list[Run]) -> tuple[tuple[float, int], list[str]]:
+    collapse = [r for r in runs if r.spec.task in ("lm", "vit") and r.spec.steps <= 400]
+    table = ["| warn_risk | warn_samples | collapses warned >= 5 steps ahead | false warnings | score |",
+             "|---|---|---|---|---|"]
     best = None
     for value in WARN_RISK:
-        rows = judge.rows_of(collapse, AlertConfig(warn_risk=value, watch_risk=min(value, 0.2)), ("default",))
-        score, caught, false = warn_score(rows)
-        table.append(f"| {value:g} | {caught} | {false} | {score} |")
-        if best is None or score >= best[0]:
-            best = (score, value)
+        for samples in WARN_SAMPLES:
+            cfg = AlertConfig(warn_risk=value, watch_risk=min(value, 0.2), warn_samples=samples)
+            score, caught, false = warn_score(judge.rows_of(collapse, cfg, ("default",)))
+            table.append(f"| {value:g} | {samples} | {caught} | {false} | {score} |")
+            if best is None or score >= best[0]:
+                best = (score, (value, samples))
     return best[1], table
 
 
@@ -104,16 +109,17 @@ def tune_growth(runs: list[Run]) -> tuple[float, list[str]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", type=Path)
-    parser.add_argument("--set", default="tuning", choices=sorted(SETS))
+    parser.add_argument("--set", nargs="+", default=["tuning"], choices=sorted(SETS),
+                        help="the sets tuned on (several: their runs together, each counted once)")
     parser.add_argument("--only", choices=("warn", "plateau"), help="one of the two choices")
     args = parser.parse_args()
-    runs = load_runs(args.runs, SETS[args.set])
-    print(f"{args.set}: {len(runs)} runs of {len(SETS[args.set])} planned\n")
+    runs = [r for name in args.set for r in load_runs(args.runs, SETS[name])]
+    print(f"{' and '.join(args.set)}: {len(runs)} runs of {sum(len(SETS[n]) for n in args.set)} planned\n")
     if not any(r.spec.task == "hf" for r in runs):  # the tuning set has none: the design set's healthy runs
         runs += [r for r in load_runs(args.runs, SETS["design"]) if r.spec.task == "hf"]
     if args.only in (None, "warn"):
-        value, table = tune_warn(runs)
-        print("\n".join(table) + f"\n\nwarn_risk: {value:g}\n")
+        (value, samples), table = tune_warn(runs)
+        print("\n".join(table) + f"\n\nwarn_risk: {value:g}, warn_samples: {samples}\n")
     if args.only in (None, "plateau"):
         value, table, left_out = tune_plateau(runs)
         print("\n".join(table) + f"\n\nplateau_qk_motion: {value:g}")

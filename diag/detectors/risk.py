@@ -184,7 +184,8 @@ def _trust_text(model: RiskModel, p: float) -> str:
 
 class CollapseRisk:
     """``collapse_risk`` per layer at every sample that holds spectra and attention; ``collapse_warning`` (an
-    episode per layer) while it is at ``warn_risk`` or more and the layer has not collapsed yet."""
+    episode per layer) once it was at ``warn_risk`` or more at ``warn_samples`` samples of the layer in a row and
+    the layer has not collapsed yet."""
 
     def __init__(self, cfg: RiskConfig, states: AttentionStates, exit_dwell: int,
                  model: RiskModel | None = None) -> None:
@@ -193,7 +194,7 @@ class CollapseRisk:
         self.trends: dict[str, HeadTrend] = {}
         self.risk: dict[str, list[float]] = {}  # layer -> [step, p] of its last judged sample
         self.fresh: dict[str, float] = {}  # the risks of the last observation, for the Monitor to log
-        self.episodes = Episodes(Dwell(1, 0), Dwell(2, exit_dwell))
+        self.episodes = Episodes(Dwell(cfg.warn_samples, 0), Dwell(2, exit_dwell))
         self.recurrence = Recurrence()  # at most three collapse_warning records per layer
         self.growth: dict[str, float] = {}  # layer -> sigma_1 growth of its fastest head over risk_window
 

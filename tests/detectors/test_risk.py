@@ -210,3 +210,21 @@ def test_the_calibration_interval_resamples_runs_not_forecasts():
     lo1, hi1 = run_interval90(one, np.ones(len(one), bool))
     jlo1, jhi1 = interval90(15, 50)
     assert abs((hi1 - lo1) - (jhi1 - jlo1)) < 0.05
+
+
+def test_one_sample_of_high_risk_is_no_warning_two_in_a_row_are():
+    """warn_samples (2): a layer's risk at warn_risk at one sample and under it at the next (a transient dip of
+    attention, issue #31's QK-norm runs at steps 4 and 12) warns nobody; at 2 samples in a row it warns, dated
+    from the first. With warn_samples=1 the single sample warns."""
+    def alerts_of(entropies, cfg):
+        risk = CollapseRisk(cfg, AttentionStates(StatesConfig()), 50, toy_model())
+        out = []
+        for i, e in enumerate(entropies):
+            m = sample([0.1, 0.1], [0.3, 0.3], [e * 4.0] * 2, [60, 60], [2.0, 2.0])
+            out += risk.observe(Observation(i * 10, None, {"L00": m}))
+        return [(a.step, a.since, a.status) for a in out]
+
+    spike = [0.9, 0.1, 0.9, 0.9, 0.9]  # p: 0.05, 0.65, 0.05, ...
+    assert alerts_of(spike, RiskConfig()) == []
+    assert alerts_of(spike, RiskConfig(warn_samples=1)) == [(10, 10, "firing")]
+    assert alerts_of([0.9, 0.1, 0.1, 0.9], RiskConfig()) == [(20, 10, "firing")]
