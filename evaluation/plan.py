@@ -15,7 +15,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
-from evaluation.runs import RunSpec, record
+from evaluation.runs import Claimed, RunSpec, record
 from evaluation.seeds import SETS
 
 COST = {"lm": 1.0, "vit": 0.15, "hf": 0.25}  # rough seconds per step at the run's cadence, for the order only
@@ -60,8 +60,9 @@ def main() -> None:
             futures = {pool.submit(record, spec, args.out): spec for spec in specs}
             for future in as_completed(futures):
                 done, spec, error = done + 1, futures[future], future.exception()
-                print(f"[{done}/{len(todo)}] {time.perf_counter() - start:7.0f}s {spec.name}"
-                      + (f" FAILED: {error!r}" if error else ""), flush=True)
+                outcome = ("" if error is None else f" NOT RECORDED: {error}" if isinstance(error, Claimed)
+                           else f" FAILED: {error!r}")
+                print(f"[{done}/{len(todo)}] {time.perf_counter() - start:7.0f}s {spec.name}{outcome}", flush=True)
 
 
 if __name__ == "__main__":

@@ -198,17 +198,52 @@ def train_hf(spec: RunSpec, out: Path) -> dict:
 TRAIN = {"lm": train_lm, "vit": train_vit, "hf": train_hf}
 
 
+class Claimed(RuntimeError):
+    """The run's folder is being recorded by another living process (two plans over one folder)."""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a process of another user
+        return True
+    return True
+
+
+def claim(out: Path) -> None:
+    """Claim ``out`` for this process: ``.claim`` holds the claimer's process id. A claim whose process is
+    gone (a killed or crashed recording) is taken over; one whose process lives raises :class:`Claimed`, and
+    so does an empty one (written by an older plan, or being written this instant), which names the file to
+    remove when no plan is recording."""
+    path = out / ".claim"
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            text = path.read_text().strip() if path.exists() else ""
+            if not text.isdigit():
+                raise Claimed(f"{path} exists and names no process (an older plan's claim, or one being written): "
+                              f"remove it if no plan is recording into {out.parent}") from None
+            if _alive(int(text)):
+                raise Claimed(f"{out.name} is being recorded by process {text} ({path})") from None
+            path.unlink(missing_ok=True)  # its recorder is gone: take the run over
+            continue
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
+        return
+    raise Claimed(f"{path} was claimed again while this process took over a stale claim")
+
+
 def record(spec: RunSpec, root: Path) -> Path:
     """Train ``spec`` and record it into ``root / spec.name`` (``run.json`` last: a folder without it is
-    incomplete and is recorded again)."""
+    incomplete and is recorded again). Raises :class:`Claimed` when another living process records it."""
     out = root / spec.name
     if (out / "run.json").exists():  # recorded meanwhile (another plan process)
         return out
     out.mkdir(parents=True, exist_ok=True)
-    try:  # claimed by one process only (two plans over one folder); a crashed run's claim is removed by hand
-        os.close(os.open(out / ".claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-    except FileExistsError:
-        return out
+    claim(out)
     torch.set_num_threads(spec.threads)
     result = TRAIN[spec.task](spec, out)
     lrs = [spec.lr * lr_factor(spec, s) for s in range(spec.steps)]
@@ -234,7 +269,10 @@ def main() -> None:
             parser.add_argument(flag, type=kind, default=f.default)
     args = vars(parser.parse_args())
     root = args.pop("out")
-    print(record(RunSpec(**args), root))
+    try:
+        print(record(RunSpec(**args), root))
+    except Claimed as error:
+        raise SystemExit(f"not recorded: {error}") from None
 
 
 if __name__ == "__main__":

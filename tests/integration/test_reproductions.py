@@ -153,3 +153,25 @@ def test_a_plan_runs_multi_threaded_runs_with_fewer_processes():
     assert [(jobs, {s.threads for s in specs}) for jobs, specs in out] == [(2, {1}), (1, {2})]
     assert sum(len(specs) for _, specs in out) == len(SETS["report"])
     assert len(out[1][1]) == 20  # the 20 replicas at the boundary
+
+
+def test_a_claim_whose_recorder_is_gone_is_taken_over_and_a_living_one_is_not(tmp_path):
+    """A killed recording left its ``.claim`` behind, and the plan reported the run as recorded while skipping
+    it; now the claim holds its process id: a dead one's is taken over, a living one's or an unreadable one
+    says which file to look at."""
+    import os
+    import subprocess
+    import sys
+
+    from evaluation.runs import Claimed, claim
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    (tmp_path / ".claim").write_text(gone)
+    claim(tmp_path)
+    assert (tmp_path / ".claim").read_text() == str(os.getpid())
+    with pytest.raises(Claimed, match=f"being recorded by process {os.getpid()}"):
+        claim(tmp_path)  # this process lives
+    (tmp_path / ".claim").write_text("")
+    with pytest.raises(Claimed, match=r"names no process .* remove it if no plan is recording"):
+        claim(tmp_path)
