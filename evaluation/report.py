@@ -126,16 +126,19 @@ def risk_tables(fs: list[Forecast], design: list[Forecast], fitted_on: str = "de
     p, y = np.array([f.p for f in fs]), np.array([f.y for f in fs], float)
     b = brier(p, y)
     base = brier(lr_base_rate(fs), y)
-    cfg_p = config_model(design)(fs) if design and len({f.y for f in design}) == 2 else np.full(len(fs), y.mean())
+    fitted = bool(design) and len({f.y for f in design}) == 2
+    cfg_p = config_model(design)(fs) if fitted else np.full(len(fs), y.mean())
     conf = brier(cfg_p, y)
+    config_row = (f"configuration only (ln lr, warmup, QK-norm, ln step; fitted on the {fitted_on} runs)" if fitted
+                  else "configuration only: not fitted (no design or tuning GPT runs recorded under RUNS, or none "
+                       "collapsed); this set's overall frequency instead")
     out = [f"{len(fs)} forecasts on {len({f.run for f in fs})} runs, {int(y.sum())} followed by a collapse within "
            "the horizon.", "",
            "| forecast | Brier score | skill of collapse_risk over it |", "|---|---|---|",
            f"| collapse_risk | {b:.4f} | - |",
            f"| the learning rate's base rate (this set's own frequency per setting) | {base:.4f} | "
            f"{1 - b / base:.3f} |" if base > 0 else "| base rate | 0 | - |",
-           f"| configuration only (ln lr, warmup, QK-norm, ln step; fitted on the {fitted_on} runs) | {conf:.4f} | "
-           f"{1 - b / conf:.3f} |" if conf > 0 else "| configuration | 0 | - |", "",
+           f"| {config_row} | {conf:.4f} | {1 - b / conf:.3f} |" if conf > 0 else "| configuration | 0 | - |", "",
            "| predicted | forecasts (runs) | mean predicted | observed frequency | its 90% interval, runs "
            "resampled | inside | the interval counting forecasts as independent | inside |",
            "|---|---|---|---|---|---|---|---|"]

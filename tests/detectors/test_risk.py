@@ -212,6 +212,19 @@ def test_the_calibration_interval_resamples_runs_not_forecasts():
     assert abs((hi1 - lo1) - (jhi1 - jlo1)) < 0.05
 
 
+def test_the_configuration_baseline_says_when_it_could_not_be_fitted():
+    """With no design or tuning runs under RUNS the baseline is the set's own overall frequency, and its row
+    says so (it used to read "fitted on the tuning runs" all the same)."""
+    from evaluation.report import Forecast, risk_tables
+
+    fs = [Forecast(f"r{i}", lr, 0, "", "lm", t, "layer0", 0.3, int(lr > 4e-3 and t > 5))
+          for i, lr in enumerate((2e-3, 5e-3, 1e-2)) for t in range(10)]
+    assert any("not fitted" in line for line in risk_tables(fs, [], "tuning"))
+    fitted = risk_tables(fs, fs, "tuning")
+    assert any("fitted on the tuning runs" in line for line in fitted)
+    assert not any("not fitted" in line for line in fitted)
+
+
 def test_one_sample_of_high_risk_is_no_warning_two_in_a_row_are():
     """warn_samples (2): a layer's risk at warn_risk at one sample and under it at the next (a transient dip of
     attention, issue #31's QK-norm runs at steps 4 and 12) warns nobody; at 2 samples in a row it warns, dated
