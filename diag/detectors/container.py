@@ -81,7 +81,7 @@ class Detectors:
 
     def confirming(self) -> int:
         """How many more steps of close attention samples a state being confirmed needs (0: none is); the
-        Monitor samples attention every ``CloserLookConfig.early_every`` steps meanwhile."""
+        Monitor samples attention every ``CloserLookConfig.confirm_every`` steps meanwhile."""
         return max((getattr(d, "confirming", lambda: 0)() for d in self.detectors), default=0)
 
     def state_dict(self) -> dict:

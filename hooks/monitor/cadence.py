@@ -95,14 +95,18 @@ def resolve_cadence(every: int | None, cadence: Mapping[str, int] | None, signal
 @dataclass(frozen=True)
 class CloserLookConfig:
     """How the closer look samples (docs/cost.md#watching-closer): for ``hold`` steps after the detectors last
-    asked, and every ``early_every`` steps within the run's first ``early`` steps."""
+    asked, every ``early_every`` steps within the run's first ``early`` steps, and every ``confirm_every`` steps
+    while a malignant state is being confirmed (every step: the dwell judged on the steps the evaluation's ground
+    truth judges it on; on every second step a head whose entropy alternates around the exit line was
+    established where the attention of every step has no collapse, docs/alerts.md#episodes)."""
 
     hold: int = 100
     early: int = 30
     early_every: int = 2
+    confirm_every: int = 1
 
     def __post_init__(self) -> None:
-        for name, low in (("hold", 0), ("early", 0), ("early_every", 1)):
+        for name, low in (("hold", 0), ("early", 0), ("early_every", 1), ("confirm_every", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"CloserLookConfig({name}={value!r}): expected an integer >= {low}")
@@ -120,19 +124,22 @@ class CloserLook:
     reason. Within the run's first ``early`` steps a close look samples every ``early_every`` steps
     instead: a head of a run with large first updates can collapse within ten steps (measured:
     established at steps 7 and 10, docs/alerts.md#evaluation), before the 10-step cadence's second
-    sample. Off (``period`` None) when attention is already sampled at the shortest period.
+    sample. While a malignant state is being confirmed it samples every ``confirm_every`` steps. Off
+    (``period`` None) when attention is already sampled at the shortest period.
     """
 
     def __init__(self, cadence: Cadence, hold: int = CloserLookConfig.hold, enabled: bool = True,
-                 early: int = CloserLookConfig.early, early_every: int = CloserLookConfig.early_every) -> None:
+                 early: int = CloserLookConfig.early, early_every: int = CloserLookConfig.early_every,
+                 confirm_every: int = CloserLookConfig.confirm_every) -> None:
         base = cadence.base
         self.families = frozenset(f for f in ("attention", "spectra") if cadence.periods.get(f, base) > base)
         self.period = base if enabled and "attention" in self.families else None
         self.hold = hold
         self.early = early if early_every < base else 0  # steps [0, early) sample every early_every steps
         self.early_every = early_every
+        self.confirm_every = confirm_every
         self.until = -1  # the last step that samples attention closely
-        self.confirm_until = -1  # ... and the last that samples it every early_every steps to confirm a state
+        self.confirm_until = -1  # ... and the last that samples it every confirm_every steps to confirm a state
 
     def adds(self, step: int) -> frozenset[str]:
         """The families ``step`` samples beyond the cadence (none, or attention and maybe the spectra); a step
@@ -140,22 +147,21 @@ class CloserLook:
         being confirmed."""
         if self.period is None or step > self.until:
             return _NOTHING
-        dense = step < self.early or step <= self.confirm_until
-        if step % (self.early_every if dense else self.period) == 0:
-            return self.families
-        return _NOTHING
+        every = (self.confirm_every if step <= self.confirm_until else self.early_every if step < self.early
+                 else self.period)
+        return self.families if step % every == 0 else _NOTHING
 
     def update(self, step: int, reason: str | None, confirm: int = 0) -> bool:
         """After the detectors judged ``step``: extend the close look if they gave a reason. True when a
         close look starts (none was on). ``confirm`` (steps, from ``Detectors.confirming``): a state that
         needs that many more steps of attention to be established or cleared is sampled every
-        ``early_every`` steps meanwhile: a dwell judged on samples 10 or 50 steps apart misses what happens
-        between them (docs/alerts.md#episodes)."""
+        ``confirm_every`` steps meanwhile: a dwell judged on samples 10 or 50 steps apart (or 2) misses what
+        happens between them (docs/alerts.md#episodes)."""
         if self.period is None or not reason:
             return False
         started = step >= self.until
         self.until = max(self.until, step + self.hold)
-        if confirm > 0 and self.early_every < self.period:
+        if confirm > 0 and self.confirm_every < self.period:
             self.confirm_until = max(self.confirm_until, step + confirm)
             self.until = max(self.until, self.confirm_until)
         return started

@@ -100,7 +100,8 @@ class Monitor:
             cadence), also sample it (and the spectra) with the loss while a head's sigma_1
             grows fast, a collapse is being confirmed or the first updates are large
             (``RiskConfig.watch_risk`` and ``watch_growth``; for ``CloserLookConfig.hold`` steps, every
-            ``early_every`` steps within the first ``early``; pass a ``CloserLookConfig`` to change them;
+            ``early_every`` steps within the first ``early``, every ``confirm_every`` while a malignant state
+            is being confirmed; pass a ``CloserLookConfig`` to change them;
             docs/cost.md#watching-closer). One process only: under DDP, FSDP or tensor parallelism
             the ranks would have to agree every sampled step, so it is off there.
     """
@@ -164,6 +165,7 @@ class Monitor:
         self._updates_at_once = cfg.note_horizon  # updates of steps before this are measured on the next step
         look = closer_look if isinstance(closer_look, CloserLookConfig) else CloserLookConfig()
         self.closer = CloserLook(self.cadence, look.hold, early=look.early, early_every=look.early_every,
+                                 confirm_every=look.confirm_every,
                                  enabled=bool(closer_look) and world_size() == 1 and "attention" in self.signals)
         if world_size() > 1:
             self.detectors = SharedDetectors(self.detectors, stop_on_critical)
@@ -339,10 +341,12 @@ class Monitor:
         reason = self.detectors.wants_attention()
         confirm = getattr(self.detectors, "confirming", lambda: 0)()
         if self.closer.update(step, reason, confirm):
-            dense = max(self.closer.early - 1, self.closer.confirm_until)
+            confirming = step <= self.closer.confirm_until
+            dense = self.closer.confirm_until if confirming else self.closer.early - 1
+            every = self.closer.confirm_every if confirming else self.closer.early_every
             early = step <= dense
             log.info("diag: %s: attention sampled every %d steps%s until at least step %d (closer_look)", reason,
-                     self.closer.early_every if early else self.closer.period,
+                     every if early else self.closer.period,
                      f" up to step {dense}, then every {self.closer.period}" if early else "",
                      self.closer.until)
 

@@ -214,32 +214,44 @@ def test_closer_look_holds_and_stays_off_when_attention_is_as_frequent():
     assert CloserLook(resolve_cadence(2, None, ("spectra", "attention")), hold=25, early=30).period is None
 
 
-def test_closer_look_confirms_a_state_every_early_every_steps_then_returns_to_its_period():
-    """A state being confirmed (``confirm`` steps) is sampled every ``early_every`` steps, also at steps the
-    cadence does not sample; after it, the close look's period again; never when early_every is not shorter."""
-    look = CloserLook(resolve_cadence(None, None, ("spectra", "attention")), hold=30, early=0, early_every=2)
+def test_closer_look_confirms_a_state_every_confirm_every_steps_then_returns_to_its_period():
+    """A state being confirmed (``confirm`` steps) is sampled every ``confirm_every`` steps (by default every
+    step), also at steps the cadence does not sample; after it, the close look's period again; never when
+    confirm_every is not shorter than that period. The early look keeps its own interval."""
+    look = CloserLook(resolve_cadence(None, None, ("spectra", "attention")), hold=30, early=0)
+    assert look.confirm_every == 1
     assert look.update(50, "a malignant state is being confirmed", confirm=20) and look.confirm_until == 70
-    assert [s for s in range(51, 100) if look.adds(s)] == [52, 54, 56, 58, 60, 62, 64, 66, 68, 70, 80]
+    assert [s for s in range(51, 100) if look.adds(s)] == list(range(51, 71)) + [80]
     look.update(80, "still watching")  # no confirmation asked: the window does not grow
     assert look.confirm_until == 70 and look.until == 110
-    coarse = CloserLook(resolve_cadence(None, None, ("spectra", "attention")), hold=30, early=0, early_every=10)
+    two = CloserLook(resolve_cadence(None, None, ("spectra", "attention")), hold=30, early=0, confirm_every=2)
+    two.update(50, "why", confirm=20)
+    assert [s for s in range(51, 100) if two.adds(s)] == [52, 54, 56, 58, 60, 62, 64, 66, 68, 70, 80]
+    coarse = CloserLook(resolve_cadence(None, None, ("spectra", "attention")), hold=30, early=0, confirm_every=10)
     coarse.update(50, "why", confirm=20)
     assert coarse.confirm_until == -1 and [s for s in range(51, 81) if coarse.adds(s)] == [60, 70, 80]
+    early = CloserLook(resolve_cadence(None, None, ("spectra", "attention")), hold=30, early=30)
+    early.update(1, "first updates are large")
+    assert [s for s in range(2, 12) if early.adds(s)] == [2, 4, 6, 8, 10]  # early_every, not confirm_every
+    early.update(12, "a malignant state is being confirmed", confirm=5)
+    assert [s for s in range(13, 24) if early.adds(s)] == [13, 14, 15, 16, 17, 18, 20, 22]
+    with pytest.raises(ConfigError, match="confirm_every"):
+        CloserLookConfig(confirm_every=0)
 
 
-def test_a_malignant_state_being_confirmed_is_sampled_every_2_steps_by_the_monitor():
+def test_a_malignant_state_being_confirmed_is_sampled_every_step_by_the_monitor():
     """Lines so loose that every head is inside the malignant state at its first sample (step 0): its dwell (2
-    samples, 10 steps) is confirmed on attention every 2 steps (steps no family samples otherwise), with the very
-    values of every=2, and the head is established at step 10, not at the next 10-step sample's 20. With
-    collapse_persist=1 the state is established at once: nothing to confirm, no 2-step samples."""
+    samples, 10 steps) is confirmed on attention every step (steps no family samples otherwise) up to twice the
+    dwell, with the very values of every=1, and the head is established at step 10, not at the next 10-step
+    sample's 20. With collapse_persist=1 the state is established at once: nothing to confirm, no close samples."""
     loose = dict(sparse_entropy=10.0, low_rank_frac=1.0, collapse_dwell=10)
     sink, _ = train(41, alerts=AlertConfig(collapse_persist=2, **loose), closer_look=CloserLookConfig(hold=30, early=0))
     seen = steps_by_family(sink)
-    assert set(range(0, 21, 2)) <= seen["attention"] and 22 not in seen["attention"]
+    assert set(range(0, 21)) <= seen["attention"] and not {21, 22, 25} & seen["attention"]
     assert seen["loss"] == set(range(0, 41, 10))
     opened = [r for r in sink.records if "alerts/malignant_collapse" in r.scalars]
     assert opened and min(r.step for r in opened) == 10
-    assert_values_of(sink, train(41, every=2)[0])
+    assert_values_of(sink, train(41, every=1)[0])
     at_once, _ = train(41, alerts=AlertConfig(collapse_persist=1, **loose),
                        closer_look=CloserLookConfig(hold=30, early=0))
-    assert not {2, 4, 6, 8} & steps_by_family(at_once)["attention"]
+    assert not {1, 2, 3, 5, 8} & steps_by_family(at_once)["attention"]
