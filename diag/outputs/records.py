@@ -57,6 +57,11 @@ def host_arrays(per_layer: Sequence[tuple[str, dict[str, Tensor]]]) -> LayerArra
         for metric, t in values.items():
             names.append((label, metric))
             tensors.append(t.reshape(-1).double())
+    # tensors on several devices (a loss tensor on the CPU beside a model on the GPU, a model split over two
+    # GPUs) meet on the first accelerator's: still one transfer to the host
+    device = next((t.device for t in tensors if t.device.type != "cpu"), None)
+    if device is not None:
+        tensors = [t.to(device) for t in tensors]
     flat = torch.cat(tensors).cpu().numpy() if tensors else np.zeros(0)  # one host sync
     arrays: LayerArrays = {}
     offset = 0

@@ -144,3 +144,27 @@ def test_metrics_on_cuda_equal_the_cpu_ones():
     assert not bad, [(k, a[k], b[k]) for k in bad[:5]]
     for step in (2, 3, 4, 7, 8, 9):  # every=5: 0, 5, 10 sampled, 1, 6 measure the update ratios
         assert counted[step].calls == [], step
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_a_loss_on_the_cpu_beside_a_model_on_the_gpu_is_logged():
+    """The loss may live on another device than the model (a loss computed on the host, a model split over
+    devices): the sample still holds every metric and the loss, with no failed-sample warning."""
+    import warnings
+
+    case = zoo.nanogpt(dropout=0.0)
+    model = case.model.cuda()
+    sink = MemorySink()
+    monitor = Monitor(model, sinks=[sink], images=False, every=1)
+    gen = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(3):
+            loss = case.loss(model, {k: v.cuda() for k, v in case.make_batch(gen).items()})
+            loss.backward()
+            monitor.step(step, loss=loss.detach().cpu())
+            model.zero_grad(set_to_none=True)
+    monitor.close()
+    assert [s for s, _ in sink.scalars("loss")] == [0, 1, 2]
+    assert any(t.startswith("attn_entropy") for r in sink.records for t in r.scalars)
