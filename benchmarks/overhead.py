@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/overhead.py --models 4x256 --only 2 --paired --reps 5 --everys default  # paired steps
     .venv/bin/python benchmarks/overhead.py --models small --reps 5
     .venv/bin/python benchmarks/overhead.py --models medium --only 1 --reps 1   # 24 layers x 1024
+    python benchmarks/overhead.py --device cuda --models small medium --only 1 2 3 --reps 3   # on a GPU
 
 Prints, for each GPT-2-shaped model given (Hugging Face, sdpa attention, random
 init, batch 4 x 128 tokens), one after the other in the same run, with the
@@ -54,11 +55,17 @@ SHAPES = {"small": (12, 12, 768), "4x256": (4, 8, 256), "medium": (24, 16, 1024)
 
 def clock() -> float:
     """Seconds on the clock chosen with --clock: this process's CPU time (default; immune to the waits
-    another process's load adds; the issue's measure is CPU time) or wall time."""
+    another process's load adds; the issue's measure is CPU time) or wall time. On a CUDA device
+    (``--device cuda``) wall time after the device finished its queued work (a synchronisation at every
+    reading, in the watched and the plain steps alike: the kernels' own time, not the host's)."""
+    if DEVICE.startswith("cuda"):
+        torch.cuda.synchronize()
+        return time.perf_counter()
     return time.process_time() if CLOCK == "cpu" else time.perf_counter()
 
 
 CLOCK = "cpu"
+DEVICE = "cpu"
 
 
 def load() -> str:
@@ -75,7 +82,7 @@ def build(size: str):
     layers, heads, width = SHAPES[size]
     torch.manual_seed(0)
     cfg = GPT2Config(n_layer=layers, n_head=heads, n_embd=width, vocab_size=8192, n_positions=256)
-    return GPT2LMHeadModel._from_config(cfg, attn_implementation="sdpa")
+    return GPT2LMHeadModel._from_config(cfg, attn_implementation="sdpa").to(DEVICE)
 
 
 def spectra(model, reps: int) -> None:
@@ -120,7 +127,7 @@ def train_steps(model, monitor, steps: int, start: int, parts: list | None = Non
     seconds inside that forward) per step."""
     captured = timed_capture(monitor) if monitor is not None else [0.0]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ids = torch.randint(0, 8192, (4, 128), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 8192, (4, 128), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     times = []
     for step in range(start, start + steps):
         t0 = clock()
@@ -145,7 +152,7 @@ def train_paired(plain_model, model, monitor, steps: int) -> tuple[float, float,
     Pairing each watched step with a plain step taken right before it cancels the machine's drifts (another
     process's load, frequency changes) that make two back-to-back windows differ by a percent or more."""
     captured = timed_capture(monitor)
-    ids = torch.randint(0, 8192, (4, 128), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 8192, (4, 128), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-4) for m in (plain_model, model)]
     plain = watched = 0.0
     parts = []
@@ -306,7 +313,7 @@ def families(model, base: float, reps: int) -> None:
     the first sample of a fresh Monitor (cold: no warm start for the update ratios' sigma_1, first
     buffers) and the median of ``reps`` warm ones 2 steps apart, as fractions of one training step."""
     print(f"4. sampled-step cost per signal family (fraction of one training step): {load()}")
-    ids = torch.randint(0, 8192, (4, 128), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 8192, (4, 128), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     for name, signals in (("loss", ()), ("grads", ("grads",)), ("spectra", ("spectra",)),
                           ("updates", ("updates",)), ("attention", ("attention",)), ("all", SIGNALS)):
         costs = _sample_costs(model, ids, signals, reps)
@@ -386,10 +393,14 @@ def main() -> None:
     parser.add_argument("--paired", action="store_true",
                         help="item 2 with paired steps (a watched and a plain copy of the model, one step of "
                              "each in turn) instead of back-to-back windows")
+    parser.add_argument("--device", default="cpu",
+                        help="the device the model trains on (cuda: wall time after a synchronisation; items 1-4)")
     parser.add_argument("--memory-child", choices=["plain", "monitored"], help=argparse.SUPPRESS)
     args = parser.parse_args()
-    global CLOCK
-    CLOCK = args.clock
+    global CLOCK, DEVICE
+    CLOCK, DEVICE = args.clock, args.device
+    if DEVICE != "cpu" and (set(args.only or "123456") - set("1234")):
+        parser.error("--device other than cpu measures items 1-4 only: pass --only with some of 1 2 3 4")
     torch.set_num_threads(args.threads)
     if args.memory_child:
         memory_child(args.models[0], args.memory_child == "monitored", 4)
@@ -398,8 +409,8 @@ def main() -> None:
     for size in args.models:
         model = build(size)
         layers, heads, width = SHAPES[size]
-        print(f"model: GPT-2 shape {layers} layers x {heads} heads, d_model {width}; batch 4 x 128; "
-              f"{args.threads} threads {load()}")
+        on = f"on {torch.cuda.get_device_name()}" if DEVICE.startswith("cuda") else f"{args.threads} threads"
+        print(f"model: GPT-2 shape {layers} layers x {heads} heads, d_model {width}; batch 4 x 128; {on} {load()}")
         if "1" in only:
             spectra(model, args.reps)
         if only & {"2", "3", "4"}:
