@@ -33,7 +33,7 @@ import numpy as np
 
 from diag.detectors.base import Observation
 from diag.detectors.config import RiskConfig, StatesConfig
-from diag.detectors.risk import FEATURES, MODEL_FILE, HeadTrend, RiskModel, observe_features
+from diag.detectors.risk import FEATURES, MODEL_FILE, HeadTrend, RiskModel, layer_logit, observe_features
 from diag.detectors.states import head_key, layer_needs
 from evaluation.seeds import SETS
 from evaluation.truth import Run, load_runs, states
@@ -132,8 +132,9 @@ def _head_model(samples: list[Sample], c: float) -> RiskModel:
     return RiskModel(mean, scale, head.coef_[0], float(head.intercept_[0]), 1.0, 0.0, HORIZON)
 
 
-def _kth_logit(model: RiskModel, s: Sample) -> float:
-    return float(np.sort(model.head_logits(s.x))[::-1][s.k - 1])
+def _kth_logit(model: RiskModel, s: Sample) -> float | None:
+    """The layer's deciding head logit (:func:`layer_logit`: heads already established count as collapsed)."""
+    return layer_logit(model.head_logits(s.x), s.k, s.head_y == -1)
 
 
 def fit(samples: list[Sample], c: float = 0.1) -> RiskModel:
@@ -148,8 +149,9 @@ def fit(samples: list[Sample], c: float = 0.1) -> RiskModel:
     for seed in sorted(set(seed_of.values())):
         other = _head_model([s for s in samples if seed_of[s.run] != seed], c)
         for s in samples:
-            if seed_of[s.run] == seed and s.layer_y >= 0:
-                z.append(_kth_logit(other, s))
+            logit = _kth_logit(other, s) if seed_of[s.run] == seed and s.layer_y >= 0 else None
+            if logit is not None:
+                z.append(logit)
                 y.append(s.layer_y)
     top = LogisticRegression(C=100.0, max_iter=2000).fit(np.array(z)[:, None], np.array(y))
     model.layer_scale, model.layer_bias = float(top.coef_[0][0]), float(top.intercept_[0])
@@ -160,7 +162,7 @@ def brier(p: np.ndarray, y: np.ndarray) -> float:
     return float(np.mean((p - y) ** 2))
 
 
-def trust(runs: list[Run], levels=(0.2, 0.5, 0.8)) -> list[list[float]]:
+def trust(runs: list[Run], levels=(0.2, 0.3, 0.5, 0.8)) -> list[list[float]]:
     """What followed a layer's risk first reaching each level at the default cadence (with the model now
     shipped): [level, runs in which some layer reached it, of which that layer collapsed within the horizon]."""
     from evaluation.report import forecasts

@@ -223,6 +223,10 @@ class AttentionStates:
                 if episodes.since(k) is not None and not episodes.active(k)]
         return max(max(ends, default=0), 0)
 
+    def holds(self, state: str, key: str) -> bool:
+        """Whether the head ``key`` is established in ``state`` and not on its way out."""
+        return self.machine.heads[state].holding(key)
+
     def layer_in(self, state: str, label: str) -> bool:
         return self.machine.layers[state].get(label, False)
 

@@ -11,7 +11,7 @@ import pytest
 
 from diag.detectors import AlertConfig, Detectors, Observation
 from diag.detectors.config import RiskConfig, StatesConfig
-from diag.detectors.risk import FEATURES, TAU, CollapseRisk, HeadTrend, RiskModel, layer_features
+from diag.detectors.risk import FEATURES, TAU, CollapseRisk, HeadTrend, RiskModel, layer_features, layer_logit
 from diag.detectors.states import AttentionStates
 
 F = {name: i for i, name in enumerate(FEATURES)}
@@ -100,9 +100,53 @@ def test_layer_probability_needs_its_share_of_heads():
     assert model.layer_probability(two, 2) > 0.99 > 0.75 > model.layer_probability(one, 2)
 
 
+def test_a_head_already_collapsed_counts_as_collapsed_and_the_layer_waits_for_the_next():
+    """A layer of 4 that needs 2: with head 0 established, its (extrapolated, safe-looking) logit no longer
+    decides; the layer's probability is that of the likeliest other head, the k-th of the rest. With 2 held
+    the layer has collapsed: 1."""
+    model = toy_model()
+    x = np.zeros((4, len(FEATURES)))
+    x[0, F["entropy_frac"]] = 2.0  # the collapsed head: features outside the fit make a low logit
+    x[2, F["entropy_frac"]] = -1.0  # the next head on its way
+    none = np.zeros(4, bool)
+    first = none.copy()
+    first[0] = True
+    assert model.layer_probability(x, 2) < 0.75  # its 2nd largest logit: a quiet head
+    assert math.isclose(model.layer_probability(x, 2, first), model.layer_probability(x[2:3], 1), rel_tol=1e-12)
+    assert model.layer_probability(x, 2, first) > 0.99
+    assert layer_logit(np.array([3.0, 1.0, 2.0]), 2) == 2.0
+    assert layer_logit(np.array([3.0, 1.0, 2.0]), 2, np.array([True, False, False])) == 2.0
+    assert layer_logit(np.array([3.0, 1.0, 2.0]), 2, np.array([False, False, True])) == 3.0
+    both = first.copy()
+    both[2] = True
+    assert layer_logit(x[:, 0], 2, both) is None and model.layer_probability(x, 2, both) == 1.0
+
+
+def test_the_live_risk_reads_which_heads_the_states_hold():
+    """The detector passes the heads the attention states hold established: a head of L00 in a malignant state
+    (its dwell met) makes the layer's risk that of its other head alone."""
+    cfg = StatesConfig(collapse_persist=1)
+    states = AttentionStates(cfg)
+    risk = CollapseRisk(RiskConfig(), states, 50, toy_model())
+    m = sample([0.1, 0.1], [0.3, 0.3], [0.9 * 4.0] * 2, [60, 60], [2.0, 2.0])
+    risk.observe(Observation(0, None, {"L00": m}))
+    m = sample([0.1, 0.1], [0.3, 0.3], [0.5 * 4.0] * 2, [60, 60], [2.0, 2.0])
+    m["attn_entropy"] = np.array([0.1, 0.5 * 4.0])  # head 0 sparse ...
+    m["attn_rank"] = np.array([1.0, 30.0])  # ... and low-rank: malignant at once (collapse_persist=1)
+    obs = Observation(10, None, {"L00": m})
+    states.observe(obs)
+    risk.observe(obs)
+    assert states.holds("malignant", "L00/H00") and not states.holds("malignant", "L00/H01")
+    x = layer_features(risk.trends["L00"], 10, m, 20)
+    assert risk.fresh["L00"] == risk.model.layer_probability(x[1:], 1)
+
+
+TWO = RiskConfig(warn_risk=0.2, warn_samples=2)  # the toy model's warnings at 2 samples in a row
+
+
 def test_warning_states_the_probability_and_what_such_runs_did():
     states = AttentionStates(StatesConfig())
-    risk = CollapseRisk(RiskConfig(), states, 50, toy_model())
+    risk = CollapseRisk(TWO, states, 50, toy_model())
     alerts = []
     for step, e in ((0, 0.9), (10, 0.5), (20, 0.1)):
         m = sample([0.1, 0.1], [0.3, 0.3], [e * 4.0] * 2, [60, 60], [2.0, 2.0])
@@ -176,7 +220,7 @@ def test_recalibration_recovers_a_known_distortion_and_maps_the_layer_probabilit
 
 def test_a_layer_whose_risk_keeps_returning_gets_a_second_warning_that_says_so_and_no_more():
     states = AttentionStates(StatesConfig())
-    risk = CollapseRisk(RiskConfig(), states, 50, toy_model())
+    risk = CollapseRisk(TWO, states, 50, toy_model())
     alerts = []
     for cycle in range(4):  # risky for 20 steps, calm for 80, four times
         for step in range(cycle * 100, cycle * 100 + 100, 10):
@@ -185,7 +229,7 @@ def test_a_layer_whose_risk_keeps_returning_gets_a_second_warning_that_says_so_a
             alerts += risk.observe(Observation(step, None, {"L00": m}))
     assert [a.status for a in alerts] == ["firing", "resolved", "firing"]
     assert "second warning" in alerts[2].message and "second warning" not in alerts[0].message
-    restored = CollapseRisk(RiskConfig(), AttentionStates(StatesConfig()), 50, toy_model())
+    restored = CollapseRisk(TWO, AttentionStates(StatesConfig()), 50, toy_model())
     restored.load_state_dict(json.loads(json.dumps(risk.state_dict())))
     assert restored.recurrence.opened == {"L00": 4}
 
@@ -226,9 +270,9 @@ def test_the_configuration_baseline_says_when_it_could_not_be_fitted():
 
 
 def test_one_sample_of_high_risk_is_no_warning_two_in_a_row_are():
-    """warn_samples (2): a layer's risk at warn_risk at one sample and under it at the next (a transient dip of
-    attention, issue #31's QK-norm runs at steps 4 and 12) warns nobody; at 2 samples in a row it warns, dated
-    from the first. With warn_samples=1 the single sample warns."""
+    """warn_samples (2 here; the default is 3): a layer's risk at warn_risk at one sample and under it at the
+    next (a transient dip of attention, issue #31's QK-norm runs at steps 4 and 12) warns nobody; at 2 samples in
+    a row it warns, dated from the first. With warn_samples=1 the single sample warns; with 3, two do not."""
     def alerts_of(entropies, cfg):
         risk = CollapseRisk(cfg, AttentionStates(StatesConfig()), 50, toy_model())
         out = []
@@ -238,6 +282,8 @@ def test_one_sample_of_high_risk_is_no_warning_two_in_a_row_are():
         return [(a.step, a.since, a.status) for a in out]
 
     spike = [0.9, 0.1, 0.9, 0.9, 0.9]  # p: 0.05, 0.65, 0.05, ...
-    assert alerts_of(spike, RiskConfig()) == []
-    assert alerts_of(spike, RiskConfig(warn_samples=1)) == [(10, 10, "firing")]
-    assert alerts_of([0.9, 0.1, 0.1, 0.9], RiskConfig()) == [(20, 10, "firing")]
+    assert alerts_of(spike, TWO) == []
+    assert alerts_of(spike, RiskConfig(warn_risk=0.2, warn_samples=1)) == [(10, 10, "firing")]
+    assert alerts_of([0.9, 0.1, 0.1, 0.9], TWO) == [(20, 10, "firing")]
+    assert alerts_of([0.9, 0.1, 0.1, 0.9], RiskConfig(warn_risk=0.2, warn_samples=3)) == []
+    assert alerts_of([0.9, 0.1, 0.1, 0.1], RiskConfig(warn_risk=0.2, warn_samples=3)) == [(30, 10, "firing")]
