@@ -21,7 +21,7 @@ from pathlib import Path
 
 from diag.detectors import AlertConfig, Detectors, Observation
 from evaluation.seeds import BOUNDARY_LR, SETS
-from evaluation.truth import Run, accuracy_jump, collapse_onset, damage, load_runs, plateau_by_twin
+from evaluation.truth import Run, accuracy_jump, collapse_onset, damage, load_runs, plateau_by_twin, settled
 from hooks import SIGNALS
 from hooks.monitor.cadence import CloserLook, resolve_cadence
 
@@ -135,8 +135,9 @@ def judge_eureka(run: Run, cfg: AlertConfig, every, twin: Run | None) -> dict:
     interval = max(10 if every == "default" else every, EVAL_EVERY)
     off = None if moment is None or jump is None else (moment - jump) / interval
     return {"run": run.name, "every": every, "twin": run.spec.twin, "jump": jump, "plateau": plateau,
-            "moment": moment, "offset": off, "plateau_in_time": plateau is not None and jump is not None
-            and plateau < jump, "false_moments": sum(1 for m in moments if jump is None or at_plateau(run.info, m)),
+            "moment": moment, "offset": off, "settled": settled(run.info),
+            "plateau_in_time": plateau is not None and jump is not None and plateau < jump,
+            "false_moments": sum(1 for m in moments if jump is None or at_plateau(run.info, m)),
             "records": records_per_head(alerts),
             "bad": sorted({f"{a.kind}@{a.step}" for a in alerts if a.status == "firing" and a.level != "info"
                            and a.kind != "eureka_plateau"})}
@@ -231,18 +232,39 @@ def damage_table(rows: list[dict]) -> list[str]:
     return out
 
 
+def _within(rows: list[dict], n: int) -> str:
+    return f"{sum(r['offset'] is not None and abs(r['offset']) <= n for r in rows)}/{len(rows)}"
+
+
 def eureka_table(rows: list[dict]) -> list[str]:
+    """Per cadence; the moments' timing over all runs with a jump, and over those whose accuracy had settled by
+    the end (evaluation.truth.settled: a run cut off during its jump has no final accuracy to be halfway to)."""
     out = ["| every | softmax runs with a jump | plateaus flagged before the jump | moments within 2 intervals | "
-           "within 4 | false moments | NormSoftmax runs flagged |", "|---|---|---|---|---|---|---|"]
+           "within 4 | ... of the runs whose accuracy settled: within 2 | within 4 | false moments | "
+           "NormSoftmax runs flagged |", "|---|---|---|---|---|---|---|---|---|"]
     for every in EVERYS:
         rs = [r for r in rows if r["kind"] == "eureka" and r["every"] == every]
         soft = [r for r in rs if not r["twin"] and r["jump"] is not None]
+        done = [r for r in soft if r["settled"]]
         norm = [r for r in rs if r["twin"] == "normsoftmax"]
-        out.append(f"| {every} | {len(soft)} | {_frac(soft, 'plateau_in_time')} | "
-                   f"{sum(r['offset'] is not None and abs(r['offset']) <= 2 for r in soft)}/{len(soft)} | "
-                   f"{sum(r['offset'] is not None and abs(r['offset']) <= 4 for r in soft)}/{len(soft)} | "
+        out.append(f"| {every} | {len(soft)} | {_frac(soft, 'plateau_in_time')} | {_within(soft, 2)} | "
+                   f"{_within(soft, 4)} | {_within(done, 2)} | {_within(done, 4)} | "
                    f"{sum(r['false_moments'] for r in rs if not r['twin'])} | "
                    f"{sum(r['plateau'] is not None for r in norm)}/{len(norm)} |")
+    return out
+
+
+def eureka_runs_table(rows: list[dict]) -> list[str]:
+    """The Eureka runs one by one at the default cadence: jump, plateau, moment and its offset in intervals."""
+    out = ["| run | accuracy jump | settled by the end | plateau flagged | moment | offset (intervals) |",
+           "|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["kind"] != "eureka" or r["every"] != "default":
+            continue
+        cell = {k: "-" if r[k] is None else r[k] for k in ("jump", "plateau", "moment")}
+        off = "-" if r["offset"] is None else f"{r['offset']:+.1f}"
+        out.append(f"| {r['run']} | {cell['jump']} | {'yes' if r['settled'] else 'no'} | {cell['plateau']} | "
+                   f"{cell['moment']} | {off} |")
     return out
 
 
@@ -300,7 +322,7 @@ def main() -> None:
         args.json.write_text(json.dumps(rows, indent=1))
     print(f"{args.set}: {len(runs)} runs of {len(SETS[args.set])} planned (boundary lr {BOUNDARY_LR:g})")
     if args.markdown:
-        for table in (collapse_table, damage_table, runs_table, eureka_table, healthy_table):
+        for table in (collapse_table, damage_table, runs_table, eureka_table, eureka_runs_table, healthy_table):
             print("\n".join(table(rows)) + "\n")
 
 

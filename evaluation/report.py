@@ -218,7 +218,8 @@ def main() -> None:
     rows = judge.rows_of(runs, AlertConfig())
     for title, table in (("Collapse runs", judge.collapse_table), ("The twin test", judge.damage_table),
                          ("collapse_warning away from the boundary", warning_table),
-                         ("Eureka runs", judge.eureka_table), ("Healthy runs", judge.healthy_table),
+                         ("Eureka runs", judge.eureka_table), ("Eureka runs one by one", judge.eureka_runs_table),
+                         ("Healthy runs", judge.healthy_table),
                          ("Collapse runs one by one", judge.runs_table)):
         print(f"### {title}\n\n" + "\n".join(table(rows)) + "\n")
     print("### The plateau's signals on the Eureka runs\n\n" + "\n".join(judge.plateau_signals_table(runs)) + "\n")

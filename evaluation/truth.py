@@ -9,7 +9,10 @@
   ``DAMAGE_MARGIN`` of the twin's; the damage begins where the two losses separate for good (the first step
   from which the run's 20-step mean stays above the twin's by that margin).
 * **Accuracy jump** (Eureka task, :func:`accuracy_jump`): the first held-out evaluation above halfway from the
-  no-indicator accuracy to the run's final accuracy; none if the final accuracy is not 0.2 above it.
+  no-indicator accuracy to the run's final accuracy; none if the final accuracy is not 0.2 above it. A run whose
+  accuracy still rose over its last 100 steps (:func:`settled`) was cut off during its jump: its "final"
+  accuracy is not final, so its jump's date is provisional (the evaluation reports the moment's timing on
+  such runs apart).
 * **Plateau by the causal test** (:func:`plateau_by_twin`): a language model's run *has an attention plateau*
   when its NormSoftmax twin leaves the loss level the run is stuck at much faster (by ``TWIN_LEAD`` of the run's
   length or more) than the run does.
@@ -29,7 +32,7 @@ from diag.detectors.states import StateEpisode, episodes_of
 from evaluation.record import load_observations
 from evaluation.runs import RunSpec
 
-__all__ = ["Run", "load_run", "load_runs", "states", "collapse_onset", "damage", "accuracy_jump"]
+__all__ = ["Run", "load_run", "load_runs", "states", "collapse_onset", "damage", "accuracy_jump", "settled"]
 
 DAMAGE_MARGIN = 0.05  # final loss 5% over the twin's: clearly worse (run-to-run spread of twins is ~1%)
 SEPARATION_SPAN = 20
@@ -104,6 +107,24 @@ def damage(run: Run, twin: Run | None) -> tuple[bool | None, int | None]:
             for t in range(0, min(len(a), len(b)) - span + 1)]
     begin = next((t for t in range(len(over)) if all(over[t:])), None)
     return True, begin
+
+
+SETTLED_SPAN = 100  # steps
+SETTLED_RISE = 0.05  # accuracy: the margin that says "still on the plateau" (evaluation.detectors.PLATEAU_MARGIN)
+
+
+def settled(info: dict) -> bool:
+    """Whether the held-out accuracy had settled by the end of the run: its last 3 evaluations' mean is at most
+    ``SETTLED_RISE`` above the mean of the 3 evaluations ``SETTLED_SPAN`` steps earlier. A run cut off during
+    its jump has no final accuracy yet: halfway to its last accuracy is not halfway up its jump (the jump is
+    dated early against where the finished jump's halfway point would be)."""
+    evals = info["evals"]
+    if len(evals) < 6:
+        return True
+    end = evals[-1][0]
+    before = [acc for s, _, acc in evals if s <= end - SETTLED_SPAN][-3:]
+    last = [acc for _, _, acc in evals[-3:]]
+    return not before or sum(last) / 3 - sum(before) / len(before) <= SETTLED_RISE
 
 
 def accuracy_jump(info: dict) -> int | None:

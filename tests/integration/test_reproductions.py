@@ -19,7 +19,7 @@ import torch
 
 from evaluation import eureka
 from evaluation.runs import RunSpec
-from evaluation.truth import Run, damage, leaves, plateau_by_twin
+from evaluation.truth import Run, accuracy_jump, damage, leaves, plateau_by_twin, settled
 from hooks.demo import DemoRun, train
 
 # ------------------------------------------------------------------ collapse
@@ -105,6 +105,21 @@ def test_accuracy_jump():
     step, threshold = eureka.accuracy_jump(evals, blind=0.43)
     assert threshold == pytest.approx((0.43 + 0.9) / 2) and step == 520
     assert eureka.accuracy_jump([(s, 0.0, 0.45) for s in range(0, 500, 20)], blind=0.43)[0] is None
+
+
+def test_a_run_cut_off_during_its_jump_has_not_settled():
+    """vit-lr0.001-s130 of the third report set, re-recorded: the accuracy still rose from 0.58 to 0.72 over the
+    last 100 steps, so "halfway to the final accuracy" (the jump's date, 1900) is halfway to a point on the way
+    up. A jump that finished 100 steps before the end has settled."""
+    plateau = [(s, 0.0, 0.42) for s in range(0, 1860, 20)]
+    cut = {"blind": 0.433, "evals": plateau + [(1860, 0.0, 0.489), (1880, 0.0, 0.529), (1900, 0.0, 0.579),
+                                               (1920, 0.0, 0.623), (1940, 0.0, 0.638), (1960, 0.0, 0.691),
+                                               (1980, 0.0, 0.698), (1999, 0.0, 0.72)]}
+    assert accuracy_jump(cut) == 1900 and not settled(cut)
+    done = {"blind": 0.433, "evals": [(s, 0.0, 0.42) for s in range(0, 1500, 20)] + [(1500, 0.0, 0.7)]
+            + [(s, 0.0, 0.95 + 0.01 * (s % 40 == 0)) for s in range(1520, 2000, 20)]}
+    assert accuracy_jump(done) == 1500 and settled(done)
+    assert settled({"blind": 0.4, "evals": [(0, 0.0, 0.4), (20, 0.0, 0.9)]})  # too short to tell: settled
 
 
 def test_normsoftmax_attention_against_a_per_head_loop():
