@@ -14,8 +14,10 @@ Three choices, each printed as a table of every value tried:
   plateau alert on a healthy run (the design set's: the tuning set has none) that the NormSoftmax twin test does
   not call a real plateau; ties go to the value in the middle of the best ones. It is also chosen leaving each
   healthy family out, to show whether that family's report depends on its own runs.
-* ``plateau_max_growth``, how much sigma_1(Wq^T Wk) may grow over a plateau's window: the same score, at the
-  configured motion line.
+* ``plateau_max_growth``, how much sigma_1(Wq^T Wk) may grow over a plateau's window, ``plateau_min_frac``, how
+  high over the first loss a plateau sits, and ``plateau_min_update``, how small the Q/K updates may have become
+  against their largest window's: the same score, each with the other fields at their defaults, and each also
+  chosen leaving every healthy family out.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ WARN_RISK = (0.1, 0.15, 0.2, 0.3, 0.4, 0.5)
 WARN_SAMPLES = (1, 2, 3)
 QK_MOTION = (0.06, 0.08, 0.1, 0.12, 0.15, 0.2)
 MAX_GROWTH = (1.2, 1.3, 1.35, 1.5, 2.0, float("inf"))
+MIN_FRAC = (0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.55)
+MIN_UPDATE = (0.0, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4)
 
 
 def warn_score(rows: list[dict]) -> tuple[int, int, int]:
@@ -92,18 +96,22 @@ def tune_plateau(runs: list[Run]) -> tuple[float, list[str], dict[str, float]]:
     return _middle(scores), table, left_out
 
 
-def tune_growth(runs: list[Run]) -> tuple[float, list[str]]:
-    """``plateau_max_growth`` at the tuned motion line: the same score; ties go to the value in the middle."""
-    table = ["| plateau_max_growth | Eureka plateaus flagged before the jump (runs x cadences) | plateau alerts on "
+def tune_one(runs: list[Run], name: str, values: tuple[float, ...]) -> tuple[float, list[str], dict[str, float]]:
+    """One plateau field (``plateau_max_growth``, ``plateau_min_frac``, ``plateau_min_update``) with the others
+    at their defaults: the same score; ties go to the value in the middle; also chosen leaving each healthy
+    family out."""
+    table = [f"| {name} | Eureka plateaus flagged before the jump (runs x cadences) | plateau alerts on "
              "healthy runs without a real plateau | score |", "|---|---|---|---|"]
+    eureka = [r for r in runs if r.spec.task == "vit" and r.spec.steps > 1000 and not r.spec.twin]
+    rows = {v: judge.rows_of(eureka, AlertConfig(**{name: v}))
+            + judge.rows_of([r for r in runs if r.spec.task == "hf"], AlertConfig(**{name: v})) for v in values}
     scores = {}
-    for g in MAX_GROWTH:
-        cfg = AlertConfig(plateau_max_growth=g)
-        eureka = [r for r in runs if r.spec.task == "vit" and r.spec.steps > 1000 and not r.spec.twin]
-        rows = judge.rows_of(eureka, cfg) + judge.rows_of([r for r in runs if r.spec.task == "hf"], cfg)
-        scores[g], flagged, false = plateau_score(rows)
-        table.append(f"| {g:g} | {flagged} | {false} | {scores[g]} |")
-    return _middle(scores), table
+    for v in values:
+        scores[v], flagged, false = plateau_score(rows[v])
+        table.append(f"| {v:g} | {flagged} | {false} | {scores[v]} |")
+    left_out = {family: _middle({v: plateau_score([r for r in rows[v] if r.get("model") != family])[0]
+                                 for v in values}) for family in ("gpt2", "llama", "bert", "vit")}
+    return _middle(scores), table, left_out
 
 
 def main() -> None:
@@ -124,8 +132,11 @@ def main() -> None:
         value, table, left_out = tune_plateau(runs)
         print("\n".join(table) + f"\n\nplateau_qk_motion: {value:g}")
         print("chosen leaving each healthy family out: " + ", ".join(f"{k} {v:g}" for k, v in left_out.items()))
-        value, table = tune_growth(runs)
-        print("\n".join(table) + f"\n\nplateau_max_growth: {value:g}")
+        for name, values in (("plateau_max_growth", MAX_GROWTH), ("plateau_min_frac", MIN_FRAC),
+                             ("plateau_min_update", MIN_UPDATE)):
+            value, table, left_out = tune_one(runs, name, values)
+            print("\n".join(table) + f"\n\n{name}: {value:g}")
+            print("chosen leaving each healthy family out: " + ", ".join(f"{k} {v:g}" for k, v in left_out.items()))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ window holds them, ``sigma_1(Wq^T Wk)`` moved at most ``plateau_qk_motion`` per 
 applied meanwhile (:func:`_motion`: the heads' geometric mean growth, schedule-free), that growth is at most
 ``plateau_max_growth`` over the window, and
 the attention entropy is at least ``plateau_uniformity`` of uniform's: attention is what stopped learning (a
-flat loss while the query/key product still grows, or with attention already focused, is another state). The
+flat loss while the query/key product still grows, or with attention already focused, is another state); and
+the window's mean Q/K update ratio is at least ``plateau_min_update`` of the largest window's (the learning rate
+has not decayed away: a schedule's tail is flat because training stopped). The
 plateau is an episode, ``since`` the first sample of the window inside its band (at most ``1 + plateau_rel``
 times the level); while it lasts its trend is refitted. The Eureka-moment: the loss, the median of the samples
 of the last ``eureka_span`` steps, is at two samples (in a row, or with one sample just over the line between
@@ -98,6 +100,18 @@ def _growth(points: list[list]) -> float:
     return float(np.exp(np.mean(changes))) if changes else math.nan
 
 
+def _mean_update(updates: list[list[float]], last: float) -> float:
+    """The Q/K update ratio over the window's steps up to ``last``: each sample holds until the next (a run's first
+    steps, sampled densely and with the largest updates, weigh as many steps as they last, not as many samples as
+    they have); NaN without one."""
+    ratios = sorted((s, u) for s, u in updates if math.isfinite(u) and u > 0)
+    if not ratios:
+        return math.nan
+    ends = [s for s, _ in ratios[1:]] + [max(last, ratios[-1][0]) + 1.0]
+    weights = [e - s for (s, _), e in zip(ratios, ends)]
+    return sum(u * w for (_, u), w in zip(ratios, weights)) / sum(weights)
+
+
 def _motion(points: list[list], updates: list[list[float]]) -> tuple[float, float]:
     """(growth, motion): the growth of sigma_1(Wq^T Wk) over the window (:func:`_growth`) and how far that is per
     unit of the Q/K update ratios the optimizer applied meanwhile, ``ln(growth) / (steps * mean update ratio)``:
@@ -106,14 +120,11 @@ def _motion(points: list[list], updates: list[list[float]]) -> tuple[float, floa
     two spectra samples or an update ratio in the window."""
     growth = _growth(points)
     have = [p[0] for p in points if p[4]]
-    ratios = sorted((s, u) for s, u in updates if math.isfinite(u) and u > 0)
-    if not math.isfinite(growth) or growth <= 0 or len(have) < 2 or not ratios:
+    if not math.isfinite(growth) or growth <= 0 or len(have) < 2:
         return growth, math.nan
-    # the update ratio over the window's steps: each sample holds until the next (a run's first steps, sampled
-    # densely and with the largest updates, weigh as many steps as they last, not as many samples as they have)
-    ends = [s for s, _ in ratios[1:]] + [max(have[-1], ratios[-1][0]) + 1.0]
-    weights = [e - s for (s, _), e in zip(ratios, ends)]
-    mean = sum(u * w for (_, u), w in zip(ratios, weights)) / sum(weights)
+    mean = _mean_update(updates, have[-1])
+    if not math.isfinite(mean):
+        return growth, math.nan
     return growth, math.log(growth) / ((have[-1] - have[0]) * mean)
 
 
@@ -138,6 +149,9 @@ class Plateau:
         self.recent: list[list[float]] = []  # the samples of the last eureka_span steps (the smoothed loss)
         self.start: int | None = None  # the first step of the current watch (the run's, or after a moment)
         self.updates: list[list[float]] = []  # [step, mean Q/K update ratio over layers] in the window
+        # the largest window's mean Q/K update ratio (plateau_min_update), over the windows after the run's first:
+        # a run without warmup takes first steps as large as its weights, which would make any later window small
+        self.peak_update: float | None = None
 
     def observe(self, obs: Observation) -> list[Alert]:
         ratios = [(float(m["update_ratio_q"][0]) + float(m["update_ratio_k"][0])) / 2 for m in obs.layers.values()
@@ -182,7 +196,16 @@ class Plateau:
         # large as the weights, can show a query/key product grown 3-7x as a small motion per unit of them)
         settled = math.isinf(self.cfg.plateau_max_growth) or growth <= self.cfg.plateau_max_growth
         diffuse = self.cfg.plateau_uniformity == 0 or uniformity >= self.cfg.plateau_uniformity
-        if not (flat and high and ratio <= self.cfg.plateau_qk_ratio and still and settled and diffuse):
+        # ... and the optimizer still moves Q and K: a loss that went flat because the learning rate decayed
+        # (a cosine schedule's tail, whose Q/K updates are a few percent of what they were) has stopped training,
+        # it is not stuck (issue #31's second and third report sets: Hugging Face GPT-2 warned at steps 880-900
+        # of 1,000 under warmup + cosine, its NormSoftmax twin no faster)
+        update = _mean_update(self.updates, step)
+        if math.isfinite(update) and step >= 2 * window:  # not a window over the run's first steps (huge updates)
+            self.peak_update = max(self.peak_update or 0.0, update)
+        moving = (self.cfg.plateau_min_update == 0 or not math.isfinite(update) or self.peak_update is None
+                  or update >= self.cfg.plateau_min_update * self.peak_update)
+        if not (flat and high and ratio <= self.cfg.plateau_qk_ratio and still and settled and diffuse and moving):
             return []
         # the plateau began where the loss came down into its band (a window flat to plateau_rel may still hold
         # the end of the fall before it); how fast it sinks is measured from there
@@ -279,7 +302,7 @@ class Plateau:
                 "loss_signals": [[p[4], p[5]] for p in self.losses],
                 "first_loss": self.first_loss, "plateau": self.plateau, "below": self.below, "below_gap": self.gap,
                 "loss_start": self.start,
-                "recent": self.recent, "plateau_updates": self.updates}
+                "recent": self.recent, "plateau_updates": self.updates, "plateau_peak_update": self.peak_update}
 
     def load_state_dict(self, state: dict) -> None:
         points = state.get("loss_points", [])  # format 1 has losses but no points: the window starts afresh
@@ -296,3 +319,5 @@ class Plateau:
         self.recent = [list(p) for p in state.get("recent", [])]
         self.start = state.get("loss_start", self.losses[0][0] if self.losses else None)
         self.updates = [list(u) for u in state.get("plateau_updates", [])]
+        peak = state.get("plateau_peak_update")
+        self.peak_update = float(peak) if isinstance(peak, (int, float)) else None

@@ -110,6 +110,47 @@ def test_a_query_key_product_that_grew_much_over_the_window_is_no_plateau_whatev
                      update=0.3)[0].step == 200
 
 
+def _decaying_run(update_of_step, cfg=None, start=600, steps=1000):
+    """A loss falling 20% per 100 steps until ``start``, flat after it (at 0.33 of the first loss: plateau_min_frac
+    0.25 here), Q/K still and gradients at 0.3x of V's; the Q/K update ratio ``update_of_step(step)``, every 10
+    steps."""
+    det, out = Detectors(cfg or AlertConfig(plateau_min_frac=0.25)), []
+    for step in range(0, steps, 10):
+        loss = 1.3 * 1.2 ** (max(start - step, 0) / 100)  # 20% per 100 steps, then flat
+        out += det.observe(Observation(step, loss, _layers(step, 0.3, [1.0, 2.0], 0.85, update_of_step(step))))
+    return [a for a in out if a.kind == "eureka_plateau"]
+
+
+def test_a_loss_flat_under_a_decayed_learning_rate_is_no_plateau():
+    """Issue #31's seventh session: Hugging Face GPT-2 under warmup + cosine was warned at steps 880-900 of 1,000,
+    where its Q/K update ratios were 6-12% of what they had been; its NormSoftmax twin was no faster. The window's
+    mean Q/K update must be at least plateau_min_update (0.25) of the largest window's since the run's first
+    window (not counting it: a run without warmup takes first steps as large as its weights). A constant
+    learning rate is flagged once the loss has been flat a window; the same run whose updates decayed to 5%
+    before its loss went flat is not; with the test off (0) it is."""
+    constant = _decaying_run(lambda s: 0.01)
+    assert [a.step for a in constant] == [670]
+    cosine = [0.01 if s < 400 else 0.0005 for s in range(0, 1000, 10)]
+    assert _decaying_run(lambda s: cosine[s // 10]) == []
+    off = AlertConfig(plateau_min_frac=0.25, plateau_min_update=0)
+    assert [a.step for a in _decaying_run(lambda s: cosine[s // 10], off)] == [670]
+    # huge first updates (no warmup) do not count: the largest window is taken from the second one on
+    first = [0.5 if s < 100 else 0.01 for s in range(0, 1000, 10)]
+    assert [a.step for a in _decaying_run(lambda s: first[s // 10])] == [670]
+    # the largest window survives a resume: resumed at step 450, the decayed run is still no plateau
+    det = Detectors(AlertConfig(plateau_min_frac=0.25))
+    for step in range(0, 1000, 10):
+        if step == 450:
+            state = json.loads(json.dumps(det.state_dict()))
+            # the window (200, 400] at step 400: 19 samples of 0.01 held 10 steps each, then one of 0.0005 (1 step)
+            assert state["plateau_peak_update"] == pytest.approx((1.9 + 0.0005) / 191)
+            det = Detectors(AlertConfig(plateau_min_frac=0.25))
+            det.load_state_dict(state)
+        loss = 1.3 * 1.2 ** (max(600 - step, 0) / 100)
+        alerts = det.observe(Observation(step, loss, _layers(step, 0.3, [1.0, 2.0], 0.85, cosine[step // 10])))
+        assert not [a for a in alerts if a.kind == "eureka_plateau"], step
+
+
 def test_a_plateau_without_spectra_or_attention_is_not_flagged():
     """Changed with issue #31: a window without the spectra or the attention passed the entry tests (unknown
     counted as a pass); now a plateau is flagged only on the evidence it states."""
