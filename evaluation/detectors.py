@@ -21,7 +21,16 @@ from pathlib import Path
 
 from diag.detectors import AlertConfig, Detectors, Observation
 from evaluation.seeds import BOUNDARY_LR, SETS
-from evaluation.truth import Run, accuracy_jump, collapse_onset, damage, load_runs, plateau_by_twin, settled
+from evaluation.truth import (
+    Run,
+    accuracy_jump,
+    collapse_onset,
+    damage,
+    load_runs,
+    plateau_by_twin,
+    settled,
+    stuck_with_twin,
+)
 from hooks import SIGNALS
 from hooks.monitor.cadence import CloserLook, resolve_cadence
 
@@ -146,12 +155,12 @@ def judge_eureka(run: Run, cfg: AlertConfig, every, twin: Run | None) -> dict:
 def judge_hf(run: Run, cfg: AlertConfig, every, twin: Run | None) -> dict:
     alerts = replay_run(run, cfg, every)
     plateaus = [a for a in alerts if a.kind == "eureka_plateau" and a.status == "firing"]
-    truth = None
+    truth, stuck = None, False
     if plateaus and twin is not None:
         level = plateaus[0].values.get("loss", float("nan"))
-        truth = plateau_by_twin(run, twin, level)
+        truth, stuck = plateau_by_twin(run, twin, level), stuck_with_twin(run, twin, level)
     return {"run": run.name, "every": every, "model": run.spec.model, "schedule": run.spec.schedule,
-            "twin": run.spec.twin, "plateau_alerts": len(plateaus), "plateau_real": truth,
+            "twin": run.spec.twin, "plateau_alerts": len(plateaus), "plateau_real": truth, "stuck": stuck,
             "records": records_per_head(alerts),
             "bad": sorted({f"{a.kind}@{a.step}" for a in alerts if a.status == "firing" and a.level != "info"
                            and a.kind != "eureka_plateau"})}
@@ -296,6 +305,8 @@ def healthy_table(rows: list[dict]) -> list[str]:
     for r in rows:
         if r["kind"] == "hf" and not r["twin"]:
             truth = {None: "-", True: "a real attention plateau", False: "no attention plateau"}[r["plateau_real"]]
+            if r["stuck"]:
+                truth += " (neither it nor the run leaves the plateau's level: stuck, the cause untested)"
             out.append(f"| {r['run']} | {r['plateau_alerts']} | {truth if r['plateau_alerts'] else '-'} | "
                        f"{', '.join(r['bad']) or 'none'} |")
     return out

@@ -15,7 +15,8 @@
   such runs apart).
 * **Plateau by the causal test** (:func:`plateau_by_twin`): a language model's run *has an attention plateau*
   when its NormSoftmax twin leaves the loss level the run is stuck at much faster (by ``TWIN_LEAD`` of the run's
-  length or more) than the run does.
+  length or more) than the run does. When neither leaves it within the budget (:func:`stuck_with_twin`) the run
+  is stuck and the test has no verdict on the cause; the evaluation says so beside the verdict.
 """
 
 from __future__ import annotations
@@ -139,6 +140,13 @@ def leaves(losses: list[float], level: float, span: int = 20) -> int | None:
     """The first step from which the ``span``-step mean loss stays under ``level`` for the rest of the run."""
     means = [_mean(losses[t : t + span]) for t in range(0, len(losses) - span + 1)]
     return next((t for t in range(len(means)) if all(m < level for m in means[t:])), None)
+
+
+def stuck_with_twin(run: Run, twin: Run | None, level: float) -> bool:
+    """Neither the run nor its NormSoftmax twin leaves ``level`` for good within the budget: the run is stuck (not
+    a healthy run) and the twin test has no verdict on the cause (:func:`plateau_by_twin` says False: the twin
+    is not faster, because neither gets out)."""
+    return twin is not None and leaves(run.losses, level) is None and leaves(twin.losses, level) is None
 
 
 def plateau_by_twin(run: Run, twin: Run | None, level: float) -> bool | None:

@@ -19,7 +19,7 @@ import torch
 
 from evaluation import eureka
 from evaluation.runs import RunSpec
-from evaluation.truth import Run, accuracy_jump, damage, leaves, plateau_by_twin, settled
+from evaluation.truth import Run, accuracy_jump, damage, leaves, plateau_by_twin, settled, stuck_with_twin
 from hooks.demo import DemoRun, train
 
 # ------------------------------------------------------------------ collapse
@@ -62,6 +62,12 @@ def test_the_twin_test_of_a_plateau():
     assert plateau_by_twin(run, quick, 2.8) is True  # 136 steps sooner: >= 25% of 400
     assert plateau_by_twin(run, slow, 2.8) is False
     assert plateau_by_twin(run, _run([3.0] * 400), 2.8) is False and plateau_by_twin(run, None, 2.8) is None
+    # neither leaves the level (issue #31's BERT runs and their twins, at the context-free level all run): stuck,
+    # and the twin test has no verdict on the cause; a run that leaves it is not stuck
+    flat = _run([3.0] * 400)
+    assert stuck_with_twin(flat, _run([3.0] * 400), 2.8) and plateau_by_twin(flat, _run([3.0] * 400), 2.8) is False
+    assert not stuck_with_twin(run, _run([3.0] * 400), 2.8) and not stuck_with_twin(flat, quick, 2.8)
+    assert not stuck_with_twin(flat, None, 2.8)
 
 
 # ------------------------------------------------------------------ Eureka
