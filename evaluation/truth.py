@@ -33,7 +33,8 @@ from diag.detectors.states import StateEpisode, episodes_of
 from evaluation.record import load_observations
 from evaluation.runs import RunSpec
 
-__all__ = ["Run", "load_run", "load_runs", "states", "collapse_onset", "damage", "accuracy_jump", "settled"]
+__all__ = ["Run", "load_run", "load_runs", "states", "collapse_onset", "damage", "accuracy_jump", "settled",
+           "stuck_with_twin"]
 
 DAMAGE_MARGIN = 0.05  # final loss 5% over the twin's: clearly worse (run-to-run spread of twins is ~1%)
 SEPARATION_SPAN = 20
