@@ -192,11 +192,11 @@ def _timeline(run: Run) -> str | None:
     kinds = sorted({a["kind"] for a in run.alerts})
     fig = figure(8, 1.2 + 0.35 * len(kinds))
     ax = fig.subplots()
-    for level, colour in LEVEL_COLOURS.items():
+    for rank, (level, colour) in enumerate(LEVEL_COLOURS.items()):
         chosen = [a for a in run.alerts if a["level"] == level]
-        if chosen:
+        if chosen:  # the most severe on top: a layer's critical record shares its step with its heads' warnings
             ax.scatter([a["step"] for a in chosen], [kinds.index(a["kind"]) for a in chosen], color=colour,
-                       label=level, marker="|" if level == "info" else "o", s=60)
+                       label=level, marker="|" if level == "info" else "o", s=60, zorder=3 + len(LEVEL_COLOURS) - rank)
     ax.set_yticks(range(len(kinds)), kinds)
     ax.set(title="alerts over the run", xlabel="step")
     integer_steps(ax)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -152,3 +153,17 @@ def test_run_report_errors_name_the_folder_and_the_fix(tmp_path, capsys):
         read_run(tmp_path / "bad")
     _write_run(tmp_path / "quiet", alerts=False)
     assert "No alert was raised" in write_run_report(tmp_path / "quiet").read_text()
+
+
+def test_a_critical_alert_is_drawn_over_the_warnings_at_its_step(monkeypatch):
+    """A layer's critical record shares its step (and its row) with its heads' warnings: in the timeline the
+    critical dot is drawn on top (it was drawn first, under them, and the demo's report showed no red dot)."""
+    from diag.reports import run as run_report
+
+    drawn = {}
+    monkeypatch.setattr(run_report, "inline_img", lambda fig, caption: drawn.setdefault("fig", fig) and "")
+    alerts = [{"step": 40, "kind": "malignant_collapse", "level": level} for level in ("critical", "warning")]
+    alerts.append({"step": 0, "kind": "large_early_updates", "level": "info"})
+    run_report._timeline(run_report.Run(Path("."), alerts=alerts))
+    order = {c.get_label(): c.get_zorder() for c in drawn["fig"].axes[0].collections}
+    assert order["critical"] > order["warning"] > order["info"]
