@@ -24,7 +24,9 @@ from evaluation.seeds import BOUNDARY_LR, SETS
 from evaluation.truth import (
     Run,
     accuracy_jump,
+    at_context_free,
     collapse_onset,
+    context_free_loss,
     damage,
     load_runs,
     plateau_by_twin,
@@ -155,12 +157,15 @@ def judge_eureka(run: Run, cfg: AlertConfig, every, twin: Run | None) -> dict:
 def judge_hf(run: Run, cfg: AlertConfig, every, twin: Run | None) -> dict:
     alerts = replay_run(run, cfg, every)
     plateaus = [a for a in alerts if a.kind == "eureka_plateau" and a.status == "firing"]
-    truth, stuck = None, False
-    if plateaus and twin is not None:
+    truth, stuck, context_free = None, False, None
+    if plateaus:
         level = plateaus[0].values.get("loss", float("nan"))
-        truth, stuck = plateau_by_twin(run, twin, level), stuck_with_twin(run, twin, level)
+        context_free = at_context_free(run, plateaus[0].step)
+        if twin is not None:
+            truth, stuck = plateau_by_twin(run, twin, level), stuck_with_twin(run, twin, level)
     return {"run": run.name, "every": every, "model": run.spec.model, "schedule": run.spec.schedule,
             "twin": run.spec.twin, "plateau_alerts": len(plateaus), "plateau_real": truth, "stuck": stuck,
+            "context_free": context_free,
             "records": records_per_head(alerts),
             "bad": sorted({f"{a.kind}@{a.step}" for a in alerts if a.status == "firing" and a.level != "info"
                            and a.kind != "eureka_plateau"})}
@@ -301,14 +306,16 @@ def plateau_signals_table(runs: list[Run]) -> list[str]:
 
 
 def healthy_table(rows: list[dict]) -> list[str]:
-    out = ["| run | plateau alerts | the NormSoftmax twin says | warning or critical alerts |", "|---|---|---|---|"]
+    out = ["| run | plateau alerts | the NormSoftmax twin says | the plateau sits at the context-free loss "
+           f"({context_free_loss():.2f} nats) | warning or critical alerts |", "|---|---|---|---|---|"]
     for r in rows:
         if r["kind"] == "hf" and not r["twin"]:
             truth = {None: "-", True: "a real attention plateau", False: "no attention plateau"}[r["plateau_real"]]
             if r["stuck"]:
                 truth += " (neither it nor the run leaves the plateau's level: stuck, the cause untested)"
+            free = {None: "-", True: "yes: stuck, not a healthy run", False: "no"}[r.get("context_free")]
             out.append(f"| {r['run']} | {r['plateau_alerts']} | {truth if r['plateau_alerts'] else '-'} | "
-                       f"{', '.join(r['bad']) or 'none'} |")
+                       f"{free if r['plateau_alerts'] else '-'} | {', '.join(r['bad']) or 'none'} |")
     return out
 
 

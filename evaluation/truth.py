@@ -17,10 +17,16 @@
   when its NormSoftmax twin leaves the loss level the run is stuck at much faster (by ``TWIN_LEAD`` of the run's
   length or more) than the run does. When neither leaves it within the budget (:func:`stuck_with_twin`) the run
   is stuck and the test has no verdict on the cause; the evaluation says so beside the verdict.
+* **Stuck at the context-free loss** (:func:`at_context_free`): a language model whose plateau sits at the loss of
+  the best predictor that reads no context (the entropy of its corpus's bytes, :func:`context_free_loss`; within
+  ``CONTEXT_FREE_MARGIN``, over the ``CONTEXT_FREE_SPAN`` steps before the alert) has learned nothing from its context: a stuck run, not a slowly improving one, and no
+  healthy run. Measured from the corpus, independently of the detectors (issue #31's eighth session, for the
+  BERT-style runs).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -34,11 +40,13 @@ from evaluation.record import load_observations
 from evaluation.runs import RunSpec
 
 __all__ = ["Run", "load_run", "load_runs", "states", "collapse_onset", "damage", "accuracy_jump", "settled",
-           "stuck_with_twin"]
+           "stuck_with_twin", "context_free_loss", "at_context_free"]
 
 DAMAGE_MARGIN = 0.05  # final loss 5% over the twin's: clearly worse (run-to-run spread of twins is ~1%)
 SEPARATION_SPAN = 20
 TWIN_LEAD = 0.25
+CONTEXT_FREE_MARGIN = 0.05  # a plateau within 5% of the context-free loss sits at it ...
+CONTEXT_FREE_SPAN = 100  # ... judged on the mean loss of this many steps (half a plateau window)
 
 
 @dataclass
@@ -159,3 +167,25 @@ def plateau_by_twin(run: Run, twin: Run | None, level: float) -> bool | None:
         return False
     mine = len(run.losses) if mine is None else mine
     return mine - theirs >= TWIN_LEAD * len(run.losses)
+
+
+@functools.cache
+def context_free_loss() -> float:
+    """The loss, in nats, of the best predictor of a byte that reads no context, on the corpus of the Hugging Face
+    language models (:mod:`evaluation.healthy`: the bytes of ``hooks.demo.load_text()``): the entropy of the
+    corpus's byte frequencies (3.14 nats). A causal model predicting the next byte and a masked one predicting a
+    masked byte both reach it with no attention to other positions."""
+    from hooks.demo import load_text
+
+    counts = np.bincount(np.frombuffer(load_text().encode(), dtype=np.uint8), minlength=256)
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def at_context_free(run: Run, step: int, span: int = CONTEXT_FREE_SPAN) -> bool | None:
+    """Whether a Hugging Face language model's loss sat at the context-free loss (its mean over the ``span`` steps
+    before ``step``, from the run's every-step losses, at least ``1 - CONTEXT_FREE_MARGIN`` of it); None for a
+    run of another task (the ViT's classes) or with no loss before ``step``."""
+    if run.spec.task != "hf" or run.spec.model == "vit" or step <= 0:
+        return None
+    return _mean(run.losses[max(0, step - span) : step]) >= (1.0 - CONTEXT_FREE_MARGIN) * context_free_loss()

@@ -6,9 +6,12 @@ Three choices, each printed as a table of every value tried:
 
 * ``warn_risk`` and ``warn_samples``, the risk at which ``collapse_warning`` fires and at how many samples in a
   row: on the collapse runs (the GPT, its QK-norm twins and the collapse ViT: the runs of the report's warning
-  table) away from the boundary learning rate at the default cadence, the most collapses warned 5 steps or more
-  before their onset, minus two for each warned run without a layer collapse; ties go to the higher value and
-  then to more samples (fewer warnings).
+  table) away from the boundary learning rate at the default cadence. The values that meet issue #31's two goals
+  there (at least 95% of the collapses warned 5 steps or more before their onset, at most 5% of the runs without
+  a layer collapse warned) are preferred, the most collapses warned first, then the fewest false warnings; where
+  none meets both, the most collapses warned minus two for each false warning. Ties go to the higher value and
+  then to more samples (fewer warnings). (Until issue #31's eighth session the score alone chose: it tied 0.2 at
+  3 samples, which meets both goals on the tuning, third and fourth report sets, with 0.4, which warns 89%.)
 * ``plateau_qk_motion``, how little the query/key product may move per unit of its updates on a plateau: every
   softmax Eureka plateau of the tuning set flagged before its accuracy jump at every cadence, minus two for each
   plateau alert on a healthy run (the design set's: the tuning set has none) that the NormSoftmax twin test does
@@ -30,7 +33,7 @@ from evaluation import detectors as judge
 from evaluation.seeds import BOUNDARY_LR, SETS
 from evaluation.truth import Run, load_runs
 
-WARN_RISK = (0.1, 0.15, 0.2, 0.3, 0.4, 0.5)
+WARN_RISK = (0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5)
 WARN_SAMPLES = (1, 2, 3)
 QK_MOTION = (0.06, 0.08, 0.1, 0.12, 0.15, 0.2)
 MAX_GROWTH = (1.2, 1.3, 1.35, 1.5, 2.0, float("inf"))
@@ -38,25 +41,35 @@ MIN_FRAC = (0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.55)
 MIN_UPDATE = (0.0, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4)
 
 
-def warn_score(rows: list[dict]) -> tuple[int, int, int]:
+CATCH_GOAL, FALSE_GOAL = 0.95, 0.05  # issue #31: collapses warned 5 steps ahead, warned runs without a collapse
+
+
+def warn_score(rows: list[dict]) -> tuple[tuple, int, int, int, int]:
+    """(the sort key: meets both goals, then collapses warned or the plain score, then fewest false), collapses
+    warned 5 steps or more ahead, collapses, false warnings, runs without a layer collapse."""
     away = [r for r in rows if r["kind"] == "collapse" and r["lr"] != BOUNDARY_LR]
+    collapses = sum(r["onset"] is not None for r in away)
     caught = sum(r["warned"] and r["lead"] >= 5 for r in away)
     false = sum(r["false_warning"] for r in away)
-    return caught - 2 * false, caught, false
+    negatives = len(away) - collapses
+    meets = caught >= CATCH_GOAL * collapses and false <= FALSE_GOAL * negatives
+    key = (1, caught, -false) if meets else (0, caught - 2 * false, -false)
+    return key, caught, collapses, false, negatives
 
 
 def tune_warn(runs: list[Run]) -> tuple[tuple[float, int], list[str]]:
     collapse = [r for r in runs if r.spec.task in ("lm", "vit") and r.spec.steps <= 400]
-    table = ["| warn_risk | warn_samples | collapses warned >= 5 steps ahead | false warnings | score |",
-             "|---|---|---|---|---|"]
+    table = ["| warn_risk | warn_samples | collapses warned >= 5 steps ahead | false warnings | meets both goals | "
+             "score (warned - 2 x false) |", "|---|---|---|---|---|---|"]
     best = None
     for value in WARN_RISK:
         for samples in WARN_SAMPLES:
             cfg = AlertConfig(warn_risk=value, watch_risk=min(value, 0.2), warn_samples=samples)
-            score, caught, false = warn_score(judge.rows_of(collapse, cfg, ("default",)))
-            table.append(f"| {value:g} | {samples} | {caught} | {false} | {score} |")
-            if best is None or score >= best[0]:
-                best = (score, (value, samples))
+            key, caught, collapses, false, negatives = warn_score(judge.rows_of(collapse, cfg, ("default",)))
+            table.append(f"| {value:g} | {samples} | {caught} of {collapses} | {false} of {negatives} | "
+                         f"{'yes' if key[0] else 'no'} | {caught - 2 * false} |")
+            if best is None or key >= best[0]:
+                best = (key, (value, samples))
     return best[1], table
 
 

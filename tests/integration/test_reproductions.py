@@ -19,6 +19,7 @@ import torch
 
 from evaluation import eureka
 from evaluation.runs import RunSpec
+from evaluation.seeds import BOUNDARY_LR
 from evaluation.truth import Run, accuracy_jump, damage, leaves, plateau_by_twin, settled, stuck_with_twin
 from hooks.demo import DemoRun, train
 
@@ -196,3 +197,47 @@ def test_a_claim_whose_recorder_is_gone_is_taken_over_and_a_living_one_is_not(tm
     (tmp_path / ".claim").write_text("")
     with pytest.raises(Claimed, match=r"names no process .* remove it if no plan is recording"):
         claim(tmp_path)
+
+
+def test_the_warning_threshold_that_meets_both_goals_beats_a_quieter_one_with_the_same_plain_score():
+    from evaluation.tune import warn_score
+
+    def rows(caught: int, missed: int, false: int, quiet: int) -> list[dict]:
+        row = {"kind": "collapse", "lr": 1e-2}
+        return ([{**row, "onset": 100, "warned": True, "lead": 20, "false_warning": False}] * caught
+                + [{**row, "onset": 100, "warned": False, "lead": None, "false_warning": False}] * missed
+                + [{**row, "onset": None, "warned": False, "lead": None, "false_warning": True}] * false
+                + [{**row, "onset": None, "warned": False, "lead": None, "false_warning": False}] * quiet)
+
+    meets = warn_score(rows(43, 1, 2, 46))  # 98% warned, 4% false: both of issue #31's goals
+    quiet = warn_score(rows(39, 5, 0, 48))  # 89% warned, none false: the same plain score, 43 - 2 x 2 = 39
+    assert meets[1:] == (43, 44, 2, 48) and quiet[1:] == (39, 44, 0, 48)
+    assert meets[0] > quiet[0]
+    noisy = warn_score(rows(44, 0, 4, 44))  # all warned, 8% false: misses the second goal, plain score 36
+    assert quiet[0] > noisy[0]  # neither meets both: the plain score decides
+    boundary = warn_score([{**r, "lr": BOUNDARY_LR} for r in rows(0, 44, 9, 39)])
+    assert boundary[1:] == (0, 0, 0, 0)  # the boundary's runs are not scored
+
+
+def test_the_context_free_loss_is_the_entropy_of_the_corpus_bytes_and_a_plateau_at_it_is_stuck():
+    import collections
+
+    from evaluation.truth import CONTEXT_FREE_MARGIN, at_context_free, context_free_loss
+    from hooks.demo import load_text
+
+    data = load_text().encode()
+    counts = collections.Counter(data)
+    direct = -sum(c / len(data) * math.log(c / len(data)) for c in counts.values())
+    assert context_free_loss() == pytest.approx(direct, rel=1e-9)
+    h = context_free_loss()
+
+    def run(model: str, losses: list[float]) -> Run:
+        return Run(RunSpec("hf", 0, 1e-3, len(losses), model=model), Path("."), {"losses": losses})
+
+    edge = (1 - CONTEXT_FREE_MARGIN) * h
+    assert at_context_free(run("bert", [5.0] * 100 + [h] * 200), 300)
+    assert at_context_free(run("gpt2", [5.0] * 100 + [edge + 1e-9] * 200), 300)
+    assert not at_context_free(run("gpt2", [5.0] * 100 + [edge - 1e-3] * 200), 300)
+    assert not at_context_free(run("bert", [h] * 200 + [0.8 * h] * 100), 300)  # the 100 steps before it count
+    assert at_context_free(run("bert", [h] * 200 + [0.8 * h] * 100), 200)
+    assert at_context_free(run("vit", [h] * 300), 300) is None  # classes, not bytes: no such level
