@@ -17,11 +17,11 @@
   when its NormSoftmax twin leaves the loss level the run is stuck at much faster (by ``TWIN_LEAD`` of the run's
   length or more) than the run does. When neither leaves it within the budget (:func:`stuck_with_twin`) the run
   is stuck and the test has no verdict on the cause; the evaluation says so beside the verdict.
-* **Stuck at the context-free loss** (:func:`at_context_free`): a language model whose plateau sits at the loss of
+* **Stuck at the context-free loss** (:func:`at_context_free`): a language model whose loss sits at the loss of
   the best predictor that reads no context (the entropy of its corpus's bytes, :func:`context_free_loss`; within
-  ``CONTEXT_FREE_MARGIN``, over the ``CONTEXT_FREE_SPAN`` steps before the alert) has learned nothing from its context: a stuck run, not a slowly improving one, and no
-  healthy run. Measured from the corpus, independently of the detectors (issue #31's eighth session, for the
-  BERT-style runs).
+  ``CONTEXT_FREE_MARGIN``, over the ``CONTEXT_FREE_SPAN`` steps before the alert) has learned nothing from its
+  context: a stuck run, not a slowly improving one, and no healthy run. Measured from the corpus and the run's
+  every-step losses, independently of the detectors (issue #31's eighth session, for the BERT-style runs).
 """
 
 from __future__ import annotations
