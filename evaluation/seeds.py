@@ -16,7 +16,7 @@ Healthy families (Hugging Face GPT-2, LLaMA with grouped-query attention, a BERT
 a ViT classifier) run under a constant learning rate and under warmup + cosine decay; the plateau's thresholds
 are chosen on the design set's runs of them (the tuning set has none: recorded at the default cadence of the time,
 every family every 10 steps for the report's), and the choice is shown leaving each family out
-(:func:`evaluation.tune.tune_plateau`).
+(:func:`evaluation.tune.tune_one`).
 """
 
 from __future__ import annotations

@@ -73,18 +73,19 @@ def tune_warn(runs: list[Run]) -> tuple[tuple[float, int], list[str]]:
     return best[1], table
 
 
-def plateau_rows(runs: list[Run], value: float) -> list[dict]:
-    cfg = AlertConfig(plateau_qk_motion=value)
+def plateau_rows(runs: list[Run], name: str, value: float) -> list[dict]:
+    """The Eureka runs (softmax) and the Hugging Face runs judged with one plateau field at ``value``."""
+    cfg = AlertConfig(**{name: value})
     eureka = [r for r in runs if r.spec.task == "vit" and r.spec.steps > 1000 and not r.spec.twin]
     hf = [r for r in runs if r.spec.task == "hf"]
     return judge.rows_of(eureka, cfg) + judge.rows_of(hf, cfg)
 
 
-def plateau_score(rows: list[dict], leave_out: str = "") -> tuple[int, int, int]:
+def plateau_score(rows: list[dict]) -> tuple[int, int, int]:
     eureka = [r for r in rows if r["kind"] == "eureka" and r["jump"] is not None]
     flagged = sum(r["plateau_in_time"] for r in eureka)
     false = sum(r["plateau_alerts"] > 0 and not r["plateau_real"] for r in rows
-                if r["kind"] == "hf" and not r["twin"] and r["model"] != leave_out)
+                if r["kind"] == "hf" and not r["twin"])
     return flagged - 2 * false, flagged, false
 
 
@@ -94,30 +95,13 @@ def _middle(scores: dict[float, int]) -> float:
     return best[len(best) // 2]
 
 
-def tune_plateau(runs: list[Run]) -> tuple[float, list[str], dict[str, float]]:
-    table = ["| plateau_qk_motion | Eureka plateaus flagged before the jump (runs x cadences) | plateau alerts on "
-             "healthy runs without a real plateau | score |", "|---|---|---|---|"]
-    rows = {v: plateau_rows(runs, v) for v in QK_MOTION}
-    scores = {}
-    for v in QK_MOTION:
-        scores[v], flagged, false = plateau_score(rows[v])
-        table.append(f"| {v:g} | {flagged} | {false} | {scores[v]} |")
-    left_out = {}
-    for family in ("gpt2", "llama", "bert", "vit"):
-        kept = {v: [r for r in rows[v] if r.get("model") != family] for v in QK_MOTION}
-        left_out[family] = _middle({v: plateau_score(kept[v])[0] for v in QK_MOTION})
-    return _middle(scores), table, left_out
-
-
 def tune_one(runs: list[Run], name: str, values: tuple[float, ...]) -> tuple[float, list[str], dict[str, float]]:
-    """One plateau field (``plateau_max_growth``, ``plateau_min_frac``, ``plateau_min_update``) with the others
-    at their defaults: the same score; ties go to the value in the middle; also chosen leaving each healthy
-    family out."""
+    """One plateau field (``plateau_qk_motion``, ``plateau_max_growth``, ``plateau_min_frac``,
+    ``plateau_min_update``) with the others at their defaults: the score of :func:`plateau_score`; ties go to the
+    value in the middle of the best ones; also chosen leaving each healthy family out."""
     table = [f"| {name} | Eureka plateaus flagged before the jump (runs x cadences) | plateau alerts on "
              "healthy runs without a real plateau | score |", "|---|---|---|---|"]
-    eureka = [r for r in runs if r.spec.task == "vit" and r.spec.steps > 1000 and not r.spec.twin]
-    rows = {v: judge.rows_of(eureka, AlertConfig(**{name: v}))
-            + judge.rows_of([r for r in runs if r.spec.task == "hf"], AlertConfig(**{name: v})) for v in values}
+    rows = {v: plateau_rows(runs, name, v) for v in values}
     scores = {}
     for v in values:
         scores[v], flagged, false = plateau_score(rows[v])
@@ -142,11 +126,8 @@ def main() -> None:
         (value, samples), table = tune_warn(runs)
         print("\n".join(table) + f"\n\nwarn_risk: {value:g}, warn_samples: {samples}\n")
     if args.only in (None, "plateau"):
-        value, table, left_out = tune_plateau(runs)
-        print("\n".join(table) + f"\n\nplateau_qk_motion: {value:g}")
-        print("chosen leaving each healthy family out: " + ", ".join(f"{k} {v:g}" for k, v in left_out.items()))
-        for name, values in (("plateau_max_growth", MAX_GROWTH), ("plateau_min_frac", MIN_FRAC),
-                             ("plateau_min_update", MIN_UPDATE)):
+        for name, values in (("plateau_qk_motion", QK_MOTION), ("plateau_max_growth", MAX_GROWTH),
+                             ("plateau_min_frac", MIN_FRAC), ("plateau_min_update", MIN_UPDATE)):
             value, table, left_out = tune_one(runs, name, values)
             print("\n".join(table) + f"\n\n{name}: {value:g}")
             print("chosen leaving each healthy family out: " + ", ".join(f"{k} {v:g}" for k, v in left_out.items()))
