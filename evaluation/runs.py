@@ -57,7 +57,7 @@ class RunSpec:
     width: int = 0
     corpus: str = "stdlib"  # lm: "stdlib" or "pydoc"
     context: int = 0  # lm: the context length (0: the demo's 128)
-    model: str = ""  # hf: "gpt2", "llama", "bert" or "vit"
+    model: str = ""  # hf: "gpt2", "llama", "bert", "modernbert" or "vit"
     threads: int = 1  # torch threads: another reduction order gives the same run other rounding
     every: int = 1  # the Monitor's interval (hf: 0, the default cadence)
 

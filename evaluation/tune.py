@@ -106,8 +106,9 @@ def tune_one(runs: list[Run], name: str, values: tuple[float, ...]) -> tuple[flo
     for v in values:
         scores[v], flagged, false = plateau_score(rows[v])
         table.append(f"| {v:g} | {flagged} | {false} | {scores[v]} |")
+    families = sorted({r["model"] for r in rows[values[0]] if r.get("model")})  # the healthy families given
     left_out = {family: _middle({v: plateau_score([r for r in rows[v] if r.get("model") != family])[0]
-                                 for v in values}) for family in ("gpt2", "llama", "bert", "vit")}
+                                 for v in values}) for family in families}
     return _middle(scores), table, left_out
 
 

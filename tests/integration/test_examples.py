@@ -127,7 +127,7 @@ def test_analyze_checkpoints(tmp_path):
     assert written_alerts(tmp_path / "analyze" / "alerts.jsonl")  # the sigma_1 growth warning, as live
 
 
-@pytest.mark.parametrize("model", ["gpt2", "llama", "bert", "vit"])
+@pytest.mark.parametrize("model", ["gpt2", "llama", "bert", "modernbert", "vit"])
 def test_evaluation_records_each_healthy_family_with_a_zero_configuration_monitor(tmp_path, model):
     """The healthy side of docs/alerts.md#evaluation, shortened: each family is monitored with no arguments
     (its per-head tags reach the detectors), the recorder keeps what they saw at the default cadence
