@@ -59,7 +59,8 @@ def replay(obs: list[Observation], cfg: AlertConfig, every: int | str) -> list:
 def at_default_cadence(obs: list[Observation], det: Detectors):
     """Feed ``det`` what a Monitor at its default cadence would: each family at its own period, plus the closer
     look the detectors ask for (``CloserLook.heed``: attention every 10 steps while they watch, every step while a
-    state is being confirmed). Yields (the observation they were given, the alerts it raised)."""
+    state is being confirmed, every 2 steps while a layer is one head short of a collapse). Yields (the
+    observation they were given, the alerts it raised)."""
     cadence = resolve_cadence(None, None, SIGNALS)
     closer = CloserLook(cadence)
     for o in obs:

@@ -84,6 +84,16 @@ class Detectors:
         Monitor samples attention every ``CloserLookConfig.confirm_every`` steps meanwhile."""
         return max((getattr(d, "confirming", lambda: 0)() for d in self.detectors), default=0)
 
+    def watching(self) -> str | None:
+        """Why a layer's attention should be sampled every ``CloserLookConfig.watch_every`` steps (a
+        detector's ``watching``: a layer one head short of a collapse), or None."""
+        for detector in self.detectors:
+            ask = getattr(detector, "watching", None)
+            reason = ask() if ask is not None else None
+            if reason:
+                return reason
+        return None
+
     def state_dict(self) -> dict:
         state: dict = {"version": STATE_VERSION}
         for detector in self.detectors:

@@ -116,10 +116,12 @@ class _Machine:
         self.heads = {s: Episodes(enter.get(s, Dwell(1, 0)), leave) for s in STATES}
         self.layers: dict[str, dict[str, bool]] = {s: {} for s in STATES}  # state -> layer label -> in it
         self.derive = False  # a state of heads only (format 2): each layer's membership is derived, silently
+        self.n_heads: dict[str, int] = {}  # layer label -> its heads (as sampled)
 
     def step(self, step: int, label: str, m: dict[str, np.ndarray]) -> list[tuple[str, str, Opened | Closed]]:
         """The events of one layer's sample: (state, head key or layer label, event)."""
         rows = float(m["attn_rows"][0])
+        self.n_heads[label] = len(m["attn_entropy"])
         u = float(m["attn_entropy_uniform"][0]) if "attn_entropy_uniform" in m else math.inf
         entropy, rank = m["attn_entropy"].tolist(), m["attn_rank"].tolist()
         out = []
@@ -222,6 +224,19 @@ class AttentionStates:
         ends = [episodes.since(k) + 2 * self.cfg.collapse_dwell - self.step for k in episodes.keys
                 if episodes.since(k) is not None and not episodes.active(k)]
         return max(max(ends, default=0), 0)
+
+    def watching(self) -> str | None:
+        """A layer one established head short of the malignant state (not in it): its next head to enter
+        would make a layer collapse, whose dwell the Monitor can count only from the first sample that shows
+        it, so it samples attention every ``CloserLookConfig.watch_every`` steps meanwhile."""
+        episodes, layers = self.machine.heads["malignant"], self.machine.layers["malignant"]
+        for label, n in self.machine.n_heads.items():
+            if layers.get(label, False):
+                continue
+            held = sum(episodes.holding(head_key(label, h, n)) for h in range(n))
+            if held >= 1 and held + 1 >= layer_needs(n, self.cfg):
+                return f"{label} is one head short of a malignant collapse"
+        return None
 
     def holds(self, state: str, key: str) -> bool:
         """Whether the head ``key`` is established in ``state`` and not on its way out."""

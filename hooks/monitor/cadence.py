@@ -5,12 +5,13 @@ docs/cost.md#the-default-cadence; measurements live there only) and in how fast
 what they watch moves. The default cadence samples the cheap families, the loss
 and the Q/K/V gradient norms (what the loss-spike, non-finite and plateau
 detectors read) every 10 steps, the spectra (sigma_1 growth) every 20, and the
-costly ones, update ratios and attention (the collapse detectors), every 100
-steps; every step number that is a multiple of a family's period samples that
+costly ones, attention (the collapse detectors) every 50 steps and update ratios
+every 100; every step number that is a multiple of a family's period samples that
 family, so step 0, 100, 200, ... sample all of them and the tags of each family
 carry the steps it was sampled at. :class:`CloserLook` adds attention and the
 spectra at the 10-step steps while the detectors ask for them (a head's sigma_1
-grows fast, a collapse is being confirmed, the first updates are large).
+grows fast, a collapse is being confirmed, the first updates are large), and
+attention alone every 2 steps while a layer is one head short of a collapse.
 
 ``Monitor(every=N)`` keeps its old meaning: every family every N steps.
 ``Monitor(cadence={"attention": 50})`` changes the named periods only.
@@ -28,6 +29,7 @@ from diag.errors import ConfigError
 __all__ = ["FAMILIES", "DEFAULT_CADENCE", "Cadence", "CloserLook", "resolve_cadence"]
 
 _NOTHING: frozenset[str] = frozenset()
+_ATTENTION: frozenset[str] = frozenset({"attention"})
 
 FAMILIES = ("loss", "grads", "spectra", "attention", "updates")
 
@@ -98,15 +100,19 @@ class CloserLookConfig:
     asked, every ``early_every`` steps within the run's first ``early`` steps, and every ``confirm_every`` steps
     while a malignant state is being confirmed (every step: the dwell judged on the steps the evaluation's ground
     truth judges it on; on every second step a head whose entropy alternates around the exit line was
-    established where the attention of every step has no collapse, docs/alerts.md#episodes)."""
+    established where the attention of every step has no collapse, docs/alerts.md#episodes); and attention alone
+    every ``watch_every`` steps while a layer is one established head short of a malignant collapse (its next
+    head's entry is seen at most ``watch_every - 1`` steps late, so a layer collapse that stays established that
+    long is counted from where it began: docs/cost.md#watching-closer)."""
 
     hold: int = 100
     early: int = 30
     early_every: int = 2
     confirm_every: int = 1
+    watch_every: int = 2
 
     def __post_init__(self) -> None:
-        for name, low in (("hold", 0), ("early", 0), ("early_every", 1), ("confirm_every", 1)):
+        for name, low in (("hold", 0), ("early", 0), ("early_every", 1), ("confirm_every", 1), ("watch_every", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"CloserLookConfig({name}={value!r}): expected an integer >= {low}")
@@ -124,13 +130,15 @@ class CloserLook:
     reason. Within the run's first ``early`` steps a close look samples every ``early_every`` steps
     instead: a head of a run with large first updates can collapse within ten steps (measured:
     established at steps 7 and 10, docs/alerts.md#evaluation), before the 10-step cadence's second
-    sample. While a malignant state is being confirmed it samples every ``confirm_every`` steps. Off
-    (``period`` None) when attention is already sampled at the shortest period.
+    sample. While a malignant state is being confirmed it samples every ``confirm_every`` steps, and while a
+    layer is one established head short of a malignant collapse (``Detectors.watching``) attention alone every
+    ``watch_every`` steps. Off (``period`` None) when attention is already sampled at the shortest period.
     """
 
     def __init__(self, cadence: Cadence, hold: int = CloserLookConfig.hold, enabled: bool = True,
                  early: int = CloserLookConfig.early, early_every: int = CloserLookConfig.early_every,
-                 confirm_every: int = CloserLookConfig.confirm_every) -> None:
+                 confirm_every: int = CloserLookConfig.confirm_every,
+                 watch_every: int = CloserLookConfig.watch_every) -> None:
         base = cadence.base
         self.families = frozenset(f for f in ("attention", "spectra") if cadence.periods.get(f, base) > base)
         self.period = base if enabled and "attention" in self.families else None
@@ -138,8 +146,11 @@ class CloserLook:
         self.early = early if early_every < base else 0  # steps [0, early) sample every early_every steps
         self.early_every = early_every
         self.confirm_every = confirm_every
+        self.watch_every = watch_every
         self.until = -1  # the last step that samples attention closely
         self.confirm_until = -1  # ... and the last that samples it every confirm_every steps to confirm a state
+        self.look_until = -1  # ... the last of the look the detectors asked for (attention and the spectra)
+        self.watch_until = -1  # ... the last that samples attention alone every watch_every steps
 
     def adds(self, step: int) -> frozenset[str]:
         """The families ``step`` samples beyond the cadence (none, or attention and maybe the spectra); a step
@@ -147,9 +158,21 @@ class CloserLook:
         being confirmed."""
         if self.period is None or step > self.until:
             return _NOTHING
-        every = (self.confirm_every if step <= self.confirm_until else self.early_every if step < self.early
-                 else self.period)
-        return self.families if step % every == 0 else _NOTHING
+        if step <= self.confirm_until or step <= self.look_until:
+            every = (self.confirm_every if step <= self.confirm_until else self.early_every if step < self.early
+                     else self.period)
+            if step % every == 0:
+                return self.families
+        return _ATTENTION if step <= self.watch_until and step % self.watch_every == 0 else _NOTHING
+
+    def watch(self, step: int, reason: str | None) -> None:
+        """After the detectors judged ``step``: while they watch a layer (``reason``: one head short of a
+        collapse), attention alone is sampled every ``watch_every`` steps, up to the next judged step's
+        period on (renewed at each judged step while the reason holds)."""
+        if self.period is None or not reason or self.watch_every >= self.period:
+            return
+        self.watch_until = max(self.watch_until, step + self.period)
+        self.until = max(self.until, self.watch_until)
 
     def update(self, step: int, reason: str | None, confirm: int = 0) -> bool:
         """After the detectors judged ``step``: extend the close look if they gave a reason. True when a
@@ -159,14 +182,17 @@ class CloserLook:
         happens between them (docs/alerts.md#episodes)."""
         if self.period is None or not reason:
             return False
-        started = step >= self.until
-        self.until = max(self.until, step + self.hold)
+        started = step >= self.look_until
+        self.look_until = max(self.look_until, step + self.hold)
+        self.until = max(self.until, self.look_until)
         if confirm > 0 and self.confirm_every < self.period:
             self.confirm_until = max(self.confirm_until, step + confirm)
             self.until = max(self.until, self.confirm_until)
         return started
 
     def heed(self, step: int, detectors) -> bool:
-        """:meth:`update` with what ``detectors`` ask for (``wants_attention`` and ``confirming``)."""
-        confirming = getattr(detectors, "confirming", None)
+        """:meth:`watch` and :meth:`update` with what ``detectors`` ask for (``watching``, ``wants_attention``
+        and ``confirming``)."""
+        confirming, watching = getattr(detectors, "confirming", None), getattr(detectors, "watching", None)
+        self.watch(step, watching() if watching is not None else None)
         return self.update(step, detectors.wants_attention(), confirming() if confirming is not None else 0)

@@ -101,7 +101,8 @@ class Monitor:
             grows fast, a collapse is being confirmed or the first updates are large
             (``RiskConfig.watch_risk`` and ``watch_growth``; for ``CloserLookConfig.hold`` steps, every
             ``early_every`` steps within the first ``early``, every ``confirm_every`` while a malignant state
-            is being confirmed; pass a ``CloserLookConfig`` to change them;
+            is being confirmed, attention alone every ``watch_every`` while a layer is one established head
+            short of a malignant collapse; pass a ``CloserLookConfig`` to change them;
             docs/cost.md#watching-closer). One process only: under DDP, FSDP or tensor parallelism
             the ranks would have to agree every sampled step, so it is off there.
     """
@@ -165,7 +166,7 @@ class Monitor:
         self._updates_at_once = cfg.note_horizon  # updates of steps before this are measured on the next step
         look = closer_look if isinstance(closer_look, CloserLookConfig) else CloserLookConfig()
         self.closer = CloserLook(self.cadence, look.hold, early=look.early, early_every=look.early_every,
-                                 confirm_every=look.confirm_every,
+                                 confirm_every=look.confirm_every, watch_every=look.watch_every,
                                  enabled=bool(closer_look) and world_size() == 1 and "attention" in self.signals)
         if world_size() > 1:
             self.detectors = SharedDetectors(self.detectors, stop_on_critical)
@@ -338,6 +339,11 @@ class Monitor:
         """After the detectors judged ``step``: start or extend the closer look if they ask for it."""
         if self.closer.period is None:
             return
+        watching = getattr(self.detectors, "watching", lambda: None)()
+        if watching and step >= self.closer.watch_until and self.closer.watch_every < self.closer.period:
+            log.info("diag: %s: attention sampled every %d steps while it is (closer_look)", watching,
+                     self.closer.watch_every)
+        self.closer.watch(step, watching)
         reason = self.detectors.wants_attention()
         confirm = getattr(self.detectors, "confirming", lambda: 0)()
         if self.closer.update(step, reason, confirm):

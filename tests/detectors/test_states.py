@@ -217,3 +217,58 @@ def test_a_resume_from_head_episodes_only_does_not_announce_the_layer_again():
     second.load_state_dict(old)
     after = [a for s, m in script[5:] for a in second.observe(Observation(s, None, {"L00": m}))]
     assert after == []
+
+
+def test_a_layer_one_established_head_short_of_its_state_is_watched():
+    """``watching``: a layer with an established malignant head whose next head would make a layer collapse
+    (2 of 2 heads here; 5 of 12 at a share of 0.5), and not a layer already collapsed, nor one whose head is only
+    pending, nor one two heads short."""
+    det = AttentionStates(StatesConfig())
+    det.observe(Observation(0, None, {"L00": attn([0.1, 2.0], [2.0, 40.0])}))
+    assert det.watching() is None  # pending (its dwell not met): the confirmation's close samples, not this
+    det.observe(Observation(10, None, {"L00": attn([0.1, 2.0], [2.0, 40.0])}))
+    assert det.watching() == "L00 is one head short of a malignant collapse"
+    det.observe(Observation(11, None, {"L00": attn([0.1, 0.1], [2.0, 2.0])}))
+    det.observe(Observation(21, None, {"L00": attn([0.1, 0.1], [2.0, 2.0])}))
+    assert det.layer_in("malignant", "L00") and det.watching() is None  # collapsed: nothing left to watch
+    wide = AttentionStates(StatesConfig())
+    for step in (0, 10):
+        wide.observe(Observation(step, None, {"L01": attn([0.1] * 4 + [2.0] * 8, [2.0] * 4 + [40.0] * 8)}))
+    assert wide.watching() is None  # 4 of 12 established, 6 needed: two heads short
+    for step in (20, 30):
+        wide.observe(Observation(step, None, {"L01": attn([0.1] * 5 + [2.0] * 7, [2.0] * 5 + [40.0] * 7)}))
+    assert wide.watching() == "L01 is one head short of a malignant collapse"
+
+
+def test_a_short_layer_state_whose_start_fell_between_samples_is_counted_from_its_start_at_the_default_cadence():
+    """The fifth report set's missed collapse, rebuilt: head 0 established early, head 1 enters at step 134 and
+    the layer's state ends at 148, 3 steps after the ground truth establishes it (145). At the default cadence,
+    close samples every 10 steps would first show head 1 at 140, so the dwell counted from there ends after the
+    state; watching the layer every ``watch_every`` (2) steps shows it at 134 and the critical record comes at
+    144, before the state ends. Replayed as the evaluation replays (evaluation.detectors.at_default_cadence)."""
+    import functools
+
+    from evaluation import detectors as evaluate_detectors
+    from hooks.monitor.cadence import CloserLook, CloserLookConfig
+
+    def head1(s):
+        return 134 <= s < 148
+
+    script = [Observation(s, 3.0, {"L00": attn([0.1, 0.1 if head1(s) else 2.0], [2.0, 2.0 if head1(s) else 40.0])})
+              for s in range(0, 200)]
+    truth = [(e.where, e.since, e.opened, e.until) for e in episodes_of(script, StatesConfig())
+             if e.state == "malignant" and "/" not in e.where]
+    assert truth == [("L00", 134, 144, 148)]
+
+    def critical(watch_every):
+        original = evaluate_detectors.CloserLook
+        evaluate_detectors.CloserLook = functools.partial(CloserLook, watch_every=watch_every)
+        try:
+            det = Detectors(AlertConfig())
+            alerts = [a for _, out in evaluate_detectors.at_default_cadence(script, det) for a in out]
+        finally:
+            evaluate_detectors.CloserLook = original
+        return [(a.step, a.since) for a in alerts if a.level == "critical" and a.status == "firing"]
+
+    assert critical(CloserLookConfig.watch_every) == [(144, 134)] and CloserLookConfig.watch_every == 2
+    assert critical(10) == []  # no watch: first seen at 140, and the state is over at 148

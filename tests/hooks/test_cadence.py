@@ -255,3 +255,69 @@ def test_a_malignant_state_being_confirmed_is_sampled_every_step_by_the_monitor(
     at_once, _ = train(41, alerts=AlertConfig(collapse_persist=1, **loose),
                        closer_look=CloserLookConfig(hold=30, early=0))
     assert not {1, 2, 3, 5, 8} & steps_by_family(at_once)["attention"]
+
+
+def test_closer_look_watches_a_short_layer_with_attention_alone_every_watch_every_steps():
+    """While the detectors watch a layer (one head short of a collapse), attention alone (not the spectra) is
+    sampled every ``watch_every`` steps, renewed one period at a time at each judged step, over any look the
+    detectors asked for; off when ``watch_every`` is not shorter than the look's period."""
+    look = CloserLook(resolve_cadence(None, None, ("spectra", "attention")), hold=30, early=0)
+    assert look.watch_every == CloserLookConfig.watch_every == 2
+    look.watch(40, "L00 is one head short of a malignant collapse")
+    assert look.until == look.watch_until == 50
+    assert [(s, sorted(look.adds(s))) for s in range(41, 56) if look.adds(s)] == [
+        (42, ["attention"]), (44, ["attention"]), (46, ["attention"]), (48, ["attention"]), (50, ["attention"])]
+    look.watch(42, None)  # the reason is gone: the watch ends where it was renewed last
+    assert look.watch_until == 50
+    look.update(50, "sigma_1 grew")  # a look asked for: attention and the spectra every 10, the watch between
+    look.watch(50, "L00 is one head short of a malignant collapse")
+    assert [(s, sorted(look.adds(s))) for s in range(51, 61) if look.adds(s)] == [
+        (52, ["attention"]), (54, ["attention"]), (56, ["attention"]), (58, ["attention"]),
+        (60, ["attention", "spectra"])]
+    off = CloserLook(resolve_cadence(None, None, ("spectra", "attention")), hold=30, early=0, watch_every=10)
+    off.watch(40, "why")
+    assert off.until == -1 and not any(off.adds(s) for s in range(41, 60))
+    with pytest.raises(ConfigError, match="watch_every"):
+        CloserLookConfig(watch_every=0)
+
+
+class _Watching:
+    """The Monitor's detectors, watching a layer while the last step they judged is in ``steps``."""
+
+    def __init__(self, inner, steps: range) -> None:
+        self.inner, self.steps, self.last = inner, steps, -1
+
+    def observe(self, obs):
+        self.last = obs.step
+        return self.inner.observe(obs)
+
+    def watching(self):
+        return "L00 is one head short of a malignant collapse" if self.last in self.steps else None
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+def test_the_monitor_samples_attention_every_watch_every_steps_while_a_layer_is_watched():
+    """A layer watched while the detectors judge steps 40-60: the Monitor samples attention (and nothing else)
+    at every second step from 42 to 70 (the watch renewed one 10-step period at each judged step), arming the
+    capture the step before, with the very values of every=1; the spectra keep their 20 steps."""
+    case = zoo.nanogpt(dropout=0.0)
+    sink = MemorySink()
+    monitor = Monitor(case.model, sinks=[sink], images=False, closer_look=CloserLookConfig(hold=30, early=0))
+    monitor.detectors = _Watching(monitor.detectors, range(40, 61))
+    opt = torch.optim.AdamW(case.model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(81):
+        loss = case.loss(case.model, case.make_batch(gen))
+        loss.backward()
+        monitor.step(step, loss=loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    monitor.close()
+    seen = steps_by_family(sink)
+    assert seen["attention"] == {0, 50} | set(range(42, 71, 2))
+    assert seen["spectra"] == set(range(0, 81, 20)) and seen["loss"] == set(range(0, 81, 10))
+    assert_values_of(sink, train(81, every=1)[0])
