@@ -37,7 +37,7 @@ SHAPE = {"layers": 4, "heads": 4, "width": 128, "context": 128}
 VOCAB = 256  # bytes; the masked models' [MASK] is id 256
 MASK_ID = VOCAB
 TEMPERATURE = 0.5
-MASKED = ("bert", "modernbert")  # the masked language models
+MASKED = ("bert", "modernbert", "roformer")  # the masked language models
 
 
 def normsoftmax_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -93,15 +93,20 @@ def build(name: str) -> torch.nn.Module:
                                             embedding_dropout=0.0, mlp_dropout=0.0, attention_dropout=0.0,
                                             **common)
         return transformers.ModernBertForMaskedLM(cfg)
+    if name == "roformer":  # BERT (post-LN) with rotary positions instead of learned absolute ones
+        cfg = transformers.RoFormerConfig(vocab_size=VOCAB + 1, max_position_embeddings=context, embedding_size=width,
+                                          hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **common)
+        return transformers.RoFormerForMaskedLM(cfg)
     if name == "vit":
         cfg = transformers.ViTConfig(image_size=8, patch_size=2, num_channels=1, num_labels=10,
                                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **common)
         return transformers.ViTForImageClassification(cfg)
-    raise ValueError(f"unknown model {name!r}: expected gpt2, llama, bert, modernbert or vit")
+    raise ValueError(f"unknown model {name!r}: expected gpt2, llama, bert, modernbert, roformer or vit")
 
 
 class Batches:
-    """The task of each family: next bytes (GPT-2, LLaMA), masked bytes (BERT, ModernBERT), digit classes (ViT)."""
+    """The task of each family: next bytes (GPT-2, LLaMA), masked bytes (BERT, ModernBERT, RoFormer), digit classes
+    (ViT)."""
 
     def __init__(self, name: str, seed: int) -> None:
         self.name = name
@@ -131,6 +136,10 @@ class Batches:
 
 
 def train_spec(spec: RunSpec, out: Path) -> dict:
+    if spec.twin == "normsoftmax" and spec.model == "roformer":
+        raise ValueError("RunSpec(model='roformer', twin='normsoftmax'): RoFormer computes its attention in its own "
+                         "code, not through a transformers attention function, so it has no NormSoftmax twin; "
+                         "leave --normsoftmax out, or take modernbert (rotary positions too) for a twin")
     torch.manual_seed(spec.seed)
     model = build(spec.model)
     model.config._attn_implementation = "normsoftmax" if spec.twin == "normsoftmax" else "sdpa"

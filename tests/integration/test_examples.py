@@ -127,7 +127,7 @@ def test_analyze_checkpoints(tmp_path):
     assert written_alerts(tmp_path / "analyze" / "alerts.jsonl")  # the sigma_1 growth warning, as live
 
 
-@pytest.mark.parametrize("model", ["gpt2", "llama", "bert", "modernbert", "vit"])
+@pytest.mark.parametrize("model", ["gpt2", "llama", "bert", "modernbert", "roformer", "vit"])
 def test_evaluation_records_each_healthy_family_with_a_zero_configuration_monitor(tmp_path, model):
     """The healthy side of docs/alerts.md#evaluation, shortened: each family is monitored with no arguments
     (its per-head tags reach the detectors), the recorder keeps what they saw at the default cadence
@@ -161,6 +161,16 @@ def test_the_normsoftmax_twin_of_a_language_model_trains(tmp_path):
 
     run = load_run(record(RunSpec("hf", 0, 1e-3, 20, model="gpt2", every=0, twin="normsoftmax"), tmp_path))
     assert all(math.isfinite(x) for x in run.losses) and sum(run.losses[-5:]) < sum(run.losses[:5])
+
+
+def test_a_masked_model_without_an_attention_function_has_no_normsoftmax_twin_and_says_so(tmp_path):
+    """RoFormer computes its attention in its own code: a NormSoftmax "twin" would silently be the softmax run,
+    so it is refused, naming the model, why and what to take instead."""
+    from evaluation.healthy import train_spec
+    from evaluation.runs import RunSpec
+
+    with pytest.raises(ValueError, match=r"model='roformer'.*no NormSoftmax twin.*modernbert"):
+        train_spec(RunSpec("hf", 0, 1e-3, 5, model="roformer", every=0, twin="normsoftmax"), tmp_path)
 
 
 def test_zero_config_sweep_prints_one_row_per_model_and_attention():
