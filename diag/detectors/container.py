@@ -70,14 +70,18 @@ class Detectors:
                     out.setdefault(metric, {}).update(values)
         return out
 
-    def wants_attention(self) -> str | None:
-        """Why the attention should be sampled closely now (a detector's ``wants_attention``), or None."""
+    def _reason(self, question: str) -> str | None:
+        """The first detector's answer to ``question`` (a method returning a reason or None), or None."""
         for detector in self.detectors:
-            ask = getattr(detector, "wants_attention", None)
+            ask = getattr(detector, question, None)
             reason = ask() if ask is not None else None
             if reason:
                 return reason
         return None
+
+    def wants_attention(self) -> str | None:
+        """Why the attention should be sampled closely now (a detector's ``wants_attention``), or None."""
+        return self._reason("wants_attention")
 
     def confirming(self) -> int:
         """How many more steps of close attention samples a state being confirmed needs (0: none is); the
@@ -87,12 +91,7 @@ class Detectors:
     def watching(self) -> str | None:
         """Why a layer's attention should be sampled every ``CloserLookConfig.watch_every`` steps (a
         detector's ``watching``: a layer one head short of a collapse), or None."""
-        for detector in self.detectors:
-            ask = getattr(detector, "watching", None)
-            reason = ask() if ask is not None else None
-            if reason:
-                return reason
-        return None
+        return self._reason("watching")
 
     def state_dict(self) -> dict:
         state: dict = {"version": STATE_VERSION}
