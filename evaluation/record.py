@@ -41,6 +41,10 @@ class Recorder:
         self._write(obs)
         return getattr(self.inner, "observe_updates", self.inner.observe)(obs)
 
+    def close(self) -> None:
+        """Close the file (after the Monitor's own close, which may still write a pending update sample)."""
+        self.file.close()
+
     def __getattr__(self, name: str):  # the rest of the detectors' interface (cfg, wants_attention, ...)
         if name.startswith("__") or name == "inner":  # copy/pickle look these up before __init__ has run
             raise AttributeError(name)
