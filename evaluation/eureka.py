@@ -225,7 +225,6 @@ def train(cfg: EurekaConfig, logdir: str | Path | None = None, say=None, *,
                     f"{time.perf_counter() - start:5.1f}s")
     finally:
         monitor.close()
-        getattr(monitor.detectors, "close", lambda: None)()  # a Recorder's file
     return EurekaRun(cfg, monitor, memory, losses, evals)
 
 

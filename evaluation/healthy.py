@@ -163,5 +163,4 @@ def train_spec(spec: RunSpec, out: Path) -> dict:
             losses.append(float(loss.detach()))
     finally:
         monitor.close()
-        getattr(monitor.detectors, "close", lambda: None)()  # a Recorder's file
     return {"losses": losses, "final_loss": float(sum(losses[-50:]) / len(losses[-50:])) if losses else math.nan}

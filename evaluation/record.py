@@ -42,7 +42,7 @@ class Recorder:
         return getattr(self.inner, "observe_updates", self.inner.observe)(obs)
 
     def close(self) -> None:
-        """Close the file (after the Monitor's own close, which may still write a pending update sample)."""
+        """Close the file (``Monitor.close`` calls it, after writing the pending update sample)."""
         self.file.close()
 
     def __getattr__(self, name: str):  # the rest of the detectors' interface (cfg, wants_attention, ...)

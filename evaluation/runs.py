@@ -175,7 +175,6 @@ def train_lm(spec: RunSpec, out: Path) -> dict:
             losses.append(loss.item())
     finally:
         monitor.close()
-        getattr(monitor.detectors, "close", lambda: None)()  # a Recorder's file
     return {"losses": losses}
 
 

@@ -165,14 +165,16 @@ class CloserLook:
                 return self.families
         return _ATTENTION if step <= self.watch_until and step % self.watch_every == 0 else _NOTHING
 
-    def watch(self, step: int, reason: str | None) -> None:
+    def watch(self, step: int, reason: str | None) -> bool:
         """After the detectors judged ``step``: while they watch a layer (``reason``: one head short of a
         collapse), attention alone is sampled every ``watch_every`` steps, up to the next judged step's
-        period on (renewed at each judged step while the reason holds)."""
+        period on (renewed at each judged step while the reason holds). True when a watch starts."""
         if self.period is None or not reason or self.watch_every >= self.period:
-            return
+            return False
+        started = step >= self.watch_until
         self.watch_until = max(self.watch_until, step + self.period)
         self.until = max(self.until, self.watch_until)
+        return started
 
     def update(self, step: int, reason: str | None, confirm: int = 0) -> bool:
         """After the detectors judged ``step``: extend the close look if they gave a reason. True when a

@@ -228,7 +228,8 @@ class Monitor:
         self._guard("log_scalars", lambda: self.sinks.write(Record(step, {t: float(v) for t, v in scalars.items()})))
 
     def close(self, measure_pending: bool = True) -> None:
-        """Write what is pending, remove every hook, close the sinks. Idempotent.
+        """Write what is pending, remove every hook, close the detectors (where they have a ``close``) and the
+        sinks. Idempotent.
 
         ``measure_pending=False`` drops the update ratio of the last sampled step instead of
         measuring it: on an exception path under FSDP2 that measurement is a collective the
@@ -244,6 +245,9 @@ class Monitor:
             if self._weights.applied is not None:
                 self._guard("updates", self._finish_updates)
         self._weights.pending = self._weights.applied = None
+        close = getattr(self.detectors, "close", None)  # detectors that hold a resource (a recorder's file)
+        if close is not None:
+            self._guard("detectors", close)
         self.sinks.close()
 
     def __enter__(self) -> Monitor:
@@ -340,10 +344,9 @@ class Monitor:
         if self.closer.period is None:
             return
         watching = getattr(self.detectors, "watching", lambda: None)()
-        if watching and step >= self.closer.watch_until and self.closer.watch_every < self.closer.period:
+        if self.closer.watch(step, watching):
             log.info("diag: %s: attention sampled every %d steps while it is (closer_look)", watching,
                      self.closer.watch_every)
-        self.closer.watch(step, watching)
         reason = self.detectors.wants_attention()
         confirm = getattr(self.detectors, "confirming", lambda: 0)()
         if self.closer.update(step, reason, confirm):

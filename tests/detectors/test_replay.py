@@ -31,3 +31,30 @@ def test_replay_of_a_recorded_run_matches_the_live_monitor(tmp_path, every):
     expected = live(tmp_path, None if every == "default" else every, steps)
     key = [(a.step, a.kind, a.where, a.status, a.since) for a in expected]
     assert key and [(a.step, a.kind, a.where, a.status, a.since) for a in replayed] == key
+
+
+def test_closing_the_monitor_closes_the_recorder_it_carries(tmp_path):
+    """Monitor.close closes detectors that hold a resource: the recorder's file, after the update sample still
+    pending at close was written to it (no file left to the garbage collector)."""
+    import torch
+
+    from diag.outputs.sinks import MemorySink
+    from evaluation.record import Recorder
+    from hooks import Monitor
+    from tests.support import zoo
+
+    case = zoo.nanogpt(dropout=0.0)
+    monitor = Monitor(case.model, every=1, sinks=[MemorySink()], images=False)
+    monitor.detectors = recorder = Recorder(monitor.detectors, tmp_path / "observations.jsonl")
+    opt = torch.optim.AdamW(case.model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(2):
+        loss = case.loss(case.model, case.make_batch(gen))
+        loss.backward()
+        monitor.step(step, loss=loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    monitor.close()
+    assert recorder.file.closed
+    observations = load_observations(tmp_path / "observations.jsonl")
+    assert [o.step for o in observations if any("update_ratio_q" in m for m in o.layers.values())][-1] == 1

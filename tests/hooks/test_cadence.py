@@ -263,19 +263,21 @@ def test_closer_look_watches_a_short_layer_with_attention_alone_every_watch_ever
     detectors asked for; off when ``watch_every`` is not shorter than the look's period."""
     look = CloserLook(resolve_cadence(None, None, ("spectra", "attention")), hold=30, early=0)
     assert look.watch_every == CloserLookConfig.watch_every == 2
-    look.watch(40, "L00 is one head short of a malignant collapse")
+    assert look.watch(40, "L00 is one head short of a malignant collapse")  # a watch starts
     assert look.until == look.watch_until == 50
     assert [(s, sorted(look.adds(s))) for s in range(41, 56) if look.adds(s)] == [
         (42, ["attention"]), (44, ["attention"]), (46, ["attention"]), (48, ["attention"]), (50, ["attention"])]
     look.watch(42, None)  # the reason is gone: the watch ends where it was renewed last
     assert look.watch_until == 50
     look.update(50, "sigma_1 grew")  # a look asked for: attention and the spectra every 10, the watch between
-    look.watch(50, "L00 is one head short of a malignant collapse")
+    assert look.watch(50, "L00 is one head short of a malignant collapse")  # at the lapsed watch's end: again
+    assert not look.watch(52, "L00 is one head short of a malignant collapse")  # renewed, not started
+    assert look.watch_until == 62
     assert [(s, sorted(look.adds(s))) for s in range(51, 61) if look.adds(s)] == [
         (52, ["attention"]), (54, ["attention"]), (56, ["attention"]), (58, ["attention"]),
         (60, ["attention", "spectra"])]
     off = CloserLook(resolve_cadence(None, None, ("spectra", "attention")), hold=30, early=0, watch_every=10)
-    off.watch(40, "why")
+    assert not off.watch(40, "why")
     assert off.until == -1 and not any(off.adds(s) for s in range(41, 60))
     with pytest.raises(ConfigError, match="watch_every"):
         CloserLookConfig(watch_every=0)
