@@ -36,25 +36,20 @@ def test_replay_of_a_recorded_run_matches_the_live_monitor(tmp_path, every):
 def test_closing_the_monitor_closes_the_recorder_it_carries(tmp_path):
     """Monitor.close closes detectors that hold a resource: the recorder's file, after the update sample still
     pending at close was written to it (no file left to the garbage collector)."""
-    import torch
-
     from diag.outputs.sinks import MemorySink
     from evaluation.record import Recorder
-    from hooks import Monitor
-    from tests.support import zoo
+    from tests.support import harness, zoo
 
-    case = zoo.nanogpt(dropout=0.0)
-    monitor = Monitor(case.model, every=1, sinks=[MemorySink()], images=False)
-    monitor.detectors = recorder = Recorder(monitor.detectors, tmp_path / "observations.jsonl")
-    opt = torch.optim.AdamW(case.model.parameters(), lr=1e-3)
-    gen = torch.Generator().manual_seed(0)
-    for step in range(2):
-        loss = case.loss(case.model, case.make_batch(gen))
-        loss.backward()
+    recorders = []
+
+    def on_step(step, monitor, model, loss):
+        if not recorders:
+            monitor.detectors = Recorder(monitor.detectors, tmp_path / "observations.jsonl")
+            recorders.append(monitor.detectors)
         monitor.step(step, loss=loss)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    monitor.close()
-    assert recorder.file.closed
+
+    harness.train(zoo.nanogpt(dropout=0.0), 2, {"every": 1, "sinks": [MemorySink()], "images": False}, tmp_path,
+                  on_step)
+    assert recorders[0].file.closed
     observations = load_observations(tmp_path / "observations.jsonl")
     assert [o.step for o in observations if any("update_ratio_q" in m for m in o.layers.values())][-1] == 1

@@ -35,12 +35,14 @@ def family(tag: str) -> str:
     return next(f for prefix, f in FAMILY_OF.items() if tag.startswith(prefix))
 
 
-def train(steps: int, start: int = 0, **monitor_kwargs) -> tuple[MemorySink, list[bool]]:
+def train(steps: int, start: int = 0, wrap=None, **monitor_kwargs) -> tuple[MemorySink, list[bool]]:
     """A tiny nanoGPT (dropout off) trained ``steps`` steps from step ``start``; the sink, and whether
-    the capture was armed after each step's monitor.step call."""
+    the capture was armed after each step's monitor.step call. ``wrap``: applied to the Monitor's detectors."""
     case = zoo.nanogpt(dropout=0.0)
     sink = MemorySink()
     monitor = Monitor(case.model, sinks=[sink], images=False, **monitor_kwargs)
+    if wrap is not None:
+        monitor.detectors = wrap(monitor.detectors)
     opt = torch.optim.AdamW(case.model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(0)
     armed = []
@@ -306,19 +308,8 @@ def test_the_monitor_samples_attention_every_watch_every_steps_while_a_layer_is_
     """A layer watched while the detectors judge steps 40-60: the Monitor samples attention (and nothing else)
     at every second step from 42 to 70 (the watch renewed one 10-step period at each judged step), arming the
     capture the step before, with the very values of every=1; the spectra keep their 20 steps."""
-    case = zoo.nanogpt(dropout=0.0)
-    sink = MemorySink()
-    monitor = Monitor(case.model, sinks=[sink], images=False, closer_look=CloserLookConfig(hold=30, early=0))
-    monitor.detectors = _Watching(monitor.detectors, range(40, 61))
-    opt = torch.optim.AdamW(case.model.parameters(), lr=1e-3)
-    gen = torch.Generator().manual_seed(0)
-    for step in range(81):
-        loss = case.loss(case.model, case.make_batch(gen))
-        loss.backward()
-        monitor.step(step, loss=loss)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    monitor.close()
+    sink, _ = train(81, wrap=lambda detectors: _Watching(detectors, range(40, 61)),
+                    closer_look=CloserLookConfig(hold=30, early=0))
     seen = steps_by_family(sink)
     assert seen["attention"] == {0, 50} | set(range(42, 71, 2))
     assert seen["spectra"] == set(range(0, 81, 20)) and seen["loss"] == set(range(0, 81, 10))
