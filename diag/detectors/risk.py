@@ -189,6 +189,10 @@ def observe_features(trends: dict[str, HeadTrend], obs: Observation, window: int
 
 
 
+# How often a layer at risk is confirmed at every step for a head come between the malignant lines, per run (the
+# attention-state records' own limit, Recurrence, is three per head): docs/cost.md#watching-closer
+BAND_CONFIRMATIONS = 3
+
 TODO = ("add or lengthen warmup, lower the learning rate, or bound the step (QK-norm, sigmaReparam, a spectral "
         "step limit); watch attn_entropy and attn_rank of this layer's heads")
 
@@ -218,6 +222,7 @@ class CollapseRisk:
         self.episodes = Episodes(Dwell(cfg.warn_samples, 0), Dwell(2, exit_dwell))
         self.recurrence = Recurrence()  # at most three collapse_warning records per layer
         self.growth: dict[str, float] = {}  # layer -> sigma_1 growth of its fastest head over risk_window
+        self.band: dict[str, list[int]] = {}  # layer -> the steps its confirmations of a head between the lines began
 
     def observe(self, obs: Observation) -> list[Alert]:
         self.fresh = {}
@@ -228,8 +233,10 @@ class CollapseRisk:
             held = np.array([self.states.holds("malignant", head_key(label, h, n)) for h in range(n)])
             p = self.model.layer_probability(x, k, held)
             self.risk[label] = [float(obs.step), p]
-            self.fresh[label] = p
+            if not self.states.layer_in("malignant", label):  # a collapsed layer's state is no forecast: unlogged
+                self.fresh[label] = p
             alerts += self._judge(obs.step, label, p, x.shape[0])
+        self._note_between()
         for label, trend in self.trends.items():
             if len(trend.sigma) >= 2 and trend.sigma[-1][0] == obs.step:
                 growth = _per_window(trend.sigma[0], trend.sigma[-1], trend.window)
@@ -255,6 +262,29 @@ class CollapseRisk:
             f"collapse risk {p:.2f}: the probability that {self._needs(heads)} of this layer's {heads} heads reach "
             f"a malignant collapse within the next {self.model.horizon} steps{_trust_text(self.model, p)}.{again} "
             f"What to do: {TODO}"), {"collapse_risk": p}, "firing", event.since)]
+
+    def _note_between(self) -> None:
+        """After an observation: a layer at risk (its risk at ``watch_risk`` or more, or its warning open) one of
+        whose heads came between the malignant lines is confirmed from that sample on (:meth:`confirming`), at
+        most ``BAND_CONFIRMATIONS`` times per layer and run."""
+        for label in {k.split("/")[0] for k in self.states.between}:
+            seen, used = self.states.entered_between(label), self.band.get(label, [])
+            at_risk = self.risk.get(label, (0, 0.0))[1] >= self.cfg.watch_risk or self.episodes.active(label)
+            if (at_risk and seen not in used and len(used) < BAND_CONFIRMATIONS
+                    and not self.states.layer_in("malignant", label)):
+                self.band[label] = used + [seen]
+
+    def confirming(self) -> int:
+        """Steps of attention at every step a layer at risk still needs (0: none does): when a head of a layer
+        at risk comes between the malignant lines (``AttentionStates.entered_between``), the layer is confirmed
+        for twice ``collapse_dwell`` steps from that sample, as a head that entered the state is. A head hovering
+        at the entropy line can sit inside it between samples 10 steps apart and just above it at each sample:
+        issue #31's sixth report set missed a layer collapse so (docs/cost.md#watching-closer). At most
+        ``BAND_CONFIRMATIONS`` times per layer: a model whose heads keep coming near the line (a ViT's after its
+        Eureka moment) would otherwise be sampled at every step for hundreds of steps."""
+        dwell = 2 * self.states.cfg.collapse_dwell
+        ends = [s + dwell - self.states.step for used in self.band.values() for s in used]
+        return max(max(ends, default=0), 0)
 
     def _needs(self, n: int) -> str:
         k = layer_needs(n, self.states.cfg)
@@ -283,7 +313,7 @@ class CollapseRisk:
     def state_dict(self) -> dict:
         return {"risk": {"trends": {k: vars(t) for k, t in self.trends.items()}, "latest": self.risk,
                          "episodes": self.episodes.state_dict(), "growth": self.growth,
-                         "recurrence": self.recurrence.state_dict()}}
+                         "recurrence": self.recurrence.state_dict(), "band": self.band}}
 
     def load_state_dict(self, state: dict) -> None:
         mine = state.get("risk")
@@ -295,3 +325,4 @@ class CollapseRisk:
         self.episodes.load_state_dict(mine.get("episodes", {}))
         self.recurrence.load_state_dict(mine.get("recurrence", {}))
         self.growth = dict(mine.get("growth", {}))
+        self.band = {k: [int(s) for s in v] for k, v in mine.get("band", {}).items()}

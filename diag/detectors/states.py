@@ -200,6 +200,9 @@ class AttentionStates:
         self.open_since: dict[str, int] = {}  # "state|where" -> since, for the layer records' resolved message
         self.step = -1  # the last step observed
         self.recurrence = Recurrence()  # at most three records per head (or layer) and state
+        # head key -> the first sample of its stay between the malignant entry and exit lines (neither in a
+        # malignant episode nor a candidate): the collapse risk confirms a layer at risk when a head comes there
+        self.between: dict[str, int] = {}
 
     @property
     def malignant(self) -> Episodes:
@@ -257,10 +260,32 @@ class AttentionStates:
                         events.append((s, w, e, n))
                     elif isinstance(e, Closed):  # the held episode of a recurring key ended unannounced
                         self.open_since.pop(f"{s}|{w}", None)
+                self._between(obs.step, label, m)
                 heads = [(s, w, e, n) for s, w, e, n in events if "/" in w]
                 alerts += group_heads(label, [self._alert(obs.step, s, w, e, m, n) for s, w, e, n in heads])
                 alerts += [self._alert(obs.step, s, w, e, m, n) for s, w, e, n in events if "/" not in w]
         return alerts
+
+    def _between(self, step: int, label: str, m: dict) -> None:
+        """Note the heads of ``label`` between the malignant lines at this sample (neither inside the entry lines
+        nor beyond the exit lines) that are neither in a malignant episode nor a candidate for one (that is
+        confirmed by :meth:`confirming`), each from the first sample of its stay there: a head hovering at the
+        line, which samples 10 steps apart can keep missing inside."""
+        rows = float(m["attn_rows"][0])
+        u = float(m["attn_entropy_uniform"][0]) if "attn_entropy_uniform" in m else math.inf
+        n, episodes = len(m["attn_entropy"]), self.machine.heads["malignant"]
+        for h, (e, r) in enumerate(zip(m["attn_entropy"].tolist(), m["attn_rank"].tolist())):
+            key = head_key(label, h, n)
+            inside, outside = tests("malignant", e, r, rows, u, self.cfg)
+            if not inside and not outside and episodes.since(key) is None:
+                self.between.setdefault(key, step)
+            else:
+                self.between.pop(key, None)
+
+    def entered_between(self, label: str) -> int | None:
+        """The latest step at which a head of layer ``label`` (neither in a malignant episode nor a candidate)
+        came between the malignant lines and is there still, or None."""
+        return max((s for k, s in self.between.items() if k.split("/")[0] == label), default=None)
 
     def _alert(self, step: int, state: str, where: str, event: Opened | Closed, m: dict, n: int = 1) -> Alert:
         scope = "head" if "/" in where else "layer"
@@ -298,7 +323,7 @@ class AttentionStates:
 
     def state_dict(self) -> dict:
         return {"attention_states": {**self.machine.state_dict(), "open_since": dict(self.open_since),
-                                     "recurrence": self.recurrence.state_dict()}}
+                                     "recurrence": self.recurrence.state_dict(), "between": dict(self.between)}}
 
     def load_state_dict(self, state: dict) -> None:
         mine = state.get("attention_states")
@@ -309,6 +334,7 @@ class AttentionStates:
             self.machine.load_state_dict(mine)
             self.open_since = dict(mine.get("open_since", {}))
             self.recurrence.load_state_dict(mine.get("recurrence", {}))
+            self.between = {k: int(v) for k, v in mine.get("between", {}).items()}
 
 
 def group_heads(label: str, alerts: list[Alert]) -> list[Alert]:

@@ -287,3 +287,92 @@ def test_one_sample_of_high_risk_is_no_warning_two_in_a_row_are():
     assert alerts_of([0.9, 0.1, 0.1, 0.9], TWO) == [(20, 10, "firing")]
     assert alerts_of([0.9, 0.1, 0.1, 0.9], RiskConfig(warn_risk=0.2, warn_samples=3)) == []
     assert alerts_of([0.9, 0.1, 0.1, 0.1], RiskConfig(warn_risk=0.2, warn_samples=3)) == [(30, 10, "firing")]
+
+
+def test_a_collapsed_layers_risk_is_no_forecast_and_is_not_logged():
+    """With its share of heads established (2 of 2), the layer's state is a collapse, not a forecast of one:
+    ``collapse_risk`` is not logged for it (the evaluation scores what is logged), its open warning ends where
+    the layer collapsed, and the risk is logged again once the layer's state has ended."""
+    states = AttentionStates(StatesConfig(collapse_persist=1))
+    risk = CollapseRisk(TWO, states, 50, toy_model())
+    steps = {0: 3.0, 10: 1.0, 20: 1.0, 30: 0.1, 40: 0.1, 100: 3.0, 110: 3.0, 170: 3.0}
+    logged, judged, alerts = {}, {}, []
+    for step, e in steps.items():
+        m = sample([0.1, 0.1], [0.3, 0.3], [e, e], [2.0 if e < 0.5 else 60.0] * 2, [2.0, 2.0], keys=4.0)
+        obs = Observation(step, None, {"L00": m})
+        states.observe(obs)
+        alerts += risk.observe(obs)
+        logged[step], judged[step] = risk.fresh.get("L00"), risk.risk["L00"][1]
+    assert states.layer_in("malignant", "L00") is False  # ended: outside from 100 for 50 steps
+    assert logged[30] is None and logged[40] is None and judged[30] == judged[40] == 1.0
+    assert all(logged[s] is not None for s in (0, 10, 20, 170))
+    assert [(a.step, a.status) for a in alerts] == [(20, "firing"), (100, "resolved")]
+    assert "the layer collapsed at step 30" in alerts[1].message
+
+
+def band_script(hover=range(50, 80), steps=150):
+    """Two heads that hover at the malignant entropy line from step 50: inside it between samples 10 steps
+    apart, just above it (between the lines) at each multiple of 10; before and after beyond the exit line,
+    focused enough for the toy model's risk to be high (0.46: the closer look samples every 10 steps)."""
+    def att(s):
+        if s in hover:
+            return (0.6, 5.0) if s % 10 == 0 else (0.1, 2.0)
+        return (1.0, 40.0)
+    script = []
+    for s in range(steps):
+        e, r = att(s)
+        m = sample([1.0, 1.0], [0.3, 0.3], [e, e], [r, r], [2.0, 2.0], rows=64.0, keys=3.5)
+        script.append(Observation(s, 3.0, {"L00": m}))
+    return script
+
+
+def replay_with(script, model):
+    from evaluation import detectors as evaluate_detectors
+
+    det = Detectors(AlertConfig())
+    risk = next(d for d in det.detectors if isinstance(d, CollapseRisk))
+    risk.model = model
+    seen, alerts = [], []  # the steps that sampled attention, and the alerts
+    for o, out in evaluate_detectors.at_default_cadence(script, det):
+        seen += [o.step] if "attn_entropy" in o.layers.get("L00", {}) else []
+        alerts += out
+    return alerts, seen, risk
+
+
+def test_a_head_hovering_at_the_line_of_a_layer_at_risk_is_confirmed_at_every_step(monkeypatch):
+    """Issue #31's sixth report set's missed collapse, rebuilt: both heads of a layer whose risk is high sit
+    inside the malignant lines between the samples of the closer look (every 10 steps) and just above the
+    entropy line at each of them. The ground truth (every step) establishes the layer at 60; the live
+    detector, replayed as the Monitor samples (evaluation.detectors.at_default_cadence), sees it only because a
+    head come between the lines of a layer at risk is confirmed at every step for 20 steps. Without that
+    confirmation the layer collapse gets no critical record."""
+    import diag.detectors.risk as risk_module
+    from diag.detectors.states import episodes_of
+
+    script = band_script()
+    truth = [(e.since, e.opened) for e in episodes_of(script, StatesConfig())
+             if e.state == "malignant" and e.where == "L00"]
+    assert truth == [(51, 61)]
+    alerts, seen, risk = replay_with(script, toy_model())
+    critical = [(a.step, a.since) for a in alerts if a.level == "critical" and a.status == "firing"]
+    assert critical == [(61, 51)] and risk.band == {"L00": [50]}  # then candidates, confirmed as such
+    assert set(range(50, 71)) <= set(seen)  # every step while confirming
+    monkeypatch.setattr(risk_module, "BAND_CONFIRMATIONS", 0)
+    alerts, seen, risk = replay_with(script, toy_model())
+    assert not [a for a in alerts if a.level == "critical"] and not set(range(51, 60)) & set(seen)
+
+
+def test_a_layer_at_risk_is_confirmed_for_a_head_between_the_lines_at_most_three_times():
+    """A model whose heads keep coming between the lines and leaving (a ViT after its Eureka moment) is
+    confirmed three times, 20 steps each, then followed by the ordinary closer look only; a head's stay is
+    confirmed once, however long it lasts."""
+    hover = [s for s in range(40, 400) if (s // 20) % 2 == 0]  # 20 steps between the lines, 20 steps out
+    script = []
+    for s in range(400):
+        e, r = (0.6, 5.0) if s in hover else (1.0, 40.0)
+        script.append(Observation(s, 3.0, {"L00": sample([1.0, 1.0], [0.3, 0.3], [e, e], [r, r], [2.0, 2.0],
+                                                         rows=64.0, keys=3.5)}))
+    alerts, seen, risk = replay_with(script, toy_model())
+    assert risk.band == {"L00": [40, 80, 120]} and not [a for a in alerts if a.level == "critical"]
+    assert set(range(40, 61)) | set(range(80, 101)) | set(range(120, 141)) <= set(seen)
+    assert [s for s in seen if s > 140 and s % 10] == []  # then the closer look's 10 steps, 6 stays later

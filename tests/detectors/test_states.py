@@ -3,6 +3,8 @@ the evaluation's ground truth (episodes_of over the attention logged at every st
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -272,3 +274,22 @@ def test_a_short_layer_state_whose_start_fell_between_samples_is_counted_from_it
 
     assert critical(CloserLookConfig.watch_every) == [(144, 134)] and CloserLookConfig.watch_every == 2
     assert critical(10) == []  # no watch: first seen at 140, and the state is over at 148
+
+
+def test_a_head_between_the_malignant_lines_is_noted_from_the_first_sample_of_its_stay():
+    """``between``: a head neither inside the malignant entry lines nor beyond the exit lines (entropy 0.5 and
+    0.75 nats here, rank 7.3 and 10.95 of 64 rows), in no episode, from the first sample of its stay; it leaves
+    the record beyond the exit lines or inside the entry lines, and the record survives a resume."""
+    det = AttentionStates(StatesConfig())
+    det.observe(Observation(0, None, {"L00": attn([2.0, 2.0], [40.0, 40.0])}))
+    assert det.between == {} and det.entered_between("L00") is None
+    det.observe(Observation(10, None, {"L00": attn([0.6, 2.0], [5.0, 40.0])}))
+    det.observe(Observation(20, None, {"L00": attn([0.7, 0.6], [5.0, 5.0])}))
+    assert det.between == {"L00/H00": 10, "L00/H01": 20} and det.entered_between("L00") == 20
+    det.observe(Observation(30, None, {"L00": attn([2.0, 0.1], [40.0, 2.0])}))  # out; inside (a candidate)
+    assert det.between == {} and det.entered_between("L00") is None
+    det.observe(Observation(40, None, {"L00": attn([0.6, 0.1], [5.0, 2.0])}))  # a new stay of head 0
+    assert det.between == {"L00/H00": 40}
+    again = AttentionStates(StatesConfig())
+    again.load_state_dict(json.loads(json.dumps(det.state_dict())))
+    assert again.between == {"L00/H00": 40} and again.entered_between("L00") == 40
