@@ -219,6 +219,16 @@ def test_the_warning_threshold_that_meets_both_goals_beats_a_quieter_one_with_th
     assert boundary[1:] == (0, 0, 0, 0)  # the boundary's runs are not scored
 
 
+def test_a_plateau_alert_at_the_context_free_loss_is_not_scored_false_when_tuning():
+    from evaluation.tune import plateau_score
+
+    hf = {"kind": "hf", "twin": "", "plateau_alerts": 1, "plateau_real": False}
+    eureka = {"kind": "eureka", "jump": 700, "plateau_in_time": True}
+    assert plateau_score([eureka, {**hf, "context_free": False}]) == (-1, 1, 1)
+    assert plateau_score([eureka, {**hf, "context_free": True}]) == (1, 1, 0)  # stuck: no healthy run
+    assert plateau_score([eureka, {**hf, "context_free": True, "twin": "normsoftmax"}]) == (1, 1, 0)
+
+
 def test_the_context_free_loss_is_the_entropy_of_the_corpus_bytes_and_a_plateau_at_it_is_stuck():
     import collections
 
