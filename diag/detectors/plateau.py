@@ -18,9 +18,7 @@ them) at most ``1 - eureka_depth`` of the plateau's level (its trend at the step
 and below the plateau's own extrapolated trend by ``eureka_drop`` of it and by ``eureka_noise`` times the
 plateau's noise (it leaves the plateau against the plateau's own trend: a slow sink that the trend follows down
 to the depth line is no moment), while the Q/K gradient share rises above its plateau mean or the attention
-entropy falls below it (when those signals are there). The moment closes the plateau (one ``resolved`` record);
-its ``since`` is halfway from the first sample of the smoothed loss's current run under the trend's own line to
-the first of the pair (the accuracy jump it marks is the middle of the rise).
+entropy falls below it (when those signals are there). The moment closes the plateau (one ``resolved`` record).
 """
 
 from __future__ import annotations
@@ -149,7 +147,6 @@ class Plateau:
         self.below: list[list[float]] = []  # the samples whose smoothed loss is under the moment's line ...
         self.gap = 0  # ... with this many samples over it since the last one under (0 or 1)
         self.recent: list[list[float]] = []  # the samples of the last eureka_span steps (the smoothed loss)
-        self.descent: int | None = None  # the first step of the smoothed loss's current run under the trend's line
         self.start: int | None = None  # the first step of the current watch (the run's, or after a moment)
         self.updates: list[list[float]] = []  # [step, mean Q/K update ratio over layers] in the window
         # the largest window's mean Q/K update ratio (plateau_min_update), over the windows after the run's first:
@@ -247,9 +244,6 @@ class Plateau:
         drop = max(trend_drop, expected - (1.0 - self.cfg.eureka_depth) * level)
         self.recent = [q for q in self.recent if q[0] > step - self.cfg.eureka_span] + [point[:4]]
         smoothed = float(np.median([q[1] for q in self.recent]))  # the same steps at any interval
-        # the first sample of the descent now under way: the smoothed loss under the trend's own line from there on
-        under_trend = smoothed <= expected - trend_drop
-        self.descent = (step if self.descent is None else self.descent) if under_trend else None
         if smoothed > expected - drop:
             # one sample just over the line (nearer to it than to the trend) between two under it does not reset
             # the count (at a coarse cadence one noisy batch would otherwise push the moment a whole interval or
@@ -274,14 +268,10 @@ class Plateau:
         unknown = not (math.isfinite(point[2]) or math.isfinite(point[3]))
         if len(self.below) < 2 or not (rising or sharper or unknown):
             return []
-        # the moment's step: halfway through the descent, from its first sample under the trend's line to the
-        # first of the pair under both lines (the accuracy jump is the middle of the rise too): the pair alone
-        # dated it 1.1 intervals late on average, 14 of 107 consulted runs x cadences more than 2 intervals late
-        first = int(self.below[0][0])
-        since = first if self.descent is None or self.descent >= first else int(round((self.descent + first) / 2))
+        since = int(self.below[0][0])
         duration = since - p["since"]
         self.plateau, self.below, self.gap, self.losses, self.start = None, [], 0, [], None
-        self.recent, self.descent = [], None
+        self.recent = []
         deep = f", {1 - smoothed / level:.0%} under its level {level:.4g} when flagged" if level > 0 else ""
         values = {"loss": smoothed, "plateau": expected, "plateau_level": level,
                   "grad_ratio_qk_v": point[2], "attn_entropy": point[3]}
@@ -312,8 +302,7 @@ class Plateau:
                 "loss_signals": [[p[4], p[5]] for p in self.losses],
                 "first_loss": self.first_loss, "plateau": self.plateau, "below": self.below, "below_gap": self.gap,
                 "loss_start": self.start,
-                "recent": self.recent, "plateau_updates": self.updates, "plateau_peak_update": self.peak_update,
-                "descent": self.descent}
+                "recent": self.recent, "plateau_updates": self.updates, "plateau_peak_update": self.peak_update}
 
     def load_state_dict(self, state: dict) -> None:
         points = state.get("loss_points", [])  # format 1 has losses but no points: the window starts afresh
@@ -328,7 +317,6 @@ class Plateau:
         self.below = [list(p) for p in state.get("below", [])]
         self.gap = 1 if state.get("below_gap") == 1 and self.below else 0
         self.recent = [list(p) for p in state.get("recent", [])]
-        self.descent = state.get("descent") if isinstance(state.get("descent"), (int, float)) else None
         self.start = state.get("loss_start", self.losses[0][0] if self.losses else None)
         self.updates = [list(u) for u in state.get("plateau_updates", [])]
         peak = state.get("plateau_peak_update")
