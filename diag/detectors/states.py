@@ -277,7 +277,8 @@ class AttentionStates:
         for h, (e, r) in enumerate(zip(m["attn_entropy"].tolist(), m["attn_rank"].tolist())):
             key = head_key(label, h, n)
             inside, outside = tests("malignant", e, r, rows, u, self.cfg)
-            if not inside and not outside and episodes.since(key) is None:
+            measured = math.isfinite(e) and math.isfinite(r)  # a sample that is not finite passes neither test
+            if measured and not inside and not outside and episodes.since(key) is None:
                 self.between.setdefault(key, step)
             else:
                 self.between.pop(key, None)

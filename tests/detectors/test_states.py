@@ -290,6 +290,8 @@ def test_a_head_between_the_malignant_lines_is_noted_from_the_first_sample_of_it
     assert det.between == {} and det.entered_between("L00") is None
     det.observe(Observation(40, None, {"L00": attn([0.6, 0.1], [5.0, 2.0])}))  # a new stay of head 0
     assert det.between == {"L00/H00": 40}
+    det.observe(Observation(45, None, {"L01": attn([float("nan"), 0.6], [5.0, float("inf")])}))
+    assert det.between == {"L00/H00": 40}  # a sample that is not finite is not between the lines
     again = AttentionStates(StatesConfig())
     again.load_state_dict(json.loads(json.dumps(det.state_dict())))
     assert again.between == {"L00/H00": 40} and again.entered_between("L00") == 40
