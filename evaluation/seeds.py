@@ -66,7 +66,8 @@ REPORT6_SEEDS = range(160, 170)
 # detectors it measures were frozen (the closer look's confirmation of a head between the lines of a layer at
 # risk, collapse_risk not logged while a layer is collapsed, the Eureka-moment dated halfway down its descent:
 # chosen on the tuning and third to sixth sets, all consulted). The sixth set's parts, with eight Eureka seeds
-# instead of four (a moment more than 2 intervals off is then 2.5% of the set's moments, not 5%)
+# instead of four (a moment more than 2 intervals off is then 2.5% of the set's moments, not 5%). The moment's
+# halfway dating failed on it and was reverted (docs/alerts.md#eureka_moment)
 REPORT7_SEEDS = range(170, 180)
 
 LM_LRS = (2e-3, 3e-3, 5e-3, 7e-3, 1e-2)  # no warmup; 5e-3 is the boundary: about half the runs collapse

@@ -189,7 +189,7 @@ def observe_features(trends: dict[str, HeadTrend], obs: Observation, window: int
 
 
 
-# How often a layer at risk is confirmed at every step for a head come between the malignant lines, per run (the
+# How often a layer at risk is confirmed at every step for a head that came between the malignant lines, per run (the
 # attention-state records' own limit, Recurrence, is three per head): docs/cost.md#watching-closer
 BAND_CONFIRMATIONS = 3
 
