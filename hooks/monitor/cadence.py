@@ -193,9 +193,12 @@ class CloserLook:
             self.until = max(self.until, self.confirm_until)
         return started
 
-    def heed(self, step: int, detectors) -> bool:
+    def heed(self, step: int, detectors) -> tuple[str | None, str | None]:
         """:meth:`watch` and :meth:`update` with what ``detectors`` ask for (``watching``, ``wants_attention``
-        and ``confirming``)."""
+        and ``confirming``). Returns the reasons of a watch and of a close look that started at this step (None
+        for one that did not start)."""
         confirming, watching = getattr(detectors, "confirming", None), getattr(detectors, "watching", None)
-        self.watch(step, watching() if watching is not None else None)
-        return self.update(step, detectors.wants_attention(), confirming() if confirming is not None else 0)
+        watched = watching() if watching is not None else None
+        reason = detectors.wants_attention()
+        started = self.watch(step, watched), self.update(step, reason, confirming() if confirming is not None else 0)
+        return (watched if started[0] else None), (reason if started[1] else None)

@@ -343,13 +343,11 @@ class Monitor:
         """After the detectors judged ``step``: start or extend the closer look if they ask for it."""
         if self.closer.period is None:
             return
-        watching = getattr(self.detectors, "watching", lambda: None)()
-        if self.closer.watch(step, watching):
-            log.info("diag: %s: attention sampled every %d steps while it is (closer_look)", watching,
+        watched, reason = self.closer.heed(step, self.detectors)
+        if watched:
+            log.info("diag: %s: attention sampled every %d steps while it is (closer_look)", watched,
                      self.closer.watch_every)
-        reason = self.detectors.wants_attention()
-        confirm = getattr(self.detectors, "confirming", lambda: 0)()
-        if self.closer.update(step, reason, confirm):
+        if reason:
             confirming = step <= self.closer.confirm_until
             dense = self.closer.confirm_until if confirming else self.closer.early - 1
             every = self.closer.confirm_every if confirming else self.closer.early_every
