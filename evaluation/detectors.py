@@ -24,6 +24,7 @@ from evaluation.seeds import BOUNDARY_LR, SETS
 from evaluation.truth import (
     Run,
     accuracy_jump,
+    accuracy_rise,
     at_context_free,
     collapse_onset,
     context_free_loss,
@@ -31,6 +32,7 @@ from evaluation.truth import (
     load_runs,
     plateau_by_twin,
     settled,
+    states,
     stuck_with_twin,
 )
 from hooks import SIGNALS
@@ -146,8 +148,13 @@ def judge_eureka(run: Run, cfg: AlertConfig, every, twin: Run | None) -> dict:
     moments = [a.since for a in alerts if a.kind == "eureka_moment"]
     interval = max(10 if every == "default" else every, EVAL_EVERY)
     off = None if moment is None or jump is None else (moment - jump) / interval
+    # the jump as the span it takes (evaluation.truth.accuracy_rise): how far outside it the moment fell, in
+    # intervals (0 inside)
+    rise = accuracy_rise(run.info)
+    off_rise = None if moment is None or rise is None else \
+        (min(moment - rise[0], 0) + max(moment - rise[1], 0)) / interval
     return {"run": run.name, "every": every, "twin": run.spec.twin, "jump": jump, "plateau": plateau,
-            "moment": moment, "offset": off, "settled": settled(run.info),
+            "moment": moment, "offset": off, "rise": rise, "offset_rise": off_rise, "settled": settled(run.info),
             "plateau_in_time": plateau is not None and jump is not None and plateau < jump,
             "false_moments": sum(1 for m in moments if jump is None or at_plateau(run.info, m)),
             "records": records_per_head(alerts),
@@ -155,8 +162,17 @@ def judge_eureka(run: Run, cfg: AlertConfig, every, twin: Run | None) -> dict:
                            and a.kind != "eureka_plateau"})}
 
 
+def in_state(run: Run, alert) -> bool:
+    """Whether the ground truth (the states of the run's logged attention, evaluation.truth.states) has the head or
+    layer of an attention-state alert in that state at some time: the alert is a true one by the one definition."""
+    state = {"malignant_collapse": "malignant", "benign_collapse": "benign", "uniform_attention": "uniform"}.get(
+        alert.kind)
+    return state is not None and any(e.state == state and e.where == alert.where for e in states(run))
+
+
 def judge_hf(run: Run, cfg: AlertConfig, every, twin: Run | None) -> dict:
     alerts = replay_run(run, cfg, every)
+    firing = [a for a in alerts if a.status == "firing" and a.level != "info" and a.kind != "eureka_plateau"]
     plateaus = [a for a in alerts if a.kind == "eureka_plateau" and a.status == "firing"]
     truth, stuck, context_free = None, False, None
     if plateaus:
@@ -168,8 +184,8 @@ def judge_hf(run: Run, cfg: AlertConfig, every, twin: Run | None) -> dict:
             "twin": run.spec.twin, "plateau_alerts": len(plateaus), "plateau_real": truth, "stuck": stuck,
             "context_free": context_free,
             "records": records_per_head(alerts),
-            "bad": sorted({f"{a.kind}@{a.step}" for a in alerts if a.status == "firing" and a.level != "info"
-                           and a.kind != "eureka_plateau"})}
+            "bad": sorted({f"{a.kind}@{a.step}" for a in firing}),
+            "bad_in_state": sorted({f"{a.kind}@{a.step}" for a in firing if in_state(run, a)})}
 
 
 def judge(run: Run, cfg: AlertConfig, every, twin: Run | None) -> dict:
@@ -256,7 +272,8 @@ def eureka_table(rows: list[dict]) -> list[str]:
     the end (evaluation.truth.settled: a run cut off during its jump has no final accuracy to be halfway to)."""
     out = ["| every | softmax runs with a jump | plateaus flagged before the jump | moments within 2 intervals | "
            "within 4 | ... of the runs whose accuracy settled: within 2 | within 4 | false moments | "
-           "NormSoftmax runs flagged |", "|---|---|---|---|---|---|---|---|---|"]
+           "NormSoftmax runs flagged | moments within 2 intervals of the jump's rise (25-75%) |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for every in EVERYS:
         rs = [r for r in rows if r["kind"] == "eureka" and r["every"] == every]
         soft = [r for r in rs if not r["twin"] and r["jump"] is not None]
@@ -265,20 +282,22 @@ def eureka_table(rows: list[dict]) -> list[str]:
         out.append(f"| {every} | {len(soft)} | {_frac(soft, 'plateau_in_time')} | {_within(soft, 2)} | "
                    f"{_within(soft, 4)} | {_within(done, 2)} | {_within(done, 4)} | "
                    f"{sum(r['false_moments'] for r in rs if not r['twin'])} | "
-                   f"{sum(r['plateau'] is not None for r in norm)}/{len(norm)} |")
+                   f"{sum(r['plateau'] is not None for r in norm)}/{len(norm)} | "
+                   f"{sum(r['offset_rise'] is not None and r['offset_rise'] <= 2 for r in soft)}/{len(soft)} |")
     return out
 
 
 def eureka_runs_table(rows: list[dict]) -> list[str]:
     """The Eureka runs one by one at the default cadence: jump, plateau, moment and its offset in intervals."""
-    out = ["| run | accuracy jump | settled by the end | plateau flagged | moment | offset (intervals) |",
-           "|---|---|---|---|---|---|"]
+    out = ["| run | accuracy jump | its rise (25-75%) | settled by the end | plateau flagged | moment | "
+           "offset (intervals) |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["kind"] != "eureka" or r["every"] != "default":
             continue
         cell = {k: "-" if r[k] is None else r[k] for k in ("jump", "plateau", "moment")}
         off = "-" if r["offset"] is None else f"{r['offset']:+.1f}"
-        out.append(f"| {r['run']} | {cell['jump']} | {'yes' if r['settled'] else 'no'} | {cell['plateau']} | "
+        rise = "-" if r["rise"] is None else f"{r['rise'][0]}-{r['rise'][1]}"
+        out.append(f"| {r['run']} | {cell['jump']} | {rise} | {'yes' if r['settled'] else 'no'} | {cell['plateau']} | "
                    f"{cell['moment']} | {off} |")
     return out
 
@@ -308,7 +327,8 @@ def plateau_signals_table(runs: list[Run]) -> list[str]:
 
 def healthy_table(rows: list[dict]) -> list[str]:
     out = ["| run | plateau alerts | the NormSoftmax twin says | the plateau sits at the context-free loss "
-           f"({context_free_loss():.2f} nats) | warning or critical alerts |", "|---|---|---|---|---|"]
+           f"({context_free_loss():.2f} nats) | warning or critical alerts | ... of those, the ground truth finds the "
+           "head or layer in that state |", "|---|---|---|---|---|---|"]
     for r in rows:
         if r["kind"] == "hf" and not r["twin"]:
             truth = {None: "-", True: "a real attention plateau", False: "no attention plateau"}[r["plateau_real"]]
@@ -316,7 +336,8 @@ def healthy_table(rows: list[dict]) -> list[str]:
                 truth += " (neither it nor the run leaves the plateau's level: stuck, the cause untested)"
             free = {None: "-", True: "yes: stuck, not a healthy run", False: "no"}[r.get("context_free")]
             out.append(f"| {r['run']} | {r['plateau_alerts']} | {truth if r['plateau_alerts'] else '-'} | "
-                       f"{free if r['plateau_alerts'] else '-'} | {', '.join(r['bad']) or 'none'} |")
+                       f"{free if r['plateau_alerts'] else '-'} | {', '.join(r['bad']) or 'none'} | "
+                       f"{(', '.join(r['bad_in_state']) or 'none') if r['bad'] else '-'} |")
     return out
 
 

@@ -12,7 +12,8 @@
   no-indicator accuracy to the run's final accuracy; none if the final accuracy is not 0.2 above it. A run whose
   accuracy still rose over its last 100 steps (:func:`settled`) was cut off during its jump: its "final"
   accuracy is not final, so its jump's date is provisional (the evaluation reports the moment's timing on
-  such runs apart).
+  such runs apart). The jump takes time: :func:`accuracy_rise` is its span, from the first evaluation a quarter
+  of the way up to the first three quarters of the way up (the moment's timing is also judged against it).
 * **Plateau by the causal test** (:func:`plateau_by_twin`): a language model's run *has an attention plateau*
   when its NormSoftmax twin leaves the loss level the run is stuck at much faster (by ``TWIN_LEAD`` of the run's
   length or more) than the run does. When neither leaves it within the budget (:func:`stuck_with_twin`) the run
@@ -39,7 +40,8 @@ from diag.detectors.states import StateEpisode, episodes_of
 from evaluation.record import load_observations
 from evaluation.runs import RunSpec
 
-__all__ = ["Run", "load_run", "load_runs", "states", "collapse_onset", "damage", "accuracy_jump", "settled",
+__all__ = ["Run", "load_run", "load_runs", "states", "collapse_onset", "damage", "accuracy_jump", "accuracy_rise",
+           "settled",
            "stuck_with_twin", "context_free_loss", "at_context_free"]
 
 DAMAGE_MARGIN = 0.05  # final loss 5% over the twin's: clearly worse (run-to-run spread of twins is ~1%)
@@ -119,6 +121,7 @@ def damage(run: Run, twin: Run | None) -> tuple[bool | None, int | None]:
     return True, begin
 
 
+RISE_LO, RISE_HI = 0.25, 0.75  # the accuracy jump's span: from a quarter to three quarters of the way up
 SETTLED_SPAN = 100  # steps
 SETTLED_RISE = 0.05  # accuracy: the margin that says "still on the plateau" (evaluation.detectors.PLATEAU_MARGIN)
 
@@ -143,6 +146,20 @@ def accuracy_jump(info: dict) -> int | None:
     if final < blind + 0.2:
         return None
     return next((s for s, _, acc in evals if acc > (blind + final) / 2), None)
+
+
+def accuracy_rise(info: dict, lo: float = RISE_LO, hi: float = RISE_HI) -> tuple[int, int] | None:
+    """The accuracy jump as the span it takes: the first held-out evaluations above ``lo`` and above ``hi`` of the
+    way from the no-indicator accuracy to the final accuracy (None without a jump, :func:`accuracy_jump`). On the
+    consulted Eureka runs this rise from a quarter to three quarters of the way takes 3-15 evaluation intervals
+    (median 9): the jump is a span, and its halfway point one convention for dating it."""
+    if accuracy_jump(info) is None:
+        return None
+    evals, blind = info["evals"], info["blind"]
+    final = sum(acc for _, _, acc in evals[-3:]) / 3
+    start = next(s for s, _, acc in evals if acc > blind + lo * (final - blind))
+    end = next(s for s, _, acc in evals if acc > blind + hi * (final - blind))
+    return start, end
 
 
 def leaves(losses: list[float], level: float, span: int = 20) -> int | None:

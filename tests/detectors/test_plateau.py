@@ -82,12 +82,17 @@ def test_a_plateau_needs_query_key_weights_that_do_not_move_and_diffuse_attentio
     assert "sigma_1(Wq^T Wk) moved 0.00 per unit of the Q/K updates" in still[0].message
     assert "85% of uniform" in still[0].message and "still sinks" not in still[0].message  # a flat loss
     # one head x1, the other x4 per 190 steps until step 300: over the samples t - 190 .. t the heads' mean ln
-    # growth is 0.5 ln 4 (490 - t) / 190, per unit of 190 steps x 1% of updates: <= 0.12 from t = 427.5
-    growing = _flat_run(lambda s: [1.0, 2.0 * 4 ** (min(s, 300) / 190)], 0.85)
+    # growth is 0.5 ln 4 (490 - t) / 190, per unit of 190 steps x 1% of updates: <= 0.12 from t = 427.5 (a line
+    # set below the default 0.25, so that the motion, not the window's growth of at most 1.35x, decides)
+    line = AlertConfig(plateau_qk_motion=0.12)
+    growing = _flat_run(lambda s: [1.0, 2.0 * 4 ** (min(s, 300) / 190)], 0.85, line)
     assert [a.step for a in growing] == [430]
     # schedule-free: half the updates and half the growth (a decayed learning rate) is the same motion
-    slower = _flat_run(lambda s: [1.0, 2.0 * 2 ** (min(s, 300) / 190)], 0.85, update=0.005)
+    slower = _flat_run(lambda s: [1.0, 2.0 * 2 ** (min(s, 300) / 190)], 0.85, line, update=0.005)
     assert [a.step for a in slower] == [430]
+    # at the default line 0.25 the motion allows t >= 359.8, the growth (geometric mean over the heads,
+    # sqrt(4^((490 - t) / 190)) <= 1.35) t >= 407.7: the first sample after both is 410
+    assert [a.step for a in _flat_run(lambda s: [1.0, 2.0 * 4 ** (min(s, 300) / 190)], 0.85)] == [410]
     assert _flat_run(lambda s: [1.0 * 1.004**s, 2.0 * 1.004**s], 0.85) == []  # 0.4% per step for ever: motion 0.4
     assert _flat_run(lambda s: [1.0, 2.0], 0.65) == []  # focused attention
     # the lines are AlertConfig fields

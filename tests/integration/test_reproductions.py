@@ -20,7 +20,8 @@ import torch
 from evaluation import eureka
 from evaluation.runs import RunSpec
 from evaluation.seeds import BOUNDARY_LR
-from evaluation.truth import Run, accuracy_jump, damage, leaves, plateau_by_twin, settled, stuck_with_twin
+from evaluation.truth import (Run, accuracy_jump, accuracy_rise, damage, leaves, plateau_by_twin, settled,
+                              stuck_with_twin)
 from hooks.demo import DemoRun, train
 
 # ------------------------------------------------------------------ collapse
@@ -127,6 +128,35 @@ def test_a_run_cut_off_during_its_jump_has_not_settled():
             + [(s, 0.0, 0.95 + 0.01 * (s % 40 == 0)) for s in range(1520, 2000, 20)]}
     assert accuracy_jump(done) == 1500 and settled(done)
     assert settled({"blind": 0.4, "evals": [(0, 0.0, 0.4), (20, 0.0, 0.9)]})  # too short to tell: settled
+
+
+def test_the_accuracy_jump_is_also_judged_as_the_span_it_takes():
+    """Issue #31's eleventh session: on the consulted Eureka runs the accuracy takes 3-15 evaluation intervals to
+    rise from a quarter to three quarters of the way up; the span is the first evaluations above those lines."""
+    rise = [(500 + 20 * i, 0.0, 0.43 + 0.05 * i) for i in range(1, 10)]  # 0.48 at 520 .. 0.88 at 680
+    info = {"blind": 0.43, "evals": [(s, 0.0, 0.42) for s in range(0, 520, 20)] + rise
+            + [(s, 0.0, 0.92) for s in range(700, 2000, 20)]}
+    # halfway to the final 0.92: 0.675 (0.68 at 600); a quarter: 0.5525 (0.58 at 560); three quarters: 0.7975
+    # (0.83 at 660)
+    assert accuracy_jump(info) == 600 and accuracy_rise(info) == (560, 660)
+    assert accuracy_rise(info, 0.5, 0.5) == (600, 600)  # halfway both: the jump's date
+    assert accuracy_rise({"blind": 0.43, "evals": [(s, 0.0, 0.45) for s in range(0, 500, 20)]}) is None
+
+
+def test_an_attention_state_alert_is_checked_against_the_logged_attention(monkeypatch):
+    """A head-level alert on a healthy run is a true one when the ground truth (the states of the run's logged
+    attention) has that head in that state; another head, or another state, is not."""
+    import evaluation.detectors as judge
+    from diag.detectors.base import Alert
+    from diag.detectors.states import StateEpisode
+
+    episodes = [StateEpisode("malignant", "L02/H03", 960, 970, None)]
+    monkeypatch.setattr(judge, "states", lambda run, cfg=None: episodes)
+    run = Run(RunSpec("hf", 0, 1e-3, 20, model="vit"), Path("."), {})
+    assert judge.in_state(run, Alert(970, "malignant_collapse", "warning", "L02/H03", ""))
+    assert not judge.in_state(run, Alert(970, "malignant_collapse", "warning", "L02/H01", ""))
+    assert not judge.in_state(run, Alert(970, "uniform_attention", "warning", "L02/H03", ""))
+    assert not judge.in_state(run, Alert(970, "collapse_warning", "warning", "L02", ""))
 
 
 def test_normsoftmax_attention_against_a_per_head_loop():
