@@ -69,6 +69,9 @@ REPORT6_SEEDS = range(160, 170)
 # instead of four (a moment more than 2 intervals off is then 2.5% of the set's moments, not 5%). The moment's
 # halfway dating failed on it and was reverted (docs/alerts.md#eureka_moment)
 REPORT7_SEEDS = range(170, 180)
+# issue #31's eleventh session: the detectors of bf04095 (plateau_qk_motion 0.25), chosen on the tuning and the
+# third to seventh report sets; the seventh's parts with all ten seeds on the Eureka task
+REPORT8_SEEDS = range(180, 190)
 
 LM_LRS = (2e-3, 3e-3, 5e-3, 7e-3, 1e-2)  # no warmup; 5e-3 is the boundary: about half the runs collapse
 BOUNDARY_LR = 5e-3
@@ -159,6 +162,8 @@ SETS: dict[str, list[RunSpec]] = {
     "report6": _report(REPORT6_SEEDS, away=5, twins=2, other=2, vit=2, eureka=4, normsoftmax=2, hf_seeds=2,
                        hf_twins=True, families=HF_FAMILIES6),
     "report7": _report(REPORT7_SEEDS, away=5, twins=2, other=2, vit=2, eureka=8, normsoftmax=2, hf_seeds=2,
+                       hf_twins=True, families=HF_FAMILIES6),
+    "report8": _report(REPORT8_SEEDS, away=5, twins=2, other=2, vit=2, eureka=10, normsoftmax=2, hf_seeds=2,
                        hf_twins=True, families=HF_FAMILIES6),
 }
 
