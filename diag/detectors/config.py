@@ -119,7 +119,7 @@ class PlateauConfig(Checked):
     plateau_rel: Positive = 0.125  # the mean losses of the window's halves differ by at most 12.5%
     plateau_qk_ratio: Positive = 0.5  # grad_ratio_qk_v below this: the softmax-induced plateau
     plateau_min_frac: Positive = 0.45  # a plateau sits at this fraction of the first sampled loss or above
-    # 0.12 until issue #31's eleventh session: the edge of the Eureka plateaus' motions (0.10-0.19 on the consulted
+    # 0.12 until issue #31's eleventh session: the edge of the Eureka plateaus' motions (0.08-0.19 on the consulted
     # runs), so some were flagged at one cadence and not at another; docs/alerts.md#defaults
     plateau_qk_motion: Positive = 0.25  # ln sigma_1(Wq^T Wk) growth per unit of Q/K update ratio (inf: off) ...
     plateau_max_growth: Factor = 1.35  # ... and sigma_1(Wq^T Wk) grew at most 1.35x over the window (inf: off)
