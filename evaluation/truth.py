@@ -41,8 +41,7 @@ from evaluation.record import load_observations
 from evaluation.runs import RunSpec
 
 __all__ = ["Run", "load_run", "load_runs", "states", "collapse_onset", "damage", "accuracy_jump", "accuracy_rise",
-           "settled",
-           "stuck_with_twin", "context_free_loss", "at_context_free"]
+           "settled", "stuck_with_twin", "context_free_loss", "at_context_free"]
 
 DAMAGE_MARGIN = 0.05  # final loss 5% over the twin's: clearly worse (run-to-run spread of twins is ~1%)
 SEPARATION_SPAN = 20

@@ -20,8 +20,16 @@ import torch
 from evaluation import eureka
 from evaluation.runs import RunSpec
 from evaluation.seeds import BOUNDARY_LR
-from evaluation.truth import (Run, accuracy_jump, accuracy_rise, damage, leaves, plateau_by_twin, settled,
-                              stuck_with_twin)
+from evaluation.truth import (
+    Run,
+    accuracy_jump,
+    accuracy_rise,
+    damage,
+    leaves,
+    plateau_by_twin,
+    settled,
+    stuck_with_twin,
+)
 from hooks.demo import DemoRun, train
 
 # ------------------------------------------------------------------ collapse
