@@ -189,7 +189,7 @@ def observe_features(trends: dict[str, HeadTrend], obs: Observation, window: int
 
 
 
-# How often a layer at risk is confirmed at every step for a head that came between the malignant lines, per run (the
+# How often a layer is confirmed at every step for a head that came between the malignant lines, per run (the
 # attention-state records' own limit, Recurrence, is three per head): docs/cost.md#watching-closer
 BAND_CONFIRMATIONS = 3
 
@@ -264,19 +264,19 @@ class CollapseRisk:
             f"What to do: {TODO}"), {"collapse_risk": p}, "firing", event.since)]
 
     def _note_between(self) -> None:
-        """After an observation: a layer at risk (its risk at ``watch_risk`` or more, or its warning open) one of
-        whose heads came between the malignant lines is confirmed from that sample on (:meth:`confirming`), at
-        most ``BAND_CONFIRMATIONS`` times per layer and run."""
+        """After an observation: a layer not collapsed one of whose heads came between the malignant lines is
+        confirmed from that sample on (:meth:`confirming`), at most ``BAND_CONFIRMATIONS`` times per layer and
+        run, whatever its risk (until issue #31's twelfth session only a layer at ``watch_risk`` or more, or
+        with its warning open: the eighth report set's one missed layer collapse was a slow one at risk 0.11,
+        docs/alerts.md#the-eighth-report-set-issue-31s-eleventh-session-seeds-180-189)."""
         for label in {k.split("/")[0] for k in self.states.between}:
             seen, used = self.states.entered_between(label), self.band.get(label, [])
-            at_risk = self.risk.get(label, (0, 0.0))[1] >= self.cfg.watch_risk or self.episodes.active(label)
-            if (at_risk and seen not in used and len(used) < BAND_CONFIRMATIONS
-                    and not self.states.layer_in("malignant", label)):
+            if seen not in used and len(used) < BAND_CONFIRMATIONS and not self.states.layer_in("malignant", label):
                 self.band[label] = used + [seen]
 
     def confirming(self) -> int:
-        """Steps of attention at every step a layer at risk still needs (0: none does): when a head of a layer
-        at risk comes between the malignant lines (``AttentionStates.entered_between``), the layer is confirmed
+        """Steps of attention at every step a layer still needs (0: none does): when a head of a layer comes
+        between the malignant lines (``AttentionStates.entered_between``), the layer is confirmed
         for twice ``collapse_dwell`` steps from that sample, as a head that entered the state is. A head hovering
         at the entropy line can sit inside it between samples 10 steps apart and just above it at each sample:
         issue #31's sixth report set missed a layer collapse so (docs/cost.md#watching-closer). At most
@@ -297,7 +297,8 @@ class CollapseRisk:
     def wants_attention(self) -> str | None:
         """Why the Monitor should sample attention (and the spectra) closely now: a layer's risk at
         ``watch_risk`` or more, or a head's ``sigma_1`` growing ``watch_growth``-fold within ``risk_window``
-        steps (the risk needs attention to be judged at all), or a collapse warning open."""
+        steps (the risk needs attention to be judged at all), or a collapse warning open, or a head come
+        between the malignant lines being confirmed (:meth:`confirming`)."""
         risky = [(p, label) for label, (_, p) in self.risk.items()
                  if p >= self.cfg.watch_risk and not self.states.layer_in("malignant", label)]
         if risky:
@@ -308,7 +309,12 @@ class CollapseRisk:
             g, label = max(fast)
             return f"sigma_1(Wq^T Wk) of a head of {label} grew x{g:.1f} within {self.cfg.risk_window} steps"
         warned = [k for k in self.episodes.keys if self.episodes.active(k)]
-        return f"a collapse warning is open on {warned[0]}" if warned else None
+        if warned:
+            return f"a collapse warning is open on {warned[0]}"
+        if self.confirming() > 0:  # the closer look follows a confirmation only with a reason to look
+            label = max(self.band, key=lambda k: max(self.band[k]))
+            return f"a head of {label} came between the malignant lines"
+        return None
 
     def state_dict(self) -> dict:
         return {"risk": {"trends": {k: vars(t) for k, t in self.trends.items()}, "latest": self.risk,

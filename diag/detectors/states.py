@@ -201,7 +201,7 @@ class AttentionStates:
         self.step = -1  # the last step observed
         self.recurrence = Recurrence()  # at most three records per head (or layer) and state
         # head key -> the first sample of its stay between the malignant entry and exit lines (neither in a
-        # malignant episode nor a candidate): the collapse risk confirms a layer at risk when a head comes there
+        # malignant episode nor a candidate): the collapse risk confirms the layer when a head comes there
         self.between: dict[str, int] = {}
 
     @property

@@ -130,8 +130,8 @@ class CloserLook:
     reason. Within the run's first ``early`` steps a close look samples every ``early_every`` steps
     instead: a head of a run with large first updates can collapse within ten steps (measured:
     established at steps 7 and 10, docs/alerts.md#evaluation), before the 10-step cadence's second
-    sample. While a malignant state is being confirmed (a candidate's dwell, or a head of a layer at risk come
-    between the malignant lines: ``Detectors.confirming``) it samples every ``confirm_every`` steps, and while a
+    sample. While a malignant state is being confirmed (a candidate's dwell, or a head come between the malignant
+    lines: ``Detectors.confirming``) it samples every ``confirm_every`` steps, and while a
     layer is one established head short of a malignant collapse (``Detectors.watching``) attention alone every
     ``watch_every`` steps. Off (``period`` None) when attention is already sampled at the shortest period.
     """

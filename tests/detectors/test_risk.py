@@ -362,6 +362,24 @@ def test_a_head_hovering_at_the_line_of_a_layer_at_risk_is_confirmed_at_every_st
     assert not [a for a in alerts if a.level == "critical"] and not set(range(51, 60)) & set(seen)
 
 
+def test_a_head_hovering_at_the_line_of_a_layer_at_low_risk_is_confirmed_too():
+    """Issue #31's eighth report set's missed collapse (a slow one on the prose corpus at risk 0.11), rebuilt:
+    the same hovering heads as above under a model whose risk stays at 0.05, so no closer look is on and
+    attention is sampled every 50 steps. The sample at 50 finds both heads between the lines; the layer is
+    confirmed at every step from there (with its own reason for the closer look) and the collapse the
+    ground truth establishes at 61 gets its critical record there. Gated on the risk (until the twelfth
+    session) it got none."""
+    model = toy_model(weight=0.0)
+    model.layer_bias = -3.0  # p = sigmoid(-3) = 0.047 at every sample, under watch_risk
+    script = band_script()
+    alerts, seen, risk = replay_with(script, model)
+    assert max(p for _, p in risk.risk.values()) < RiskConfig().watch_risk
+    critical = [(a.step, a.since) for a in alerts if a.level == "critical" and a.status == "firing"]
+    assert critical == [(61, 51)] and risk.band == {"L00": [50]}
+    assert set(range(50, 71)) <= set(seen) and not set(range(41, 50)) & set(seen)
+    assert not [a for a in alerts if a.kind == "collapse_warning"]
+
+
 def test_a_layer_at_risk_is_confirmed_for_a_head_between_the_lines_at_most_three_times():
     """A model whose heads keep coming between the lines and leaving (a ViT after its Eureka moment) is
     confirmed three times, 20 steps each, then followed by the ordinary closer look only; a head's stay is
