@@ -72,6 +72,9 @@ REPORT7_SEEDS = range(170, 180)
 # issue #31's eleventh session: the detectors of bf04095 (plateau_qk_motion 0.25), chosen on the tuning and the
 # third to seventh report sets; the seventh's parts with all ten seeds on the Eureka task
 REPORT8_SEEDS = range(180, 190)
+# issue #31's twelfth session: the detectors of 155f1c9 (a head between the malignant lines confirmed whatever its
+# layer's risk), chosen on the tuning and the third to eighth report sets; the eighth's parts, fresh seeds
+REPORT9_SEEDS = range(190, 200)
 
 LM_LRS = (2e-3, 3e-3, 5e-3, 7e-3, 1e-2)  # no warmup; 5e-3 is the boundary: about half the runs collapse
 BOUNDARY_LR = 5e-3
@@ -164,6 +167,8 @@ SETS: dict[str, list[RunSpec]] = {
     "report7": _report(REPORT7_SEEDS, away=5, twins=2, other=2, vit=2, eureka=8, normsoftmax=2, hf_seeds=2,
                        hf_twins=True, families=HF_FAMILIES6),
     "report8": _report(REPORT8_SEEDS, away=5, twins=2, other=2, vit=2, eureka=10, normsoftmax=2, hf_seeds=2,
+                       hf_twins=True, families=HF_FAMILIES6),
+    "report9": _report(REPORT9_SEEDS, away=5, twins=2, other=2, vit=2, eureka=10, normsoftmax=2, hf_seeds=2,
                        hf_twins=True, families=HF_FAMILIES6),
 }
 
