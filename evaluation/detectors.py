@@ -164,10 +164,12 @@ def judge_eureka(run: Run, cfg: AlertConfig, every, twin: Run | None) -> dict:
 
 def in_state(run: Run, alert) -> bool:
     """Whether the ground truth (the states of the run's logged attention, evaluation.truth.states) has the head or
-    layer of an attention-state alert in that state at some time: the alert is a true one by the one definition."""
+    layer of an attention-state alert in that state at some time (every head of a record several heads share,
+    ``Alert.heads``): the alert is a true one by the one definition."""
     state = {"malignant_collapse": "malignant", "benign_collapse": "benign", "uniform_attention": "uniform"}.get(
         alert.kind)
-    return state is not None and any(e.state == state and e.where == alert.where for e in states(run))
+    found = {e.where for e in states(run) if e.state == state}
+    return state is not None and all(where in found for where in alert.heads or (alert.where,))
 
 
 def judge_hf(run: Run, cfg: AlertConfig, every, twin: Run | None) -> dict:
@@ -184,8 +186,8 @@ def judge_hf(run: Run, cfg: AlertConfig, every, twin: Run | None) -> dict:
             "twin": run.spec.twin, "plateau_alerts": len(plateaus), "plateau_real": truth, "stuck": stuck,
             "context_free": context_free,
             "records": records_per_head(alerts),
-            "bad": sorted({f"{a.kind}@{a.step}" for a in firing}),
-            "bad_in_state": sorted({f"{a.kind}@{a.step}" for a in firing if in_state(run, a)})}
+            "bad": sorted({f"{a.kind}@{a.step}:{a.where}" for a in firing}),
+            "bad_in_state": sorted({f"{a.kind}@{a.step}:{a.where}" for a in firing if in_state(run, a)})}
 
 
 def judge(run: Run, cfg: AlertConfig, every, twin: Run | None) -> dict:

@@ -165,6 +165,11 @@ def test_an_attention_state_alert_is_checked_against_the_logged_attention(monkey
     assert not judge.in_state(run, Alert(970, "malignant_collapse", "warning", "L02/H01", ""))
     assert not judge.in_state(run, Alert(970, "uniform_attention", "warning", "L02/H03", ""))
     assert not judge.in_state(run, Alert(970, "collapse_warning", "warning", "L02", ""))
+    # a record that two heads share is true when both are in the state (Alert.heads)
+    both = Alert(970, "malignant_collapse", "warning", "L02/H01+H03", "", heads=("L02/H01", "L02/H03"))
+    assert not judge.in_state(run, both)
+    episodes.append(StateEpisode("malignant", "L02/H01", 960, 970, None))
+    assert judge.in_state(run, both)
 
 
 def test_normsoftmax_attention_against_a_per_head_loop():
