@@ -229,10 +229,10 @@ def _separate_named(view: ModuleView, stems: tuple[str, str, str], adapter: str,
         return None
     q_rows, k_rows = view.params[names[0]][0], view.params[names[1]][0]
     head_dim = view.first(*HEAD_DIM_KEYS) or q_rows // heads
-    if q_rows != heads * head_dim or k_rows % head_dim:
+    if head_dim < 1 or q_rows != heads * head_dim or k_rows % head_dim:  # < 1: empty (or too few) Q rows
         return None
     kv = _kv_heads(view) or k_rows // head_dim
-    if kv * head_dim != k_rows or heads % kv:
+    if kv < 1 or kv * head_dim != k_rows or heads % kv:
         return None
     qk_norm = any(name.split(".")[0] in QK_NORMS for name in view.params)
     layout = QKVLayout(heads, head_dim, *names, n_kv_heads=kv, cross=is_cross(view), verify=not qk_norm,

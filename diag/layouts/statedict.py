@@ -225,7 +225,7 @@ def _gqa_hint(shapes: Mapping[str, tuple[int, ...]]) -> str:
         for q, k in _QK_PAIRS:
             if key.endswith(f".{q}.weight") and len(shape) == 2:
                 other = shapes.get(key.removesuffix(f"{q}.weight") + f"{k}.weight")
-                if other and len(other) == 2 and other[0] < shape[0] and shape[0] % other[0] == 0:
+                if other and len(other) == 2 and 0 < other[0] < shape[0] and shape[0] % other[0] == 0:
                     r = shape[0] // other[0]
                     return (f". {key} has {shape[0]} rows and its {k} {other[0]}: grouped-query attention, so "
                             f"--heads N --kv-heads N/{r} (N the model's head count, e.g. --heads {2 * r} "

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
@@ -198,8 +198,19 @@ def odd_state(draw) -> dict[str, torch.Tensor]:
     return state
 
 
+_ATTN = "layers.0.self_attn."
+
+
 @FUZZ
 @given(odd_state(), st.sampled_from([".pt", ".safetensors"]), st.none() | st.integers(1, 5))
+# found by this test in issue #31's twelfth session: empty Q/K rows made a head width of 0, and the separate
+# projections' adapter and the grouped-query hint divided by it (ZeroDivisionError, not a clean error)
+@example({f"{_ATTN}q_proj.weight": torch.zeros(1, 0), f"{_ATTN}k_proj.weight": torch.zeros(0, 0),
+          f"{_ATTN}v_proj.weight": torch.zeros(0, 0), f"{_ATTN}o_proj.weight": torch.tensor(1.0)}, ".pt", None)
+@example({f"{_ATTN}q_proj.weight": torch.zeros(0, 0), f"{_ATTN}k_proj.weight": torch.zeros(0, 0),
+          f"{_ATTN}v_proj.weight": torch.zeros(0, 0), f"{_ATTN}o_proj.weight": torch.tensor(1.0)}, ".pt", None)
+@example({f"{_ATTN}q_proj.weight": torch.zeros(1, 0), f"{_ATTN}k_proj.weight": torch.zeros(0, 0),
+          f"{_ATTN}v_proj.weight": torch.tensor(1.0)}, ".pt", None)
 def test_wrong_dtypes_and_shapes_fail_cleanly(state, suffix, heads):
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / f"odd{suffix}"
