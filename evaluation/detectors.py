@@ -49,22 +49,44 @@ def family(metric: str) -> str:
     return next(f for prefix, f in FAMILY_OF.items() if metric.startswith(prefix))
 
 
-def replay(obs: list[Observation], cfg: AlertConfig, every: int | str) -> list:
+def replay(obs: list[Observation], cfg: AlertConfig, every: int | str, losses: list[float] | None = None) -> list:
     """The alerts a Monitor at ``every`` (an int: every family every ``every`` steps; ``"default"``: the
-    per-family default cadence with its closer look) would have raised on this run."""
+    per-family default cadence with its closer look) would have raised on this run. ``losses``: the run's loss
+    at every step (index = step), for the mean loss between two loss samples the Monitor hands its detectors
+    (``Observation.loss_mean``); by default the observations' own losses (a run recorded at ``every=1``)."""
     det = Detectors(cfg)
     if every != "default":
-        return [a for o in obs if o.step % every == 0 for a in det.observe(o)]
-    return [a for _, alerts in at_default_cadence(obs, det) for a in alerts]
+        means = LossMeans(obs, losses)
+        return [a for o in obs if o.step % every == 0 for a in det.observe(means.given(o))]
+    return [a for _, alerts in at_default_cadence(obs, det, losses) for a in alerts]
 
 
-def at_default_cadence(obs: list[Observation], det: Detectors):
+class LossMeans:
+    """``Observation.loss_mean`` as a live Monitor computes it: the mean loss of the steps after the last
+    observation given with a loss, up to this one's, from the run's every-step losses."""
+
+    def __init__(self, obs: list[Observation], losses: list[float] | None) -> None:
+        self.loss_at = dict(enumerate(losses)) if losses is not None else \
+            {o.step: o.loss for o in obs if o.loss is not None}
+        self.last = -1
+
+    def given(self, o: Observation) -> Observation:
+        if o.loss is None:
+            return o
+        seen = [self.loss_at[t] for t in range(self.last + 1, o.step + 1) if t in self.loss_at]
+        self.last = o.step
+        return Observation(o.step, o.loss, o.layers, sum(seen) / len(seen) if seen else None)
+
+
+def at_default_cadence(obs: list[Observation], det: Detectors, losses: list[float] | None = None):
     """Feed ``det`` what a Monitor at its default cadence would: each family at its own period, plus the closer
     look the detectors ask for (``CloserLook.heed``: attention every 10 steps while they watch, every step while a
-    state is being confirmed, every 2 steps while a layer is one head short of a collapse). Yields (the
-    observation they were given, the alerts it raised)."""
+    state is being confirmed, every 2 steps while a layer is one head short of a collapse), the mean loss since
+    the last loss sample with each (:class:`LossMeans`). Yields (the observation they were given, the alerts it
+    raised)."""
     cadence = resolve_cadence(None, None, SIGNALS)
     closer = CloserLook(cadence)
+    means = LossMeans(obs, losses)
     for o in obs:
         if o.loss is None and all(family(k) == "updates" for m in o.layers.values() for k in m):
             if cadence.is_due("updates", o.step):  # the update ratio of a step that sampled updates
@@ -75,7 +97,7 @@ def at_default_cadence(obs: list[Observation], det: Detectors):
         if not due:
             continue
         layers = {label: {k: v for k, v in m.items() if family(k) in due} for label, m in o.layers.items()}
-        given = Observation(o.step, o.loss if "loss" in due else None, layers)
+        given = means.given(Observation(o.step, o.loss if "loss" in due else None, layers))
         yield given, det.observe(given)
         closer.heed(o.step, det)
 
@@ -84,9 +106,9 @@ def replay_run(run: Run, cfg: AlertConfig, every) -> list:
     """:func:`replay` at ``every``; a run recorded at the default cadence (``every=0``: the design set's Hugging
     Face runs) as recorded."""
     if run.spec.every == 0:
-        det = Detectors(cfg)
-        return [a for o in run.obs for a in det.observe(o)]
-    return replay(run.obs, cfg, every)
+        det, means = Detectors(cfg), LossMeans(run.obs, run.losses)
+        return [a for o in run.obs for a in det.observe(means.given(o))]
+    return replay(run.obs, cfg, every, run.losses)
 
 
 def everys(run: Run) -> tuple:

@@ -33,7 +33,10 @@ class Recorder:
     def _write(self, obs: Observation) -> None:
         layers = {label: {k: [None if not math.isfinite(x) else x for x in np.asarray(v, float).tolist()]
                           for k, v in m.items()} for label, m in obs.layers.items()}
-        self.file.write(json.dumps({"step": obs.step, "loss": obs.loss, "layers": layers}) + "\n")
+        row = {"step": obs.step, "loss": obs.loss, "layers": layers}
+        if obs.loss_mean is not None:  # the mean loss since the last loss sample (a run recorded at every > 1)
+            row["loss_mean"] = obs.loss_mean
+        self.file.write(json.dumps(row) + "\n")
         self.file.flush()
 
     def observe_updates(self, obs: Observation) -> list:
@@ -63,5 +66,5 @@ def load_observations(path: Path) -> list[Observation]:
         r = json.loads(line)
         layers = {label: {k: np.array([math.nan if x is None else x for x in v], float) for k, v in m.items()}
                   for label, m in r["layers"].items()}
-        out.append(Observation(r["step"], r["loss"], layers))
+        out.append(Observation(r["step"], r["loss"], layers, r.get("loss_mean")))
     return out

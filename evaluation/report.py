@@ -54,7 +54,7 @@ def forecasts(run: Run, cfg: AlertConfig | None = None) -> list[Forecast]:
         if e.state == "malignant" and "/" not in e.where:
             onsets.setdefault(e.where, []).append((e.opened, e.until))
     out = []
-    for o, _ in judge.at_default_cadence(run.obs, det):
+    for o, _ in judge.at_default_cadence(run.obs, det, run.losses):
         if o.loss is None and all(judge.family(k) == "updates" for m in o.layers.values() for k in m):
             continue  # the update ratios of the step after a sample: no risk is judged on them
         for label, p in det.scalars().get("collapse_risk", {}).items():

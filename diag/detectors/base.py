@@ -56,11 +56,14 @@ class TrainingHalted(DiagError):
 
 @dataclass
 class Observation:
-    """One sampled step: ``layers[label][metric]`` is an array over heads (or of size 1)."""
+    """One sampled step: ``layers[label][metric]`` is an array over heads (or of size 1). ``loss`` is this step's;
+    ``loss_mean`` the mean loss of the steps since the previous loss sample, this one included (the Monitor
+    accumulates it on the loss's device, with no host read; None: not known, ``loss`` stands for it)."""
 
     step: int
     loss: float | None
     layers: dict[str, dict[str, np.ndarray]]
+    loss_mean: float | None = None
 
 
 @runtime_checkable

@@ -126,7 +126,7 @@ class PlateauConfig(Checked):
     plateau_uniformity: Share = 0.72  # ... and attention entropy at least this fraction of uniform's (0: off)
     plateau_min_update: Share = 0.25  # ... and the Q/K updates at least this share of their largest window's (0: off)
     eureka_depth: Annotated[float, Kind(0, 1, hi_open=True, meaning="the drop's depth as a fraction of the "
-                                        "plateau's level")] = 0.425
+                                        "plateau's level")] = 0.385
     eureka_drop: Fraction = 0.25  # ... and this far (relative) below the plateau's own trend ...
     eureka_noise: Positive = 2.0  # ... and this many noise deviations of the plateau below it, at 2 samples
     eureka_span: Steps = 20  # ... the median loss of the samples of the last this many steps

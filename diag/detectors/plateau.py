@@ -1,6 +1,8 @@
 """Loss plateaus with small Q/K gradients (Hoffmann et al.) and the Eureka-moment that ends them.
 
-Windows are in steps. A plateau: the mean losses of the two halves of the last ``plateau_window`` steps differ by
+Windows are in steps. The loss is, where the Monitor measured it, the mean loss of the steps since the previous
+sample (``Observation.loss_mean``: ten batches at the default cadence, not one), else the sampled step's. A
+plateau: the mean losses of the two halves of the last ``plateau_window`` steps differ by
 at most ``plateau_rel``, the level (the window's least-squares trend at this step) is at least
 ``plateau_min_frac`` of the first loss (a converged run is not stuck), and the Q/K-to-V
 gradient ratio, averaged over layers and the window, is at most ``plateau_qk_ratio``; and, where the
@@ -159,13 +161,16 @@ class Plateau:
         if ratios:
             self.updates = [u for u in self.updates if u[0] > obs.step - self.cfg.plateau_window] + \
                 [[float(obs.step), float(np.mean(ratios))]]
-        if obs.loss is None or not math.isfinite(obs.loss):
+        # the mean loss of the steps since the previous sample where the Monitor measured it: a single batch's
+        # loss at the default cadence scatters sqrt(10) times as much, and the moment's line is crossed by noise
+        loss = obs.loss if obs.loss_mean is None else obs.loss_mean
+        if loss is None or not math.isfinite(loss):
             return []
-        self.first_loss = obs.loss if self.first_loss is None else self.first_loss
+        self.first_loss = loss if self.first_loss is None else self.first_loss
         self.start = obs.step if self.start is None else self.start
         ratios = [float(m["grad_ratio_qk_v"][0]) for m in obs.layers.values() if "grad_ratio_qk_v" in m]
         entropies = [float(np.mean(m["attn_entropy"])) for m in obs.layers.values() if "attn_entropy" in m]
-        point = [float(obs.step), obs.loss, float(np.mean(ratios)) if ratios else math.nan,
+        point = [float(obs.step), loss, float(np.mean(ratios)) if ratios else math.nan,
                  float(np.mean(entropies)) if entropies else math.nan, _log_sigma(obs), _uniformity(obs)]
         if self.plateau is not None:
             return self._moment(obs.step, point)

@@ -46,6 +46,7 @@ from hooks.layout.book import LayoutBook
 from hooks.layout.discover import AttentionLayer, discover
 from hooks.monitor.cadence import CloserLook, CloserLookConfig, resolve_cadence
 from hooks.monitor.distributed import SharedDetectors, rank, world_size
+from hooks.monitor.lossmean import LossMean
 from hooks.monitor.tensorparallel import HeadGather
 from hooks.monitor.weightside import WeightSide
 
@@ -183,6 +184,7 @@ class Monitor:
         self.layouts = LayoutBook(local, watching="attention" in self.signals)
         self.capture = EagerCapture(local, attn_seqs, attn_rank_rows, model=model, layouts=self.layouts)
         self.last: dict[str, float] = {}
+        self._loss_mean = LossMean()  # every step's loss, for the mean of those between two loss samples
         self._closed = False
         self._init_tensorboard(images, image_every)
         self._layout_source = "Monitor spec" if spec else "Monitor discovery"
@@ -201,6 +203,8 @@ class Monitor:
         """Call once per training step, after backward and before ``optimizer.step()``."""
         if self._closed:
             return
+        if loss is not None:
+            self._guard("loss", self._loss_mean.add, loss)
         weights = self._weights
         if weights.pending is not None:  # the step after an update sample: dW, elementwise, no host read
             self._guard("updates", weights.advance)
@@ -245,6 +249,7 @@ class Monitor:
             if self._weights.applied is not None:
                 self._guard("updates", self._finish_updates)
         self._weights.pending = self._weights.applied = None
+        self._loss_mean.take()  # nothing of the run's tensors kept
         close = getattr(self.detectors, "close", None)  # detectors that hold a resource (a recorder's file)
         if close is not None:
             self._guard("detectors", close)
@@ -313,7 +318,9 @@ class Monitor:
             for layer, values in zip(self.layers, per_layer):
                 if layer.index in self.refused:
                     values.clear()  # its weights are still snapshotted: the update is dropped when measured
-            record, arrays, loss_value = self._record(step, per_layer, loss if "loss" in due else None)
+            sampled = loss if "loss" in due else None
+            mean = self._loss_mean.take() if sampled is not None else None
+            record, arrays, loss_value, mean_value = self._record(step, per_layer, sampled, mean)
         if spectra_failed:  # NaN from a failed solver, already reported: not a sign of NaN weights
             arrays = {label: {m: v for m, v in metrics.items() if m not in SPECTRAL_METRICS}
                       for label, metrics in arrays.items()}
@@ -323,7 +330,7 @@ class Monitor:
         if overflow:  # a routine fp16 event: the scaler skips this update; not a sign of a broken run
             arrays = {label: {m: v for m, v in metrics.items() if not m.startswith("grad_")}
                       for label, metrics in arrays.items()}
-        alerts = self.detectors.observe(Observation(step, loss_value, arrays))
+        alerts = self.detectors.observe(Observation(step, loss_value, arrays, mean_value))
         record.scalars.update(self._judged())  # collapse_risk: in the same record as the signals it read
         self.last = dict(record.scalars)
         self.sinks.write(record)
@@ -391,20 +398,24 @@ class Monitor:
         return failed
 
     def _record(
-        self, step: int, per_layer: list[dict], loss: Tensor | float | None
-    ) -> tuple[Record, dict, float | None]:
-        """The record, the detectors' arrays and the loss as a float: a loss tensor travels to the host
-        in the same transfer as every metric (one host sync per sampled step on an accelerator)."""
+        self, step: int, per_layer: list[dict], loss: Tensor | float | None, mean: Tensor | float | None = None
+    ) -> tuple[Record, dict, float | None, float | None]:
+        """The record, the detectors' arrays, the loss and the mean loss since the last loss sample as floats:
+        loss tensors travel to the host in the same transfer as every metric (one host sync per sampled step on
+        an accelerator). The mean goes to the detectors, not to the record: the ``loss`` tag is the step's."""
         rows = [(layer.label, values) for layer, values in zip(self.layers, per_layer)]
-        if isinstance(loss, Tensor):
-            rows.append(("", {"loss": loss.detach().reshape(1)}))  # a scalar, as float(loss) requires
+        scalars = {name: value.detach().reshape(1) for name, value in (("loss", loss), ("loss_mean", mean))
+                   if isinstance(value, Tensor)}  # scalars, as float(loss) requires
+        if scalars:
+            rows.append(("", scalars))
         arrays = host_arrays(rows)
-        loss_value = float(arrays.pop("")["loss"][0]) if isinstance(loss, Tensor) else loss
-        loss_value = None if loss_value is None else float(loss_value)
+        host = arrays.pop("", {})
+        loss_value, mean_value = (float(host[name][0]) if name in host else None if value is None else float(value)
+                                  for name, value in (("loss", loss), ("loss_mean", mean)))
         record = build_record(step, arrays, self.per_head)
         if loss_value is not None:
             record.scalars["loss"] = loss_value
-        return record, arrays, loss_value
+        return record, arrays, loss_value, mean_value
 
     def _finish_updates(self) -> None:
         scalars: dict[str, float] = {}

@@ -53,3 +53,36 @@ def test_closing_the_monitor_closes_the_recorder_it_carries(tmp_path):
     assert recorders[0].file.closed
     observations = load_observations(tmp_path / "observations.jsonl")
     assert [o.step for o in observations if any("update_ratio_q" in m for m in o.layers.values())][-1] == 1
+
+
+def test_replay_hands_the_detectors_the_mean_loss_the_live_monitor_hands_them(tmp_path):
+    """Observation.loss_mean (the mean loss of the steps since the last loss sample: the plateau detector's loss)
+    replayed from a run recorded at every=1 (evaluation.detectors.LossMeans) is what a live Monitor at its default
+    cadence computes on the same training (the Monitor does not change it: the same losses)."""
+    from diag.detectors import Detectors
+    from diag.outputs.sinks import MemorySink
+    from evaluation.record import Recorder
+    from tests.support import harness, zoo
+
+    def run(kwargs, path):
+        seen = []
+
+        def on_step(step, monitor, model, loss):
+            if not seen:
+                monitor.detectors = Recorder(monitor.detectors, path)
+                seen.append(monitor.detectors)
+            monitor.step(step, loss=loss)
+
+        harness.train(zoo.nanogpt(dropout=0.0), 41, {"sinks": [MemorySink()], "images": False, **kwargs}, None,
+                      on_step)
+        return load_observations(path)
+
+    recorded = run({"every": 1}, tmp_path / "every1.jsonl")
+    live = [(o.step, o.loss_mean) for o in run({}, tmp_path / "live.jsonl") if o.loss is not None]
+    assert [s for s, _ in live] == [0, 10, 20, 30, 40] and all(m is not None for _, m in live)
+    replayed = [(o.step, o.loss_mean) for o, _ in
+                evaluate_detectors.at_default_cadence(recorded, Detectors(AlertConfig())) if o.loss is not None]
+    assert [s for s, _ in replayed] == [s for s, _ in live]
+    assert [m for _, m in replayed] == pytest.approx([m for _, m in live], rel=1e-5)
+    losses = [o.loss for o in recorded if o.loss is not None]
+    assert live[1][1] == pytest.approx(sum(losses[1:11]) / 10, rel=1e-5)

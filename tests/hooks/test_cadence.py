@@ -314,3 +314,69 @@ def test_the_monitor_samples_attention_every_watch_every_steps_while_a_layer_is_
     assert seen["attention"] == {0, 50} | set(range(42, 71, 2))
     assert seen["spectra"] == set(range(0, 81, 20)) and seen["loss"] == set(range(0, 81, 10))
     assert_values_of(sink, train(81, every=1)[0])
+
+
+class Spy:
+    """The Monitor's detectors, with every observation they are given kept."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.seen = inner, []
+
+    def observe(self, obs):
+        self.seen.append(obs)
+        return self.inner.observe(obs)
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+def spied_run(steps: int, give=lambda step, loss: loss) -> tuple[Spy, list[float], MemorySink, Monitor]:
+    """A tiny nanoGPT at the default cadence; ``give(step, loss)`` is what the loop passes monitor.step."""
+    case = zoo.nanogpt(dropout=0.0)
+    sink = MemorySink()
+    monitor = Monitor(case.model, sinks=[sink], images=False)
+    spy = monitor.detectors = Spy(monitor.detectors)
+    opt = torch.optim.AdamW(case.model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(0)
+    losses = []
+    for step in range(steps):
+        loss = case.loss(case.model, case.make_batch(gen))
+        loss.backward()
+        losses.append(loss.item())
+        monitor.step(step, loss=give(step, loss))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return spy, losses, sink, monitor
+
+
+@pytest.mark.parametrize("as_float", [False, True])
+def test_the_detectors_get_the_mean_loss_of_the_steps_since_the_last_loss_sample(as_float):
+    """At the default cadence the loss is sampled every 10 steps; the detectors also get the mean of the losses of
+    the steps since the last loss sample (Observation.loss_mean: the plateau detector's loss, ten batches instead
+    of one), accumulated where the loss lives. The ``loss`` tag and Observation.loss stay the sampled step's."""
+    spy, losses, sink, monitor = spied_run(33, (lambda step, loss: loss.item()) if as_float else (lambda s, x: x))
+    given = [o for o in spy.seen if o.loss is not None]
+    assert [o.step for o in given] == [0, 10, 20, 30]
+    previous = -1
+    for o in given:
+        assert o.loss == pytest.approx(losses[o.step], rel=1e-6)
+        expected = sum(losses[previous + 1:o.step + 1]) / (o.step - previous)
+        assert o.loss_mean == pytest.approx(expected, rel=1e-5), o.step
+        previous = o.step
+    assert given[1].loss_mean != pytest.approx(given[1].loss, rel=1e-5)  # ten batches, not one
+    tagged = {r.step: r.scalars["loss"] for r in sink.records if "loss" in r.scalars}
+    assert tagged == pytest.approx({o.step: o.loss for o in given}, rel=1e-6)
+    kept = monitor._loss_mean.total  # steps 31 and 32's
+    assert isinstance(kept, float) if as_float else kept.grad_fn is None and not kept.requires_grad  # no graph
+    monitor.close()
+    assert monitor._loss_mean.total is None  # nothing of the run's tensors kept
+
+
+def test_a_loop_that_passes_the_loss_only_on_sampled_steps_gets_that_loss_as_the_mean():
+    spy, losses, _, monitor = spied_run(21, lambda step, loss: loss if step % 10 == 0 else None)
+    monitor.close()
+    given = [o for o in spy.seen if o.loss is not None]
+    assert [o.step for o in given] == [0, 10, 20]
+    assert all(o.loss_mean == pytest.approx(losses[o.step], rel=1e-6) for o in given)
