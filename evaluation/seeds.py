@@ -75,6 +75,10 @@ REPORT8_SEEDS = range(180, 190)
 # issue #31's twelfth session: the detectors of 155f1c9 (a head between the malignant lines confirmed whatever its
 # layer's risk), chosen on the tuning and the third to eighth report sets; the eighth's parts, fresh seeds
 REPORT9_SEEDS = range(190, 200)
+# issue #31's thirteenth session: the detectors of c141757 (the plateau detector reads the mean loss of the steps
+# since the last loss sample; eureka_depth 0.385), chosen on the tuning and the third to ninth report sets; the
+# ninth's parts, fresh seeds
+REPORT10_SEEDS = range(200, 210)
 
 LM_LRS = (2e-3, 3e-3, 5e-3, 7e-3, 1e-2)  # no warmup; 5e-3 is the boundary: about half the runs collapse
 BOUNDARY_LR = 5e-3
@@ -170,6 +174,8 @@ SETS: dict[str, list[RunSpec]] = {
                        hf_twins=True, families=HF_FAMILIES6),
     "report9": _report(REPORT9_SEEDS, away=5, twins=2, other=2, vit=2, eureka=10, normsoftmax=2, hf_seeds=2,
                        hf_twins=True, families=HF_FAMILIES6),
+    "report10": _report(REPORT10_SEEDS, away=5, twins=2, other=2, vit=2, eureka=10, normsoftmax=2, hf_seeds=2,
+                        hf_twins=True, families=HF_FAMILIES6),
 }
 
 
