@@ -319,7 +319,13 @@ class Monitor:
                 if layer.index in self.refused:
                     values.clear()  # its weights are still snapshotted: the update is dropped when measured
             sampled = loss if "loss" in due else None
-            mean = self._loss_mean.take() if sampled is not None else None
+            mean = None
+            if sampled is not None:
+                try:  # losses of several shapes or devices: the detectors read the step's loss
+                    mean = self._loss_mean.take()
+                except Exception as err:  # noqa: BLE001 - the sample goes on
+                    self._warn_once("loss mean", f"diag: the mean loss since the last sample failed ({err!r}); "
+                                    "the plateau detector reads the sampled step's loss")
             record, arrays, loss_value, mean_value = self._record(step, per_layer, sampled, mean)
         if spectra_failed:  # NaN from a failed solver, already reported: not a sign of NaN weights
             arrays = {label: {m: v for m, v in metrics.items() if m not in SPECTRAL_METRICS}

@@ -368,10 +368,11 @@ def test_the_detectors_get_the_mean_loss_of_the_steps_since_the_last_loss_sample
     assert given[1].loss_mean != pytest.approx(given[1].loss, rel=1e-5)  # ten batches, not one
     tagged = {r.step: r.scalars["loss"] for r in sink.records if "loss" in r.scalars}
     assert tagged == pytest.approx({o.step: o.loss for o in given}, rel=1e-6)
-    kept = monitor._loss_mean.total  # steps 31 and 32's
-    assert isinstance(kept, float) if as_float else kept.grad_fn is None and not kept.requires_grad  # no graph
+    kept = monitor._loss_mean  # steps 31 and 32's
+    assert kept.count == 2 and len(kept.tensors) == (0 if as_float else 2)
+    assert all(t.grad_fn is None and not t.requires_grad for t in kept.tensors)  # no graph kept
     monitor.close()
-    assert monitor._loss_mean.total is None  # nothing of the run's tensors kept
+    assert kept.count == 0 and kept.tensors == []  # nothing of the run's tensors kept
 
 
 def test_a_loop_that_passes_the_loss_only_on_sampled_steps_gets_that_loss_as_the_mean():
@@ -380,3 +381,17 @@ def test_a_loop_that_passes_the_loss_only_on_sampled_steps_gets_that_loss_as_the
     given = [o for o in spy.seen if o.loss is not None]
     assert [o.step for o in given] == [0, 10, 20]
     assert all(o.loss_mean == pytest.approx(losses[o.step], rel=1e-6) for o in given)
+
+
+def test_losses_kept_for_a_rare_loss_sample_are_folded_on_their_device_and_still_averaged():
+    """A loss sampled every 1,000 steps keeps no thousand tensors: every 64 are summed into one (on their device,
+    no host read); the mean is the same. Numbers and tensors may mix."""
+    from hooks.monitor.lossmean import FOLD, LossMean
+
+    values = [1.0 + 0.01 * i for i in range(150)]
+    kept = LossMean()
+    for i, v in enumerate(values):
+        kept.add(torch.tensor([v]) if i % 3 else v)
+        assert len(kept.tensors) < FOLD
+    assert float(kept.take()) == pytest.approx(sum(values) / len(values), rel=1e-6)
+    assert kept.take() is None and kept.count == 0

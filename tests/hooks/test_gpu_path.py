@@ -47,7 +47,8 @@ class Calls(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def run(device: str, steps: int, at_once: int | None = None, **kwargs) -> tuple[MemorySink, dict[int, Calls]]:
+def run(device: str, steps: int, at_once: int | None = None, loss: bool = True,
+        **kwargs) -> tuple[MemorySink, dict[int, Calls]]:
     case = zoo.nanogpt(dropout=0.0)
     model = case.model.to(device)
     sink = MemorySink()
@@ -59,10 +60,10 @@ def run(device: str, steps: int, at_once: int | None = None, **kwargs) -> tuple[
     counted = {}
     for step in range(steps):
         batch = {k: v.to(device) for k, v in case.make_batch(gen).items()}
-        loss = case.loss(model, batch)
-        loss.backward()
+        value = case.loss(model, batch)
+        value.backward()
         with Calls() as calls:
-            monitor.step(step, loss=loss)
+            monitor.step(step, loss=value if loss else None)
         counted[step] = calls
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -72,11 +73,15 @@ def run(device: str, steps: int, at_once: int | None = None, **kwargs) -> tuple[
 
 def test_non_sampled_steps_issue_no_tensor_operation():
     """Default cadence: step 0 samples everything, step 1 measures its update ratios; steps 2-9 and
-    11-19 sample nothing and touch no tensor; steps 10 and 20 sample loss, gradient norms and spectra."""
+    11-19 sample nothing and touch no tensor but the loss's ``detach()`` (a view, no kernel: kept for the mean
+    loss since the last sample, hooks/monitor/lossmean.py); steps 10 and 20 sample loss, gradient norms and
+    spectra. Without a loss, nothing at all."""
     _, counted = run("cpu", 21)
     for step, calls in counted.items():
         if step not in (0, 1, 10, 20):
-            assert calls.calls == [], (step, calls.calls[:10])
+            assert calls.calls == ["detach"], (step, calls.calls[:10])
+    _, counted = run("cpu", 21, loss=False)
+    assert all(counted[step].calls == [] for step in range(2, 10))
 
 
 def test_a_loss_and_gradient_sample_reads_the_host_once():
@@ -96,7 +101,7 @@ def test_the_step_after_an_update_sample_reads_nothing_from_the_host():
     assert "sub_" in counted[101].calls
     assert "tolist" in counted[110].host_reads and "tolist" in counted[1].host_reads
     for step in range(102, 110):
-        assert counted[step].calls == [], step
+        assert counted[step].calls == ["detach"], step  # the loss kept for the mean since the last sample
     eager, _ = run("cpu", 111, at_once=10**9)
     tags = [t for r in sink.records if r.step == 100 for t in r.scalars if t.startswith("update_ratio")]
     assert tags
