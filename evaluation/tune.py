@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python -m evaluation.tune RUNS_DIR
 
-Three choices, each printed as a table of every value tried:
+The choices, each printed as a table of every value tried (``--only depth``: the last one alone):
 
 * ``warn_risk`` and ``warn_samples``, the risk at which ``collapse_warning`` fires and at how many samples in a
   row: on the collapse runs (the GPT, its QK-norm twins and the collapse ViT: the runs of the report's warning
@@ -44,6 +44,7 @@ QK_MOTION = (0.06, 0.08, 0.1, 0.12, 0.15, 0.2, 0.25, 0.3, 0.4, 0.6, float("inf")
 MAX_GROWTH = (1.2, 1.3, 1.35, 1.5, 2.0, float("inf"))
 MIN_FRAC = (0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.55)
 MIN_UPDATE = (0.0, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4)
+EUREKA_DEPTH = (0.34, 0.355, 0.365, 0.375, 0.38, 0.385, 0.39, 0.395, 0.4, 0.425)
 
 
 CATCH_GOAL, FALSE_GOAL = 0.95, 0.05  # issue #31: collapses warned 5 steps ahead, warned runs without a collapse
@@ -119,17 +120,45 @@ def tune_one(runs: list[Run], name: str, values: tuple[float, ...]) -> tuple[flo
     return _middle(scores), table, left_out
 
 
+def tune_depth(runs: list[Run]) -> tuple[float, list[str]]:
+    """``eureka_depth``: the moments within 2 sampling intervals of the accuracy jump over the softmax Eureka runs
+    at every cadence (issue #31's thirteenth session chose it on the tuning and third to ninth
+    report sets); every plateau must still be flagged before its jump and no moment be false. The value in the
+    middle of the flat top: of those within 2 moments of the best count (less than one run at its five cadences),
+    so that the choice does not rest on one moment."""
+    eureka = [r for r in runs if r.spec.task == "vit" and r.spec.steps > 1000 and not r.spec.twin]
+    table = ["| eureka_depth | moments within 2 intervals | within 4 | plateaus flagged before the jump | "
+             "false moments |", "|---|---|---|---|---|"]
+    scores = {}
+    for value in EUREKA_DEPTH:
+        rows = [r for r in judge.rows_of(eureka, AlertConfig(eureka_depth=value)) if r["jump"] is not None]
+        within = [sum(r["offset"] is not None and abs(r["offset"]) <= n for r in rows) for n in (2, 4)]
+        flagged, false = sum(r["plateau_in_time"] for r in rows), sum(r["false_moments"] for r in rows)
+        table.append(f"| {value:g} | {within[0]}/{len(rows)} | {within[1]}/{len(rows)} | {flagged}/{len(rows)} | "
+                     f"{false} |")
+        if flagged == len(rows) and false == 0:
+            scores[value] = within[0]
+    top = max(scores.values())
+    flat = [v for v in sorted(scores) if scores[v] >= top - 2]
+    return flat[len(flat) // 2], table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", type=Path)
+    parser.add_argument("runs", type=Path, nargs="+", help="folders holding the runs (a run in several: the first)")
     parser.add_argument("--set", nargs="+", default=["tuning"], choices=sorted(SETS),
                         help="the sets tuned on (several: their runs together, each counted once)")
-    parser.add_argument("--only", choices=("warn", "plateau"), help="one of the two choices")
+    parser.add_argument("--only", choices=("warn", "plateau", "depth"), help="one of the choices")
     args = parser.parse_args()
-    runs = [r for name in args.set for r in load_runs(args.runs, SETS[name])]
+    found = {}
+    for root in args.runs:
+        for name in args.set:
+            for r in load_runs(root, SETS[name]):
+                found.setdefault(r.name, r)
+    runs = list(found.values())
     print(f"{' and '.join(args.set)}: {len(runs)} runs of {sum(len(SETS[n]) for n in args.set)} planned\n")
     if not any(r.spec.task == "hf" for r in runs):  # the tuning set has none: the design set's healthy runs
-        runs += [r for r in load_runs(args.runs, SETS["design"]) if r.spec.task == "hf"]
+        runs += [r for r in load_runs(args.runs[0], SETS["design"]) if r.spec.task == "hf"]
     if args.only in (None, "warn"):
         (value, samples), table = tune_warn(runs)
         print("\n".join(table) + f"\n\nwarn_risk: {value:g}, warn_samples: {samples}\n")
@@ -139,6 +168,9 @@ def main() -> None:
             value, table, left_out = tune_one(runs, name, values)
             print("\n".join(table) + f"\n\n{name}: {value:g}")
             print("chosen leaving each healthy family out: " + ", ".join(f"{k} {v:g}" for k, v in left_out.items()))
+    if args.only == "depth":  # chosen on the Eureka runs of the sets given (docs/alerts.md#eureka_moment)
+        value, table = tune_depth(runs)
+        print("\n".join(table) + f"\n\neureka_depth: {value:g}")
 
 
 if __name__ == "__main__":

@@ -58,7 +58,8 @@ class TrainingHalted(DiagError):
 class Observation:
     """One sampled step: ``layers[label][metric]`` is an array over heads (or of size 1). ``loss`` is this step's;
     ``loss_mean`` the mean loss of the steps since the previous loss sample, this one included (the Monitor
-    accumulates it on the loss's device, with no host read; None: not known, ``loss`` stands for it)."""
+    keeps every step's loss and averages them on their device at the sample, hooks/monitor/lossmean.py; None: not
+    known, ``loss`` stands for it)."""
 
     step: int
     loss: float | None

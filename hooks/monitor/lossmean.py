@@ -38,6 +38,9 @@ class LossMean:
     def _sum(self) -> Tensor:
         return torch.stack([t.reshape(()).float() for t in self.tensors]).sum()
 
+    def clear(self) -> None:
+        self.tensors, self.numbers, self.count = [], 0.0, 0
+
     def take(self) -> Tensor | float | None:
         """The mean of the losses given since the last call (None if none was); then a fresh start."""
         try:
@@ -46,4 +49,4 @@ class LossMean:
             total = self._sum() + self.numbers if self.tensors else self.numbers
             return total / self.count
         finally:
-            self.tensors, self.numbers, self.count = [], 0.0, 0
+            self.clear()

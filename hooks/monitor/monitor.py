@@ -249,7 +249,7 @@ class Monitor:
             if self._weights.applied is not None:
                 self._guard("updates", self._finish_updates)
         self._weights.pending = self._weights.applied = None
-        self._loss_mean.take()  # nothing of the run's tensors kept
+        self._loss_mean.clear()  # nothing of the run's tensors kept
         close = getattr(self.detectors, "close", None)  # detectors that hold a resource (a recorder's file)
         if close is not None:
             self._guard("detectors", close)

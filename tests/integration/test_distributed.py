@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +30,12 @@ EVERY, STEPS, LAYERS = 3, 7, 2  # sampled: 0, 3, 6; update ratios measured at 1,
 GLOBAL = ("qk_", "grad_", "update_")  # the same on every rank: weights, reduced gradients, updates
 
 
+# gloo once aborted a rank of a run that had written every output (seen once, in CI of issue #31's twelfth session;
+# the same test passed 8 of 8 times alone): std::terminate on a joinable thread at the process's exit, "terminate
+# called without an active exception". Such a run is run once more; any other failure, or a second one, fails
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
 def _run(mode: str, out: Path, *extra: str) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     if mode == "single":
@@ -36,7 +43,13 @@ def _run(mode: str, out: Path, *extra: str) -> None:
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                str(WORKER), mode, str(out), *extra]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    for attempt in (1, 2):
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+        written = all((out / f"losses_rank{r}.json").exists() for r in ((0,) if mode == "single" else (0, 1)))
+        if done.returncode == 0 or attempt == 2 or TEARDOWN_ABORT not in done.stderr or not written:
+            break
+        shutil.rmtree(out)  # the same run again, in an empty folder
+        out.mkdir()
     assert done.returncode == 0, f"{mode} worker failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
 
 
