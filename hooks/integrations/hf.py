@@ -12,7 +12,8 @@ moment: the optimizer steps already taken, so values at step t describe the weig
 ``checkpoint-t`` (the checkpoint analysis numbers them the same way); the Trainer logs this
 step's own loss at ``global_step`` t + 1. The attention is captured from the first training
 micro-batch of a sampled step. The loss is the model's own ``outputs.loss``, summed over the
-micro-batches as the Trainer sums it.
+micro-batches as the Trainer sums it, passed at every step (the detectors read the mean loss since the last
+sample: with one micro-batch per step the loss itself, a view, no kernel; with several, their sum or mean).
 """
 
 from __future__ import annotations
@@ -103,12 +104,11 @@ class MonitorCallback(TrainerCallback):
         self._loss_factor = args.world_size if getattr(args, "average_tokens_across_devices", False) else 1
         self._device = args.device
         self._loss_hook = model.register_forward_hook(self._record_loss, with_kwargs=True)
-        self._collect = self.monitor.should_sample(state.global_step)
+        self._collect = True  # every step's loss: the Monitor's mean loss since the last sample
 
     def on_step_begin(self, args, state, control, **kwargs) -> None:
         if self.monitor is not None:
             self._losses.clear()
-            self._collect = self.monitor.should_sample(state.global_step)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs) -> None:
         if self.monitor is None:
@@ -124,7 +124,6 @@ class MonitorCallback(TrainerCallback):
             # together; any other error may be this rank's alone, so no collective on the way out.
             self.close(measure_pending=isinstance(err, TrainingHalted) or getattr(args, "world_size", 1) == 1)
             raise
-        self._collect = self.monitor.should_sample(step + 1)
 
     def on_save(self, args, state, control, **kwargs) -> None:
         if self.monitor is None or not state.is_world_process_zero:
@@ -159,7 +158,7 @@ class MonitorCallback(TrainerCallback):
     # --------------------------------------------------------------- internals
 
     def _record_loss(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
-        """Forward hook on the model: keep the loss of each training micro-batch of a sampled step."""
+        """Forward hook on the model: keep the loss of each training micro-batch (``detach``: a view)."""
         if not (self._collect and module.training and torch.is_grad_enabled()):
             return
         loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
@@ -171,6 +170,8 @@ class MonitorCallback(TrainerCallback):
         divided by the step's token count (``num_items_in_batch``), else averaged."""
         if not self._losses:
             return None
+        if len(self._losses) == 1 and not (self._losses[0][1] and self._loss_factor != 1):
+            return self._losses[0][0].reshape(())  # one micro-batch: its loss, with no kernel
         losses = torch.stack([loss.float().reshape(()) for loss, _ in self._losses])
         if all(normalised for _, normalised in self._losses):
             return losses.sum() * self._loss_factor

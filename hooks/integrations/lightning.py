@@ -75,7 +75,7 @@ class MonitorCallback(pl.Callback):
         self._loss = None
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        if self.monitor is None or not self.monitor.should_sample(trainer.global_step):
+        if self.monitor is None:  # every step's loss: the detectors read the mean loss since the last sample
             return
         value = loss.detach().float()
         scaler = getattr(trainer.precision_plugin, "scaler", None)

@@ -132,6 +132,27 @@ class HFReference(TrainerCallback):
         return [stats_from_probabilities_reference(a.double(), allowed)[0].numpy() for a in out.attentions]
 
 
+class Given(TrainerCallback):
+    """Registered after MonitorCallback: keeps every observation its Monitor's detectors are given."""
+
+    def __init__(self, callback: MonitorCallback) -> None:
+        self.callback, self.seen = callback, []
+
+    def on_train_begin(self, args, state, control, **kwargs) -> None:
+        monitor, seen = self.callback.monitor, self.seen
+        inner = monitor.detectors
+
+        class Spy:
+            def observe(self, obs):
+                seen.append(obs)
+                return inner.observe(obs)
+
+            def __getattr__(self, name):
+                return getattr(inner, name)
+
+        monitor.detectors = Spy()
+
+
 @pytest.fixture(scope="module")
 def hf_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("hf")
@@ -139,13 +160,15 @@ def hf_run(tmp_path_factory):
     memory = MemorySink()
     callback = MonitorCallback(every=2, sinks=[memory])
     reference = HFReference(model)
+    given = Given(callback)
     args = hf_args(out, report_to="tensorboard")
-    trainer = Trainer(model=model, args=args, train_dataset=token_dataset(), callbacks=[callback, reference])
+    trainer = Trainer(model=model, args=args, train_dataset=token_dataset(),
+                      callbacks=[callback, reference, given])
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no fault of the Monitor, no unarmed sampled step
         trainer.train()
     return {"out": out, "model": model, "memory": memory, "callback": callback, "ref": reference,
-            "history": trainer.state.log_history}
+            "history": trainer.state.log_history, "given": given.seen}
 
 
 def test_hf_steps_follow_the_trainers_counter(hf_run):
@@ -174,6 +197,12 @@ def test_hf_loss_is_the_loss_the_trainer_logs(hf_run):
         # the Trainer logs the loss of optimizer step t (global_step t before it) at global_step t + 1
         assert record.scalars["loss"] == pytest.approx(logged[t + 1], rel=1e-6)
     assert len({logged[t + 1] for t in records}) == len(records)  # two different losses: not a constant
+    # every step's loss reaches the Monitor: the detectors get the mean of the steps since the last sample (step
+    # 2: steps 1 and 2), the plateau detector's loss (hooks/monitor/lossmean.py)
+    means = {o.step: o.loss_mean for o in hf_run["given"] if o.loss is not None}
+    assert sorted(means) == [0, 2]
+    assert means[0] == pytest.approx(logged[1], rel=1e-6)
+    assert means[2] == pytest.approx((logged[2] + logged[3]) / 2, rel=1e-6)
 
 
 def test_hf_attention_is_from_the_first_micro_batch_of_the_sampled_step(hf_run):
@@ -461,6 +490,27 @@ def step_losses(module: LitGPT) -> dict[int, float]:
     return {t: float(np.mean(v)) for t, v in per_step.items()}
 
 
+class LitGiven(pl.Callback):
+    """Registered after the Monitor's callback: keeps every observation its Monitor's detectors are given."""
+
+    def __init__(self, callback: LitCallback) -> None:
+        self.callback, self.seen = callback, []
+
+    def on_train_start(self, trainer, pl_module):
+        monitor, seen = self.callback.monitor, self.seen
+        inner = monitor.detectors
+
+        class Spy:
+            def observe(self, obs):
+                seen.append(obs)
+                return inner.observe(obs)
+
+            def __getattr__(self, name):
+                return getattr(inner, name)
+
+        monitor.detectors = Spy()
+
+
 @pytest.fixture(scope="module")
 def lit_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("lit")
@@ -468,11 +518,12 @@ def lit_run(tmp_path_factory):
     memory = MemorySink()
     callback = LitCallback(every=2, sinks=[memory])
     reference = LitReference()
+    given = LitGiven(callback)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
-        trainer = lit_fit(root, module, [callback, reference], gradient_clip_val=0.05)
+        trainer = lit_fit(root, module, [callback, reference, given], gradient_clip_val=0.05)
     return {"root": root, "module": module, "memory": memory, "callback": callback, "ref": reference,
-            "trainer": trainer}
+            "trainer": trainer, "given": given.seen}
 
 
 def test_lightning_steps_losses_and_gradients(lit_run):
@@ -481,6 +532,10 @@ def test_lightning_steps_losses_and_gradients(lit_run):
     records = by_step(memory, "qk_sigma1/")
     assert sorted(records) == [0, 2] and sorted(by_step(memory, "update_ratio_q/")) == [0, 2]
     losses = step_losses(module)
+    # every step's loss reaches the Monitor: the detectors get the mean of the steps since the last sample (step
+    # 2: steps 1 and 2), the plateau detector's loss (hooks/monitor/lossmean.py)
+    means = {o.step: o.loss_mean for o in lit_run["given"] if o.loss is not None}
+    assert means == pytest.approx({0: losses[0], 2: (losses[1] + losses[2]) / 2}, rel=1e-6)
     for t, record in records.items():
         assert record.scalars["loss"] == pytest.approx(losses[t], rel=1e-6)
         # Lightning clips after on_before_optimizer_step: the Monitor reads the unclipped gradients
