@@ -262,16 +262,21 @@ def overhead(model, reps: int, steps: int, everys=("default", "1", "10", "100"))
 
 
 def non_sampled_cost(model, base: float) -> None:
-    monitor = Monitor(model, every=1000, sinks=[MemorySink()])
-    monitor.capture.disarm()
-    n = 20000
-    t0 = clock()
-    for step in range(1, n + 1):
-        if step % 1000:
-            monitor.step(step)
-    per_call = (clock() - t0) / n
-    monitor.close()
-    print(f"3. one non-sampled monitor.step: {per_call * 1e6:.2f} us = {per_call / base * 100:.5f}% of a step")
+    """With a loss (a scalar with a graph, as a training step's): the step keeps its ``detach()`` for the mean
+    loss since the last sample (every 64 kept losses are summed on their device); without one, for comparison."""
+    loss = torch.ones((), requires_grad=True) * 2.0
+    for given in (loss, None):
+        monitor = Monitor(model, every=1000, sinks=[MemorySink()])
+        monitor.capture.disarm()
+        n = 20000
+        t0 = clock()
+        for step in range(1, n + 1):
+            if step % 1000:
+                monitor.step(step, loss=given)
+        per_call = (clock() - t0) / n
+        monitor.close()
+        print(f"3. one non-sampled monitor.step {'with' if given is not None else 'without'} a loss: "
+              f"{per_call * 1e6:.2f} us = {per_call / base * 100:.5f}% of a step")
 
 
 def _fwd_bwd(model, ids) -> float:
