@@ -203,8 +203,11 @@ class Monitor:
         """Call once per training step, after backward and before ``optimizer.step()``."""
         if self._closed:
             return
-        if loss is not None:
-            self._guard("loss", self._loss_mean.add, loss)
+        if loss is not None:  # kept for the mean loss since the last sample: a detach, no kernel
+            try:
+                self._loss_mean.add(loss)
+            except Exception as err:  # noqa: BLE001 - the training run must go on
+                self._warn_once("loss", f"diag: keeping the loss failed at this step ({err!r}); training continues")
         weights = self._weights
         if weights.pending is not None:  # the step after an update sample: dW, elementwise, no host read
             self._guard("updates", weights.advance)

@@ -132,6 +132,21 @@ class HFReference(TrainerCallback):
         return [stats_from_probabilities_reference(a.double(), allowed)[0].numpy() for a in out.attentions]
 
 
+def spy_on(monitor, seen: list) -> None:
+    """Wrap ``monitor``'s detectors: every observation they are given is appended to ``seen``."""
+    inner = monitor.detectors
+
+    class Spy:
+        def observe(self, obs):
+            seen.append(obs)
+            return inner.observe(obs)
+
+        def __getattr__(self, name):
+            return getattr(inner, name)
+
+    monitor.detectors = Spy()
+
+
 class Given(TrainerCallback):
     """Registered after MonitorCallback: keeps every observation its Monitor's detectors are given."""
 
@@ -139,18 +154,7 @@ class Given(TrainerCallback):
         self.callback, self.seen = callback, []
 
     def on_train_begin(self, args, state, control, **kwargs) -> None:
-        monitor, seen = self.callback.monitor, self.seen
-        inner = monitor.detectors
-
-        class Spy:
-            def observe(self, obs):
-                seen.append(obs)
-                return inner.observe(obs)
-
-            def __getattr__(self, name):
-                return getattr(inner, name)
-
-        monitor.detectors = Spy()
+        spy_on(self.callback.monitor, self.seen)
 
 
 @pytest.fixture(scope="module")
@@ -497,18 +501,7 @@ class LitGiven(pl.Callback):
         self.callback, self.seen = callback, []
 
     def on_train_start(self, trainer, pl_module):
-        monitor, seen = self.callback.monitor, self.seen
-        inner = monitor.detectors
-
-        class Spy:
-            def observe(self, obs):
-                seen.append(obs)
-                return inner.observe(obs)
-
-            def __getattr__(self, name):
-                return getattr(inner, name)
-
-        monitor.detectors = Spy()
+        spy_on(self.callback.monitor, self.seen)
 
 
 @pytest.fixture(scope="module")
