@@ -103,13 +103,14 @@ class CloserLookConfig:
     established where the attention of every step has no collapse, docs/alerts.md#episodes); and attention alone
     every ``watch_every`` steps while a layer is one established head short of a malignant collapse (its next
     head's entry is seen at most ``watch_every - 1`` steps late, so a layer collapse that stays established that
-    long is counted from where it began: docs/cost.md#watching-closer)."""
+    long is counted from where it began: docs/cost.md#watching-closer; every step since issue #31's fourteenth
+    session, every 2 before)."""
 
     hold: int = 100
     early: int = 30
     early_every: int = 2
     confirm_every: int = 1
-    watch_every: int = 2
+    watch_every: int = 1
 
     def __post_init__(self) -> None:
         for name, low in (("hold", 0), ("early", 0), ("early_every", 1), ("confirm_every", 1), ("watch_every", 1)):

@@ -246,34 +246,44 @@ def test_a_short_layer_state_whose_start_fell_between_samples_is_counted_from_it
     """The fifth report set's missed collapse, rebuilt: head 0 established early, head 1 enters at step 134 and
     the layer's state ends at 148, 3 steps after the ground truth establishes it (145). At the default cadence,
     close samples every 10 steps would first show head 1 at 140, so the dwell counted from there ends after the
-    state; watching the layer every ``watch_every`` (2) steps shows it at 134 and the critical record comes at
-    144, before the state ends. Replayed as the evaluation replays (evaluation.detectors.at_default_cadence)."""
+    state; watching the layer every ``watch_every`` steps shows it at 134 and the critical record comes at 144,
+    before the state ends. The tenth report set's miss, rebuilt the same way: head 1 enters at an odd step (135)
+    and the layer's state ends one step after it is established (146): watched every 2 steps (the default until
+    issue #31's fourteenth session) head 1 is first seen at 136 and the dwell counted from there ends after the
+    state; watched every step (the default) the record comes at 145. Replayed as the evaluation replays
+    (evaluation.detectors.at_default_cadence)."""
     import functools
 
     from evaluation import detectors as evaluate_detectors
     from hooks.monitor.cadence import CloserLook, CloserLookConfig
 
-    def head1(s):
-        return 134 <= s < 148
+    def script(enter, leave):
+        def head1(s):
+            return enter <= s < leave
+        return [Observation(s, 3.0, {"L00": attn([0.1, 0.1 if head1(s) else 2.0],
+                                                 [2.0, 2.0 if head1(s) else 40.0])}) for s in range(0, 200)]
 
-    script = [Observation(s, 3.0, {"L00": attn([0.1, 0.1 if head1(s) else 2.0], [2.0, 2.0 if head1(s) else 40.0])})
-              for s in range(0, 200)]
-    truth = [(e.where, e.since, e.opened, e.until) for e in episodes_of(script, StatesConfig())
-             if e.state == "malignant" and "/" not in e.where]
-    assert truth == [("L00", 134, 144, 148)]
+    def truth(steps):
+        return [(e.where, e.since, e.opened, e.until) for e in episodes_of(steps, StatesConfig())
+                if e.state == "malignant" and "/" not in e.where]
 
-    def critical(watch_every):
+    def critical(steps, watch_every):
         original = evaluate_detectors.CloserLook
         evaluate_detectors.CloserLook = functools.partial(CloserLook, watch_every=watch_every)
         try:
             det = Detectors(AlertConfig())
-            alerts = [a for _, out in evaluate_detectors.at_default_cadence(script, det) for a in out]
+            alerts = [a for _, out in evaluate_detectors.at_default_cadence(steps, det) for a in out]
         finally:
             evaluate_detectors.CloserLook = original
         return [(a.step, a.since) for a in alerts if a.level == "critical" and a.status == "firing"]
 
-    assert critical(CloserLookConfig.watch_every) == [(144, 134)] and CloserLookConfig.watch_every == 2
-    assert critical(10) == []  # no watch: first seen at 140, and the state is over at 148
+    assert CloserLookConfig.watch_every == 1
+    fifth, tenth = script(134, 148), script(135, 146)
+    assert truth(fifth) == [("L00", 134, 144, 148)] and truth(tenth) == [("L00", 135, 145, 146)]
+    assert critical(fifth, CloserLookConfig.watch_every) == critical(fifth, 2) == [(144, 134)]
+    assert critical(fifth, 10) == []  # no watch: first seen at 140, and the state is over at 148
+    assert critical(tenth, CloserLookConfig.watch_every) == [(145, 135)]
+    assert critical(tenth, 2) == []  # first seen at 136: the dwell counted from there ends at 146, with the state
 
 
 def test_a_head_between_the_malignant_lines_is_noted_from_the_first_sample_of_its_stay():

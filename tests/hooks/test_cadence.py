@@ -262,9 +262,11 @@ def test_a_malignant_state_being_confirmed_is_sampled_every_step_by_the_monitor(
 def test_closer_look_watches_a_short_layer_with_attention_alone_every_watch_every_steps():
     """While the detectors watch a layer (one head short of a collapse), attention alone (not the spectra) is
     sampled every ``watch_every`` steps, renewed one period at a time at each judged step, over any look the
-    detectors asked for; off when ``watch_every`` is not shorter than the look's period."""
-    look = CloserLook(resolve_cadence(None, None, ("spectra", "attention")), hold=30, early=0)
-    assert look.watch_every == CloserLookConfig.watch_every == 2
+    detectors asked for; off when ``watch_every`` is not shorter than the look's period. Every step by default,
+    shown here every 2 steps (the default until issue #31's fourteenth session)."""
+    assert CloserLook(resolve_cadence(None, None, ("spectra", "attention")), hold=30, early=0).watch_every == 1
+    assert CloserLookConfig.watch_every == 1
+    look = CloserLook(resolve_cadence(None, None, ("spectra", "attention")), hold=30, early=0, watch_every=2)
     assert look.watch(40, "L00 is one head short of a malignant collapse")  # a watch starts
     assert look.until == look.watch_until == 50
     assert [(s, sorted(look.adds(s))) for s in range(41, 56) if look.adds(s)] == [
@@ -306,14 +308,17 @@ class _Watching:
 
 def test_the_monitor_samples_attention_every_watch_every_steps_while_a_layer_is_watched():
     """A layer watched while the detectors judge steps 40-60: the Monitor samples attention (and nothing else)
-    at every second step from 42 to 70 (the watch renewed one 10-step period at each judged step), arming the
-    capture the step before, with the very values of every=1; the spectra keep their 20 steps."""
-    sink, _ = train(81, wrap=lambda detectors: _Watching(detectors, range(40, 61)),
-                    closer_look=CloserLookConfig(hold=30, early=0))
-    seen = steps_by_family(sink)
-    assert seen["attention"] == {0, 50} | set(range(42, 71, 2))
-    assert seen["spectra"] == set(range(0, 81, 20)) and seen["loss"] == set(range(0, 81, 10))
-    assert_values_of(sink, train(81, every=1)[0])
+    at every step from 41 to 70 (every second step with ``watch_every=2``; the watch renewed one 10-step period at
+    each judged step), arming the capture the step before, with the very values of every=1; the spectra keep
+    their 20 steps."""
+    reference = train(81, every=1)[0]
+    for watch_every, watched in ((CloserLookConfig.watch_every, range(41, 71)), (2, range(42, 71, 2))):
+        sink, _ = train(81, wrap=lambda detectors: _Watching(detectors, range(40, 61)),
+                        closer_look=CloserLookConfig(hold=30, early=0, watch_every=watch_every))
+        seen = steps_by_family(sink)
+        assert seen["attention"] == {0, 50} | set(watched)
+        assert seen["spectra"] == set(range(0, 81, 20)) and seen["loss"] == set(range(0, 81, 10))
+        assert_values_of(sink, reference)
 
 
 class Spy:
