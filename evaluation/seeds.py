@@ -79,6 +79,10 @@ REPORT9_SEEDS = range(190, 200)
 # since the last loss sample; eureka_depth 0.385), chosen on the tuning and the third to ninth report sets; the
 # ninth's parts, fresh seeds
 REPORT10_SEEDS = range(200, 210)
+# issue #31's fourteenth session: the detectors of the tenth set with the closer look's watch of a layer one head
+# short of a collapse at every step (watch_every 1, was 2), chosen on the tuning and the third to tenth report
+# sets; the tenth's parts, fresh seeds
+REPORT11_SEEDS = range(210, 220)
 
 LM_LRS = (2e-3, 3e-3, 5e-3, 7e-3, 1e-2)  # no warmup; 5e-3 is the boundary: about half the runs collapse
 BOUNDARY_LR = 5e-3
@@ -175,6 +179,8 @@ SETS: dict[str, list[RunSpec]] = {
     "report9": _report(REPORT9_SEEDS, away=5, twins=2, other=2, vit=2, eureka=10, normsoftmax=2, hf_seeds=2,
                        hf_twins=True, families=HF_FAMILIES6),
     "report10": _report(REPORT10_SEEDS, away=5, twins=2, other=2, vit=2, eureka=10, normsoftmax=2, hf_seeds=2,
+                        hf_twins=True, families=HF_FAMILIES6),
+    "report11": _report(REPORT11_SEEDS, away=5, twins=2, other=2, vit=2, eureka=10, normsoftmax=2, hf_seeds=2,
                         hf_twins=True, families=HF_FAMILIES6),
 }
 
