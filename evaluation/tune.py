@@ -12,6 +12,8 @@ The choices, each printed as a table of every value tried (``--only depth``: the
   none meets both, the most collapses warned minus two for each false warning. Ties go to the higher value and
   then to more samples (fewer warnings). (Until issue #31's eighth session the score alone chose: it tied 0.2 at
   3 samples, which meets both goals on the tuning, third and fourth report sets, with 0.4, which warns 89%.)
+  Each run is replayed once per ``watch_risk`` and every pair read off that replay (:func:`risk_sequence`,
+  exact: tests/detectors/test_risk.py); 1 to 5 samples since issue #31's fourteenth session (1 to 3 before).
 * ``plateau_qk_motion``, how little the query/key product may move per unit of its updates on a plateau: every
   softmax Eureka plateau of the tuning set flagged before its accuracy jump at every cadence, minus two for each
   plateau alert on a healthy run (the design set's: the tuning set has none) that the NormSoftmax twin test does
@@ -33,13 +35,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from diag.detectors import AlertConfig
+from diag.detectors import AlertConfig, Detectors, Observation
+from diag.detectors.risk import CollapseRisk, RiskModel
 from evaluation import detectors as judge
 from evaluation.seeds import BOUNDARY_LR, SETS
-from evaluation.truth import Run, load_runs
+from evaluation.truth import Run, collapse_onset, load_runs
 
 WARN_RISK = (0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5)
-WARN_SAMPLES = (1, 2, 3)
+WARN_SAMPLES = (1, 2, 3, 4, 5)
 QK_MOTION = (0.06, 0.08, 0.1, 0.12, 0.15, 0.2, 0.25, 0.3, 0.4, 0.6, float("inf"))
 MAX_GROWTH = (1.2, 1.3, 1.35, 1.5, 2.0, float("inf"))
 MIN_FRAC = (0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.55)
@@ -63,15 +66,63 @@ def warn_score(rows: list[dict]) -> tuple[tuple, int, int, int, int]:
     return key, caught, collapses, false, negatives
 
 
+NEVER = 10**9  # warn_samples of the replay the warnings are read off: no warning ever opens in it
+
+
+def risk_sequence(obs: list[Observation], losses: list[float] | None, watch_risk: float,
+                  model: RiskModel | None = None) -> list[tuple[int, str, float, bool]]:
+    """Every (step, layer, collapse_risk, the layer collapsed) the risk judged, replayed at the default cadence
+    with ``watch_risk`` and no warning ever opening. A warning's first firing at any ``warn_risk`` and
+    ``warn_samples`` with the same ``watch_risk`` reads off it exactly (:func:`first_warning`): until that
+    warning fires no warning is open in either replay, so the closer look samples the same steps in both."""
+    det = Detectors(AlertConfig(watch_risk=watch_risk, warn_samples=NEVER))
+    risk = next(d for d in det.detectors if isinstance(d, CollapseRisk))
+    if model is not None:
+        risk.model = model
+    out = []
+    for o, _ in judge.at_default_cadence(obs, det, losses):
+        out += [(o.step, label, p, label not in risk.fresh) for label, (step, p) in risk.risk.items()
+                if step == o.step]
+    return out
+
+
+def first_warning(sequence: list[tuple[int, str, float, bool]], value: float, samples: int,
+                  clear: float = AlertConfig().risk.risk_clear) -> int | None:
+    """The step ``collapse_warning`` first fires (``CollapseRisk._judge`` and ``Episodes.update``): a layer's
+    risk at ``value`` or more, the layer not collapsed, at ``samples`` of its judged samples in a row; a sample
+    under ``clear`` (``risk_clear``) or of a collapsed layer starts the count again, one between the two lines
+    leaves it as it is."""
+    row: dict[str, int] = {}
+    for step, label, p, collapsed in sequence:
+        if collapsed or p < clear:
+            row[label] = 0
+        elif p >= value:
+            row[label] = row.get(label, 0) + 1
+            if row[label] >= samples:
+                return step
+    return None
+
+
 def tune_warn(runs: list[Run]) -> tuple[tuple[float, int], list[str]]:
-    collapse = [r for r in runs if r.spec.task in ("lm", "vit") and r.spec.steps <= 400]
+    """Every ``warn_risk`` x ``warn_samples`` on the collapse runs away from the boundary, each run replayed once
+    per ``watch_risk`` (``min(warn_risk, 0.2)``) and every pair read off that replay (:func:`risk_sequence`)."""
+    away = [r for r in runs if r.spec.task in ("lm", "vit") and r.spec.steps <= 400 and r.spec.lr != BOUNDARY_LR]
+    onsets = {r.name: collapse_onset(r) for r in away}
+    sequences = {w: {r.name: risk_sequence(r.obs, r.losses, w) for r in away}
+                 for w in sorted({min(v, 0.2) for v in WARN_RISK})}
     table = ["| warn_risk | warn_samples | collapses warned >= 5 steps ahead | false warnings | meets both goals | "
              "score (warned - 2 x false) |", "|---|---|---|---|---|---|"]
     best = None
     for value in WARN_RISK:
         for samples in WARN_SAMPLES:
-            cfg = AlertConfig(warn_risk=value, watch_risk=min(value, 0.2), warn_samples=samples)
-            key, caught, collapses, false, negatives = warn_score(judge.rows_of(collapse, cfg, ("default",)))
+            rows = []
+            for r in away:
+                onset, warning = onsets[r.name], first_warning(sequences[min(value, 0.2)][r.name], value, samples)
+                rows.append({"kind": "collapse", "lr": r.spec.lr, "onset": onset,
+                             "warned": onset is not None and warning is not None and warning < onset,
+                             "lead": None if onset is None or warning is None else onset - warning,
+                             "false_warning": onset is None and warning is not None})
+            key, caught, collapses, false, negatives = warn_score(rows)
             table.append(f"| {value:g} | {samples} | {caught} of {collapses} | {false} of {negatives} | "
                          f"{'yes' if key[0] else 'no'} | {caught - 2 * false} |")
             if best is None or key >= best[0]:

@@ -394,3 +394,38 @@ def test_a_layer_at_risk_is_confirmed_for_a_head_between_the_lines_at_most_three
     assert risk.band == {"L00": [40, 80, 120]} and not [a for a in alerts if a.level == "critical"]
     assert set(range(40, 61)) | set(range(80, 101)) | set(range(120, 141)) <= set(seen)
     assert [s for s in seen if s > 140 and s % 10] == []  # then the closer look's 10 steps, 6 stays later
+
+
+def test_the_tuning_reads_every_warning_threshold_off_one_replay_exactly():
+    """evaluation.tune replays a run once per ``watch_risk`` with no warning ever opening and reads the first
+    ``collapse_warning`` of every ``warn_risk`` x ``warn_samples`` off the risks it judged: the same step as the
+    detectors' own replay with that pair (an open warning keeps the closer look on, so a replay whose warning
+    opened earlier would sample other steps: none opens in the one read)."""
+    from evaluation import detectors as evaluate_detectors
+    from evaluation.tune import first_warning, risk_sequence
+
+    def att(s):  # a layer drifting in and out of focus, its heads collapsing for a while at 150-180
+        if 150 <= s < 180:
+            return 0.1, 2.0
+        e = 0.55 + 0.45 * math.sin(s / 9.0) * math.cos(s / 23.0)
+        return 4.0 * e, 60.0
+
+    script = []
+    for s in range(300):
+        e, r = att(s)
+        m = sample([1.0, 1.0], [0.3, 0.3], [e, e], [r, r], [2.0, 2.0], rows=64.0, keys=4.0)
+        script.append(Observation(s, 3.0, {"L00": m}))
+    firsts = set()
+    for watch in (0.1, 0.2):
+        sequence = risk_sequence(script, None, watch, toy_model())
+        for value, samples in ((0.1, 1), (0.2, 1), (0.2, 3), (0.3, 2), (0.5, 2), (0.6, 4), (0.99, 1)):
+            det = Detectors(AlertConfig(warn_risk=value, watch_risk=min(value, watch), warn_samples=samples))
+            risk = next(d for d in det.detectors if isinstance(d, CollapseRisk))
+            risk.model = toy_model()
+            alerts = [a for _, out in evaluate_detectors.at_default_cadence(script, det) for a in out]
+            fired = min((a.step for a in alerts if a.kind == "collapse_warning" and a.status == "firing"),
+                        default=None)
+            if value >= watch:
+                assert first_warning(sequence, value, samples) == fired, (watch, value, samples)
+                firsts.add(fired)
+    assert len(firsts) >= 4 and None in firsts  # the pairs differ: the test can tell them apart
