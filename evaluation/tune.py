@@ -14,6 +14,11 @@ The choices, each printed as a table of every value tried (``--only depth``: the
   3 samples, which meets both goals on the tuning, third and fourth report sets, with 0.4, which warns 89%.)
   Each run is replayed once per ``watch_risk`` and every pair read off that replay (:func:`risk_sequence`,
   exact: tests/detectors/test_risk.py); 1 to 5 samples since issue #31's fourteenth session (1 to 3 before).
+  Given several sets, the pair that meets both goals on the most of them taken one at a time comes first (the
+  goals are judged on one report set of 16-19 collapses and 18-22 runs without one: one miss or two false
+  warnings fail it), then the score above on all of them together (issue #31's fourteenth session: pooled over
+  the tuning and third to tenth sets the score alone picks 0.2 at 5 samples, 143 of 150 and 8 of 170, which
+  meets both goals on 2 of the 9 sets; 0.2 at 3 samples, 149 of 150 and 11 of 170, meets them on 4, the most).
 * ``plateau_qk_motion``, how little the query/key product may move per unit of its updates on a plateau: every
   softmax Eureka plateau of the tuning set flagged before its accuracy jump at every cadence, minus two for each
   plateau alert on a healthy run (the design set's: the tuning set has none) that the NormSoftmax twin test does
@@ -38,7 +43,7 @@ from pathlib import Path
 from diag.detectors import AlertConfig, Detectors, Observation
 from diag.detectors.risk import CollapseRisk, RiskModel
 from evaluation import detectors as judge
-from evaluation.seeds import BOUNDARY_LR, SETS
+from evaluation.seeds import BOUNDARY_LR, SETS, set_of
 from evaluation.truth import Run, collapse_onset, load_runs
 
 WARN_RISK = (0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5)
@@ -110,23 +115,37 @@ def tune_warn(runs: list[Run]) -> tuple[tuple[float, int], list[str]]:
     onsets = {r.name: collapse_onset(r) for r in away}
     sequences = {w: {r.name: risk_sequence(r.obs, r.losses, w) for r in away}
                  for w in sorted({min(v, 0.2) for v in WARN_RISK})}
-    table = ["| warn_risk | warn_samples | collapses warned >= 5 steps ahead | false warnings | meets both goals | "
-             "score (warned - 2 x false) |", "|---|---|---|---|---|---|"]
-    best = None
+    sets = {r.name: set_of(r.spec) for r in away}
+    by_pair = {}
     for value in WARN_RISK:
         for samples in WARN_SAMPLES:
             rows = []
             for r in away:
                 onset, warning = onsets[r.name], first_warning(sequences[min(value, 0.2)][r.name], value, samples)
-                rows.append({"kind": "collapse", "lr": r.spec.lr, "onset": onset,
+                rows.append({"kind": "collapse", "lr": r.spec.lr, "onset": onset, "set": sets[r.name],
                              "warned": onset is not None and warning is not None and warning < onset,
                              "lead": None if onset is None or warning is None else onset - warning,
                              "false_warning": onset is None and warning is not None})
-            key, caught, collapses, false, negatives = warn_score(rows)
-            table.append(f"| {value:g} | {samples} | {caught} of {collapses} | {false} of {negatives} | "
-                         f"{'yes' if key[0] else 'no'} | {caught - 2 * false} |")
-            if best is None or key >= best[0]:
-                best = (key, (value, samples))
+            by_pair[value, samples] = rows
+    return choose_warn(by_pair)
+
+
+def choose_warn(by_pair: dict[tuple[float, int], list[dict]]) -> tuple[tuple[float, int], list[str]]:
+    """The (warn_risk, warn_samples) whose rows (each with its ``set``) meet both goals on the most sets taken
+    one at a time, then the best :func:`warn_score` over all of them; ties to the later pair (higher value, more
+    samples). With the table of every pair."""
+    names = sorted({row["set"] for rows in by_pair.values() for row in rows})
+    table = ["| warn_risk | warn_samples | collapses warned >= 5 steps ahead | false warnings | meets both goals | "
+             f"sets meeting both, one at a time (of {len(names)}) | score (warned - 2 x false) |",
+             "|---|---|---|---|---|---|---|"]
+    best = None
+    for (value, samples), rows in by_pair.items():
+        key, caught, collapses, false, negatives = warn_score(rows)
+        each = sum(warn_score([row for row in rows if row["set"] == name])[0][0] for name in names)
+        table.append(f"| {value:g} | {samples} | {caught} of {collapses} | {false} of {negatives} | "
+                     f"{'yes' if key[0] else 'no'} | {each} | {caught - 2 * false} |")
+        if best is None or (each, key) >= best[0]:
+            best = ((each, key), (value, samples))
     return best[1], table
 
 

@@ -262,6 +262,28 @@ def test_the_warning_threshold_that_meets_both_goals_beats_a_quieter_one_with_th
     assert boundary[1:] == (0, 0, 0, 0)  # the boundary's runs are not scored
 
 
+def test_the_warning_threshold_that_meets_both_goals_on_more_sets_one_at_a_time_comes_first():
+    """Pooled, the quieter pair meets both goals (95% warned, 4.5% false) and the other misses the second (100%,
+    13.6%); set by set the quieter one meets both on one of four sets (a miss in 10 collapses or a false warning
+    in 11 fails a set) and the other on two: the goals are judged on one set, so that one is chosen."""
+    from evaluation.tune import choose_warn
+
+    def rows(name: str, caught: int, missed: int, false: int, quiet: int) -> list[dict]:
+        row = {"kind": "collapse", "lr": 1e-2, "set": name}
+        return ([{**row, "onset": 100, "warned": True, "lead": 20, "false_warning": False}] * caught
+                + [{**row, "onset": 100, "warned": False, "lead": None, "false_warning": False}] * missed
+                + [{**row, "onset": None, "warned": False, "lead": None, "false_warning": True}] * false
+                + [{**row, "onset": None, "warned": False, "lead": None, "false_warning": False}] * quiet)
+
+    quiet = rows("a", 9, 1, 1, 10) + rows("b", 10, 0, 0, 11) + rows("c", 9, 1, 0, 11) + rows("d", 10, 0, 1, 10)
+    eager = rows("a", 10, 0, 0, 11) + rows("b", 10, 0, 3, 8) + rows("c", 10, 0, 3, 8) + rows("d", 10, 0, 0, 11)
+    pair, table = choose_warn({(0.2, 3): eager, (0.2, 5): quiet})
+    assert table[2:] == ["| 0.2 | 3 | 40 of 40 | 6 of 44 | no | 2 | 28 |",
+                         "| 0.2 | 5 | 38 of 40 | 2 of 44 | yes | 1 | 34 |"]
+    assert pair == (0.2, 3)
+    assert choose_warn({(0.2, 3): rows("a", 10, 0, 3, 8), (0.2, 5): rows("a", 10, 0, 0, 11)})[0] == (0.2, 5)
+
+
 def test_a_plateau_alert_at_the_context_free_loss_is_not_scored_false_when_tuning():
     from evaluation.tune import plateau_score
 
