@@ -11,7 +11,7 @@ family, so step 0, 100, 200, ... sample all of them and the tags of each family
 carry the steps it was sampled at. :class:`CloserLook` adds attention and the
 spectra at the 10-step steps while the detectors ask for them (a head's sigma_1
 grows fast, a collapse is being confirmed, the first updates are large), and
-attention alone every 2 steps while a layer is one head short of a collapse.
+attention alone at every step (``watch_every``) while a layer is one head short of a collapse.
 
 ``Monitor(every=N)`` keeps its old meaning: every family every N steps.
 ``Monitor(cadence={"attention": 50})`` changes the named periods only.
