@@ -42,6 +42,7 @@ import argparse
 from pathlib import Path
 
 from diag.detectors import AlertConfig, Detectors, Observation
+from diag.detectors.episodes import Dwell, Episodes, Opened
 from diag.detectors.risk import CollapseRisk, RiskModel
 from evaluation import detectors as judge
 from evaluation.seeds import BOUNDARY_LR, SETS, set_of
@@ -94,18 +95,13 @@ def risk_sequence(obs: list[Observation], losses: list[float] | None, watch_risk
 
 def first_warning(sequence: list[tuple[int, str, float, bool]], value: float, samples: int,
                   clear: float = AlertConfig().risk.risk_clear) -> int | None:
-    """The step ``collapse_warning`` first fires (``CollapseRisk._judge`` and ``Episodes.update``): a layer's
-    risk at ``value`` or more, the layer not collapsed, at ``samples`` of its judged samples in a row; a sample
-    under ``clear`` (``risk_clear``) or of a collapsed layer starts the count again, one between the two lines
-    leaves it as it is."""
-    row: dict[str, int] = {}
+    """The step ``collapse_warning`` first fires, judged as ``CollapseRisk._judge`` judges it (its episodes, fed
+    the same tests): a layer's risk at ``value`` or more, the layer not collapsed, at ``samples`` of its judged
+    samples in a row; a sample under ``clear`` (``risk_clear``) or of a collapsed layer ends the count."""
+    episodes = Episodes(Dwell(samples, 0), Dwell(2, 0))
     for step, label, p, collapsed in sequence:
-        if collapsed or p < clear:
-            row[label] = 0
-        elif p >= value:
-            row[label] = row.get(label, 0) + 1
-            if row[label] >= samples:
-                return step
+        if isinstance(episodes.update(label, step, p >= value and not collapsed, p < clear or collapsed), Opened):
+            return step
     return None
 
 

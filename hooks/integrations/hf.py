@@ -80,7 +80,6 @@ class MonitorCallback(TrainerCallback):
         self.monitor: Monitor | None = None
         self._loss_hook: torch.utils.hooks.RemovableHandle | None = None
         self._losses: list[tuple[Tensor, bool]] = []  # (micro-batch loss, normalised by the step's token count)
-        self._collect = False
         self._loss_factor = 1.0
         self._device: torch.device | str | None = None
 
@@ -104,7 +103,6 @@ class MonitorCallback(TrainerCallback):
         self._loss_factor = args.world_size if getattr(args, "average_tokens_across_devices", False) else 1
         self._device = args.device
         self._loss_hook = model.register_forward_hook(self._record_loss, with_kwargs=True)
-        self._collect = True  # every step's loss: the Monitor's mean loss since the last sample
 
     def on_step_begin(self, args, state, control, **kwargs) -> None:
         if self.monitor is not None:
@@ -159,7 +157,7 @@ class MonitorCallback(TrainerCallback):
 
     def _record_loss(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
         """Forward hook on the model: keep the loss of each training micro-batch (``detach``: a view)."""
-        if not (self._collect and module.training and torch.is_grad_enabled()):
+        if not (module.training and torch.is_grad_enabled()):
             return
         loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
         if isinstance(loss, Tensor) and loss.numel() == 1:
