@@ -187,7 +187,7 @@ CASES: dict[str, Callable[[], Case]] = {
 }
 
 
-# ---------------------------------------------------------------- more families (tests/layouts/test_families.py)
+# ---------------------------------------------------------------- more families (tests/hooks/layout/test_families.py)
 
 HF_SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
 

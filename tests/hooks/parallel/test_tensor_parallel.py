@@ -1,7 +1,7 @@
 """Tensor parallelism (alone, with sequence parallelism, beside FSDP2) and HSDP on CPU (gloo, torchrun) give one
 process's numbers, with each rank computing only the heads it holds.
 
-tests/integration/tp_worker.py trains the same tiny LLaMA (4 query heads, 2 key/value heads: each of the 2
+tests/hooks/parallel/tp_worker.py trains the same tiny LLaMA (4 query heads, 2 key/value heads: each of the 2
 tensor-parallel ranks holds 2 query heads and 1 key/value head) on the same global batches; rank 0's
 ``metrics.jsonl`` must equal the one-process run's, tag for tag (global head numbers), every value to rtol 1e-5:
 spectra, gradient norms, update ratios, attention statistics and, with ``SpectralStepLimit``, its scales. The
@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 WORKER = Path(__file__).with_name("tp_worker.py")
-ROOT = WORKER.parents[2]
+ROOT = WORKER.parents[3]
 STEPS, EVERY, LAYERS = 7, 3, 2  # sampled: 0, 3, 6; update ratios measured at 1, 4 and at close (7)
 E, H, G, D = 32, 4, 2, 8  # d_model, query heads, key/value heads, head size (both models)
 SAMPLED, AFTER = {0, 3, 6}, {1, 4, 7}

@@ -1,8 +1,8 @@
-"""One training run of a tiny nanoGPT with the Monitor, for tests/integration/test_distributed.py.
+"""One training run of a tiny nanoGPT with the Monitor, for tests/hooks/parallel/test_distributed.py.
 
-    python tests/integration/dist_worker.py single OUT                              # one process, the whole batch
-    torchrun --standalone --nproc_per_node 2 tests/integration/dist_worker.py ddp OUT
-    torchrun --standalone --nproc_per_node 2 tests/integration/dist_worker.py fsdp OUT
+    python tests/hooks/parallel/dist_worker.py single OUT                              # one process, the whole batch
+    torchrun --standalone --nproc_per_node 2 tests/hooks/parallel/dist_worker.py ddp OUT
+    torchrun --standalone --nproc_per_node 2 tests/hooks/parallel/dist_worker.py fsdp OUT
 
 Every step draws a global batch of 4 sequences from a generator seeded by the step;
 rank r of a 2-process job trains on sequences 2r and 2r+1. The loss is the mean over

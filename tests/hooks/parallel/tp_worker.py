@@ -1,11 +1,11 @@
 """One training run under tensor parallelism (and FSDP2, HSDP) with the Monitor, for test_tensor_parallel.py.
 
-    python tests/integration/tp_worker.py single-llama OUT          # one process: the reference of tp
-    python tests/integration/tp_worker.py single-titan OUT          # one process: the reference of the rest
-    torchrun --standalone --nproc_per_node 2 tests/integration/tp_worker.py tp OUT
-    torchrun --standalone --nproc_per_node 2 tests/integration/tp_worker.py tp-sp OUT
-    torchrun --standalone --nproc_per_node 4 tests/integration/tp_worker.py tp-fsdp OUT
-    torchrun --standalone --nproc_per_node 4 tests/integration/tp_worker.py hsdp OUT
+    python tests/hooks/parallel/tp_worker.py single-llama OUT          # one process: the reference of tp
+    python tests/hooks/parallel/tp_worker.py single-titan OUT          # one process: the reference of the rest
+    torchrun --standalone --nproc_per_node 2 tests/hooks/parallel/tp_worker.py tp OUT
+    torchrun --standalone --nproc_per_node 2 tests/hooks/parallel/tp_worker.py tp-sp OUT
+    torchrun --standalone --nproc_per_node 4 tests/hooks/parallel/tp_worker.py tp-fsdp OUT
+    torchrun --standalone --nproc_per_node 4 tests/hooks/parallel/tp_worker.py hsdp OUT
 
 * ``tp``: a Hugging Face LLaMA (GQA 4/2, SDPA) with ``parallelize_module``: ColwiseParallel on q/k/v and the
   MLP's gate/up, RowwiseParallel on o and down (the issue's user), on a (2,) mesh;

@@ -1,6 +1,6 @@
 """Which heads a tensor-parallel rank holds and which of them it computes (hooks/layout/blocks.py,
 hooks/monitor/tensorparallel.py); the placements themselves are exercised under torchrun in
-tests/integration/test_tensor_parallel.py."""
+tests/hooks/parallel/test_tensor_parallel.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """DDP and FSDP2 on CPU (gloo, 2 processes via torchrun) give the single process's numbers.
 
-tests/integration/dist_worker.py trains the same tiny nanoGPT on the same global batches in
+tests/hooks/parallel/dist_worker.py trains the same tiny nanoGPT on the same global batches in
 three ways; rank 0's metrics.jsonl must equal the single process's within float
 tolerance, tag for tag, except the loss (each rank logs the loss it passes: its
 own half of the batch); the update ratios of W_O (``c_proj``, sharded unevenly like
@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 WORKER = Path(__file__).with_name("dist_worker.py")
-ROOT = WORKER.parents[2]
+ROOT = WORKER.parents[3]
 EVERY, STEPS, LAYERS = 3, 7, 2  # sampled: 0, 3, 6; update ratios measured at 1, 4 and at close
 GLOBAL = ("qk_", "grad_", "update_")  # the same on every rank: weights, reduced gradients, updates
 
