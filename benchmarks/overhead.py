@@ -46,8 +46,8 @@ import torch
 from diag.layouts.vocab import split_qkv
 from diag.math.spectral import qk_singular_values, qk_singular_values_reference
 from diag.outputs.sinks import MemorySink
-from hooks import SIGNALS, Monitor
 from hooks.layout.discover import discover
+from hooks.monitor.monitor import SIGNALS, Monitor
 
 # layers, heads, d_model; "4x256" is the small GPT-2 of issue 19
 SHAPES = {"small": (12, 12, 768), "4x256": (4, 8, 256), "medium": (24, 16, 1024), "tiny": (2, 4, 64)}

@@ -37,7 +37,7 @@ from diag.detectors.base import Alert, Observation
 from diag.detectors.config import StatesConfig
 from diag.detectors.episodes import Closed, Dwell, Episodes, Opened, Recurrence
 
-__all__ = ["AttentionStates", "STATES", "StateEpisode", "attention_state", "episodes_of", "head_key", "lines"]
+__all__ = ["AttentionStates", "STATES", "StateEpisode", "episodes_of", "head_key", "lines"]
 
 STATES = ("malignant", "benign", "uniform")
 KINDS = {"malignant": "malignant_collapse", "benign": "benign_collapse", "uniform": "uniform_attention"}
@@ -64,15 +64,6 @@ def head_key(label: str, h: int, n_heads: int) -> str:
 def lines(rows: float, cfg: StatesConfig) -> tuple[float, float]:
     """(sparse entropy line in nats, low-rank line) for attention over ``rows`` rows."""
     return cfg.sparse_entropy, 1.0 + cfg.low_rank_frac * max(rows - 1.0, 0.0)
-
-
-def attention_state(entropy: float, rank: float, rows: float, cfg: StatesConfig,
-                    uniform_entropy: float = math.inf) -> str:
-    """One sample's state by the entry lines: 'malignant', 'benign', 'uniform' or 'normal'."""
-    sparse_line, rank_line = lines(rows, cfg)
-    if entropy <= sparse_line:
-        return "malignant" if rank <= rank_line else "benign"
-    return "uniform" if rank <= rank_line and entropy >= cfg.uniform_frac * uniform_entropy else "normal"
 
 
 def tests(state: str, e: float, r: float, rows: float, u: float, cfg: StatesConfig) -> tuple[bool, bool]:
@@ -203,11 +194,6 @@ class AttentionStates:
         # head key -> the first sample of its stay between the malignant entry and exit lines (neither in a
         # malignant episode nor a candidate): the collapse risk confirms the layer when a head comes there
         self.between: dict[str, int] = {}
-
-    @property
-    def malignant(self) -> Episodes:
-        """The heads' malignant episodes (the collapse risk stops warning a head or layer already collapsed)."""
-        return self.machine.heads["malignant"]
 
     def wants_attention(self) -> str | None:
         """A head in a malignant state not yet established: the next close sample confirms or clears it (at the

@@ -267,7 +267,7 @@ def test_failing_callback_does_not_propagate(tmp_path):
 def test_monitor_raises_nonfinite_alert_once_per_episode(caplog):
     import torch
 
-    from hooks import Monitor
+    from hooks.monitor.monitor import Monitor
     from tests.support import zoo
 
     case = zoo.nanogpt()
@@ -292,7 +292,7 @@ def test_monitor_raises_nonfinite_alert_once_per_episode(caplog):
 def test_skipped_step_numbers_warn_that_attention_was_not_captured():
     import torch
 
-    from hooks import Monitor
+    from hooks.monitor.monitor import Monitor
     from tests.support import zoo
 
     case = zoo.nanogpt()

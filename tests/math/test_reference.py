@@ -23,7 +23,7 @@ import torch
 
 from diag.math.attention import stats_from_probabilities_reference
 from diag.outputs.sinks import MemorySink
-from hooks import Monitor
+from hooks.monitor.monitor import Monitor
 from tests.support import zoo
 from tests.support.references import attention_modules, hand_sliced
 

@@ -21,9 +21,9 @@ from diag.layouts.infer import fused_layouts
 from diag.layouts.vocab import QKVLayout, split_qkv
 from diag.offline.series import analyze_checkpoints
 from diag.outputs.sinks import MemorySink
-from hooks import Monitor
 from hooks.checkpoint.search import ModelLayouts
 from hooks.checkpoint.verdicts import verdicts
+from hooks.monitor.monitor import Monitor
 from tests.support import zoo
 
 H, D, E = 4, 8, 32

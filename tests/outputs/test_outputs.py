@@ -31,7 +31,7 @@ from diag.errors import ConfigError, SinkError, SpecError
 from diag.layouts.adapters import ADAPTERS
 from diag.layouts.vocab import QKVLayout
 from diag.outputs.sinks import MemorySink, Record
-from hooks import Monitor
+from hooks.monitor.monitor import Monitor
 from tests.support import zoo
 
 # ------------------------------------------------------------------ helpers

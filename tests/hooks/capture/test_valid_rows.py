@@ -17,7 +17,7 @@ import torch
 
 from diag.math.attention import stats_from_logits, stats_from_probabilities_reference, valid_query_rows
 from diag.outputs.sinks import MemorySink
-from hooks import Monitor
+from hooks.monitor.monitor import Monitor
 from tests.support import zoo
 
 N, RANK_ROWS, REL = 2, 5, 1e-4

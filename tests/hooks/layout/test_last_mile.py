@@ -25,8 +25,9 @@ from test_refusals import specs_in
 from torch import nn
 
 from diag.errors import SpecError
+from diag.layouts.vocab import QKVLayout
 from diag.math.attention import stats_from_probabilities_reference
-from hooks import Monitor, QKVLayout
+from hooks.monitor.monitor import Monitor
 from tests.support.harness import assert_sigma1_by_hand, one_step
 from tests.support.styles import ClampedFused, ClampedRope, ConfigHeads3D, D, E, G, H, Net, rope
 

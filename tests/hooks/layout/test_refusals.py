@@ -13,8 +13,9 @@ from test_styles import assert_exact, run
 from torch import nn
 
 from diag.errors import SpecError
+from diag.layouts.vocab import QKVLayout
 from diag.outputs.sinks import MemorySink
-from hooks import Monitor, QKVLayout
+from hooks.monitor.monitor import Monitor
 from tests.support.styles import STYLES, E, Net
 
 H, D = 4, 8
