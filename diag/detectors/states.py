@@ -132,7 +132,7 @@ class _Machine:
             # a layer enters a state when enough heads hold it at once, and leaves it when too few are still in
             # it: a head already on its way out (its exit dwell under way) does not open a layer, or a layer
             # would be "established" by a head whose attention had left the state before the others entered
-            # it (issue #31's second report set: a layer opened at step 75 by a head whose exit began at 52)
+            # it (say, a layer opened at step 75 by a head whose exit began at 52)
             holding = [h for h in active if episodes.holding(head_key(label, h, n))]
             if label not in self.layers[state] and self.derive:  # resumed from heads only: known, not news
                 self.layers[state][label] = len(active) >= need
@@ -206,8 +206,8 @@ class AttentionStates:
         """Steps of close attention samples a malignant state being confirmed still needs (0: none is): from
         the first sample of its dwell up to twice ``collapse_dwell`` on (a candidate still pending after that
         sits between the lines, which the ordinary closer look follows). Judged on samples 10 or 50 steps
-        apart, the dwell misses what happens between them: measured on the report runs of issue #31, sparse
-        samples established layer states that the attention of every step does not have, and missed some
+        apart, the dwell misses what happens between them: on the evaluation's runs (docs/alerts.md#evaluation)
+        sparse samples establish layer states that the attention of every step does not have, and miss some
         that it has."""
         episodes = self.machine.heads["malignant"]
         ends = [episodes.since(k) + 2 * self.cfg.collapse_dwell - self.step for k in episodes.keys

@@ -323,12 +323,3 @@ def test_alerts_jsonl_is_strict_json_when_a_value_is_unknown(tmp_path):
 
     line = json.loads((tmp_path / "alerts.jsonl").read_text(), parse_constant=strict)
     assert line["values"] == {"loss": 1.3, "attn_uniformity": None}
-
-
-def test_a_field_that_is_gone_says_what_replaced_it():
-    with pytest.raises(ConfigError, match="sec_warn: collapse_warning reads collapse_risk.*warn_risk"):
-        AlertConfig(sec_warn=0.5)
-    with pytest.raises(ConfigError, match="plateau_qk_growth: replaced by plateau_qk_motion"):
-        AlertConfig(plateau_qk_growth=1.6)
-    with pytest.raises(ConfigError, match="watch_hold: .*CloserLookConfig"):
-        AlertConfig(watch_hold=100)
