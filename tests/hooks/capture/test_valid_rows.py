@@ -105,7 +105,7 @@ def test_entropy_and_rank_over_token_rows_match_eager_attention(name):
 
 
 def test_padding_changes_the_numbers():
-    """The padded rows are not a no-op here: counting them (the old behaviour) gives another entropy."""
+    """The padded rows are not a no-op here: counting them would give another entropy."""
     case, batch = build("bert-eager-right")
     p = eager_probabilities(case, batch)[0]
     allowed = (p > 0).any(1)
