@@ -74,7 +74,7 @@ def window(model, opt, ids, steps: int, start: int, monitor) -> tuple[float, lis
 
 def worker(args: argparse.Namespace) -> None:
     from diag.outputs.sinks import MemorySink
-    from hooks import Monitor
+    from hooks.monitor.monitor import Monitor
 
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")

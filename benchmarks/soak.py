@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from hooks import Monitor
 from hooks.demo import GPT, GPTConfig
+from hooks.monitor.monitor import Monitor
 
 
 def rss_mib() -> float:

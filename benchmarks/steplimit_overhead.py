@@ -21,8 +21,8 @@ import time
 import torch
 from overhead import SHAPES, build  # the same GPT-2 shapes as the overhead benchmark (this folder)
 
-from hooks import SpectralStepLimit
 from hooks.layout.discover import discover
+from hooks.steplimit.limit import SpectralStepLimit
 
 
 def window(model, opt, batch, steps: int) -> tuple[float, float]:

@@ -35,8 +35,8 @@ from evaluation.truth import (
     states,
     stuck_with_twin,
 )
-from hooks import SIGNALS
 from hooks.monitor.cadence import CloserLook, resolve_cadence
+from hooks.monitor.monitor import SIGNALS
 
 EVERYS = ("default", 2, 5, 10, 20)  # "default": the Monitor's per-family cadence
 FAMILY_OF = {"grad_": "grads", "qk_": "spectra", "attn_": "attention", "update_": "updates"}

@@ -44,8 +44,9 @@ import torch.nn.functional as F
 from sklearn.datasets import load_digits
 from torch import Tensor, nn
 
+from diag.detectors.config import AlertConfig
 from diag.outputs.sinks import MemorySink
-from hooks import AlertConfig, Monitor
+from hooks.monitor.monitor import Monitor
 
 __all__ = ["EurekaConfig", "DigitGrid", "ViT", "train"]
 

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diag.outputs.sinks import MemorySink
-from hooks import Monitor, QKVLayout
+from diag import MemorySink, QKVLayout
+from hooks import Monitor
 
 D_MODEL, HEADS, D_HEAD = 64, 4, 16
 

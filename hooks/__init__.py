@@ -3,13 +3,13 @@
     from hooks import Monitor, SpectralStepLimit
     monitor = Monitor(model, logdir="runs/exp1", every=10)
     optimizer = SpectralStepLimit(torch.optim.AdamW(model.parameters()), tau=0.004, model=model, monitor=monitor)
+
+The alerts, their configuration and the layout vocabulary are pure and live in ``diag``
+(``from diag import AlertConfig, QKVLayout, TrainingHalted``); the trainer callbacks in
+``hooks.integrations.hf`` and ``hooks.integrations.lightning``.
 """
 
-from diag.detectors import Alert, AlertConfig, TrainingHalted
-from diag.layouts.vocab import QKVLayout
-from hooks.layout.discover import AttentionLayer, discover
-from hooks.monitor.monitor import SIGNALS, Monitor
-from hooks.steplimit import SpectralStepLimit
+from hooks.monitor.monitor import Monitor
+from hooks.steplimit.limit import SpectralStepLimit
 
-__all__ = ["Alert", "AlertConfig", "AttentionLayer", "Monitor", "QKVLayout", "SIGNALS", "SpectralStepLimit",
-           "TrainingHalted", "discover"]
+__all__ = ["Monitor", "SpectralStepLimit"]

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from diag.errors import ConfigError
 
 __all__ = ["Metric", "METRICS", "FAMILIES", "PERS", "STATS", "VIEWS", "PER_HEAD_METRICS", "LAYER_METRICS",
-           "CONSTANT_METRICS", "CHART_STAT", "chart_stat", "charted", "family", "family_metrics", "metrics_with",
+           "CHART_STAT", "chart_stat", "charted", "family", "family_metrics", "metrics_with",
            "update_metric_names"]
 
 FAMILIES = ("spectra", "attention", "grads", "updates")  # the signal families, in the order they are shown
@@ -133,7 +133,6 @@ if len(METRICS) != len(_ENTRIES):
 # Views of the entries, for reading; the functions below read METRICS itself when called.
 PER_HEAD_METRICS = tuple(m.name for m in _ENTRIES if m.per == "head")
 LAYER_METRICS = tuple(m.name for m in _ENTRIES if m.per == "layer")
-CONSTANT_METRICS = tuple(m.name for m in _ENTRIES if "text" in m.views)
 CHART_STAT = {m.name: m.stat for m in _ENTRIES if m.stat is not None}
 
 

@@ -39,7 +39,6 @@ __all__ = [
     "layer_runs",
     "layer_run_tag",
     "LAYER_RUN_PREFIX",
-    "ALERT_PREFIX",
     "layer_label",
     "layer_labels",
     "head_label",
@@ -50,7 +49,6 @@ __all__ = [
 ]
 
 LAYER_RUN_PREFIX = "by_layer"
-ALERT_PREFIX = "alerts"
 LAYER = r"L\d+(?:\.cross)?"
 _TAG = re.compile(rf"^(?P<metric>[A-Za-z0-9_.]+)/(?P<layer>{LAYER})(?:/(?P<part>H\d+|max|min|mean|heads))?$")
 _WHERE = re.compile(rf"^(?P<layer>{LAYER})(?:/H(?P<head>\d+))?$")

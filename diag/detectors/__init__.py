@@ -4,6 +4,5 @@ behind the :class:`~diag.detectors.base.Detector` protocol. A new detector goes 
 from diag.detectors.base import Alert, Detector, Observation, TrainingHalted
 from diag.detectors.config import AlertConfig
 from diag.detectors.container import Detectors
-from diag.detectors.states import attention_state
 
-__all__ = ["Alert", "AlertConfig", "Detector", "Detectors", "Observation", "TrainingHalted", "attention_state"]
+__all__ = ["Alert", "AlertConfig", "Detector", "Detectors", "Observation", "TrainingHalted"]

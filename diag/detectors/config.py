@@ -119,8 +119,8 @@ class PlateauConfig(Checked):
     plateau_rel: Positive = 0.125  # the mean losses of the window's halves differ by at most 12.5%
     plateau_qk_ratio: Positive = 0.5  # grad_ratio_qk_v below this: the softmax-induced plateau
     plateau_min_frac: Positive = 0.45  # a plateau sits at this fraction of the first sampled loss or above
-    # 0.12 until issue #31's eleventh session: the edge of the Eureka plateaus' motions (0.08-0.19 on the consulted
-    # runs), so some were flagged at one cadence and not at another; docs/alerts.md#defaults
+    # above the Eureka plateaus' motions on the evaluation's consulted runs (0.08-0.19), so that a plateau is
+    # flagged at every cadence alike (docs/alerts.md#defaults)
     plateau_qk_motion: Positive = 0.25  # ln sigma_1(Wq^T Wk) growth per unit of Q/K update ratio (inf: off) ...
     plateau_max_growth: Factor = 1.35  # ... and sigma_1(Wq^T Wk) grew at most 1.35x over the window (inf: off)
     plateau_uniformity: Share = 0.72  # ... and attention entropy at least this fraction of uniform's (0: off)
@@ -143,13 +143,6 @@ class SpikeConfig(Checked):
 _PARTS = {"states": StatesConfig, "risk": RiskConfig, "early": EarlyUpdatesConfig, "plateau": PlateauConfig,
           "spike": SpikeConfig}
 _OWNER = {f.name: part for part, cls in _PARTS.items() for f in fields(cls)}
-_TREND_WARNING = "collapse_warning reads collapse_risk since issue #31: set warn_risk (and risk_window) instead"
-REMOVED = {**{name: _TREND_WARNING for name in ("sigma_growth", "entropy_drop", "rank_drop", "near_entropy",
-                                                "near_growth", "logit_factor", "sec_warn", "tau_warn",
-                                                "warn_window", "warn_persist")},
-           "plateau_qk_growth": "replaced by plateau_qk_motion (growth per unit of the Q/K updates: schedule-free)",
-           **{name: "the closer look's knobs are the Monitor's: Monitor(closer_look=CloserLookConfig(...)) from "
-                    "hooks.monitor.cadence" for name in ("watch_hold", "watch_early", "watch_early_every")}}
 
 
 class AlertConfig:
@@ -165,10 +158,6 @@ class AlertConfig:
                 raise ConfigError(f"AlertConfig({part}=...): expected a {cls.__name__}, got "
                                   f"{type(given[part]).__name__}")
         unknown = sorted(set(values) - set(_OWNER))
-        removed = [f"{name}: {REMOVED[name]}" for name in unknown if name in REMOVED]
-        if removed:
-            raise ConfigError("AlertConfig: field(s) no longer exist: " + "; ".join(removed)
-                              + " (docs/alerts.md#defaults)")
         if unknown:
             raise ConfigError(f"AlertConfig: unknown field(s) {unknown}; the fields are {sorted(_OWNER)} "
                               "(docs/alerts.md#defaults)")

@@ -102,8 +102,8 @@ class Episodes:
 class Recurrence:
     """At most three records per key and kind: the first episode (its alert and its ``resolved`` record), and a
     second one, announced as recurring and then held: its end and any later episode of the key are not
-    announced. A head that keeps returning to a state is one thing to look at, not a stream of records (issue
-    #31 measured up to six records of one kind on one head in a 300-step run); its scalars still show every
+    announced. A head that keeps returning to a state is one thing to look at, not a stream of records (a
+    hovering head can open six episodes of one kind in a 300-step run); its scalars still show every
     episode. State: ``{key: episodes opened}``."""
 
     LIMIT = 2  # episodes announced per key

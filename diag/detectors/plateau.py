@@ -40,9 +40,9 @@ TODO = ("rule out a data or label bug first; then NormSoftmax (divide the logits
 
 # While the plateau lasts its trend follows the loss, except for samples whose smoothed loss lies more than this
 # many of its own standard errors under the trend (the start of a drop must not drag the trend along). Chosen
-# among 1, 2, 3 on the tuning seeds (docs/alerts.md#eureka_plateau); before, the line was half the plateau's
-# per-sample noise at any cadence, which at the default cadence (a median of 2 samples) left out a quarter of
-# the plateau's own low samples, so the trend drifted above a slowly sinking loss and a moment came early.
+# among 1, 2, 3 on the tuning seeds (docs/alerts.md#eureka_plateau). A line of half the plateau's per-sample
+# noise at any cadence would, at the default cadence (a median of 2 samples), leave out a quarter of the
+# plateau's own low samples: the trend would drift above a slowly sinking loss and a moment come early.
 REFIT_SE = 1.0
 MIN_POINTS = 4  # the fewest samples a trend is fitted on
 
@@ -203,8 +203,8 @@ class Plateau:
         diffuse = self.cfg.plateau_uniformity == 0 or uniformity >= self.cfg.plateau_uniformity
         # ... and the optimizer still moves Q and K: a loss that went flat because the learning rate decayed
         # (a cosine schedule's tail, whose Q/K updates are a few percent of what they were) has stopped training,
-        # it is not stuck (issue #31's second and third report sets: Hugging Face GPT-2 warned at steps 880-900
-        # of 1,000 under warmup + cosine, its NormSoftmax twin no faster)
+        # it is not stuck (Hugging Face GPT-2 under warmup + cosine goes flat over its last steps, and its
+        # NormSoftmax twin is no faster there)
         update = _mean_update(self.updates, step)
         if math.isfinite(update) and step >= 2 * window:  # not a window over the run's first steps (huge updates)
             self.peak_update = max(self.peak_update or 0.0, update)
@@ -292,9 +292,9 @@ class Plateau:
         """Still on the plateau: the window rolls on and the trend follows it (a plateau may sink slowly);
         while the smoothed loss is more than ``REFIT_SE`` of its standard errors (at most half the trend's drop)
         under the trend, or the sample itself more than 3 noise deviations, no sample is added, and the noise
-        never grows, so a slow drop cannot drag the trend along. (Keeping the noise measured when the plateau
-        was flagged instead was tried: the band stayed wide enough for the trend to follow a gradual drop all
-        the way down, and held-out seed 26 lost its moment; docs/alerts.md#eureka_plateau.)"""
+        never grows, so a slow drop cannot drag the trend along. (The noise measured when the plateau was
+        flagged would keep the band wide enough for the trend to follow a gradual drop all the way down:
+        held-out seed 26 would lose its moment; docs/alerts.md#eureka_plateau.)"""
         self.losses = [q for q in self.losses if q[0] > point[0] - self.cfg.plateau_window] + [point]
         a, b, noise = fit_trend(self.losses)
         noise = min(noise, self.plateau["noise"])  # a start of the drop in the window must not widen the band

@@ -266,9 +266,7 @@ class CollapseRisk:
     def _note_between(self) -> None:
         """After an observation: a layer not collapsed one of whose heads came between the malignant lines is
         confirmed from that sample on (:meth:`confirming`), at most ``BAND_CONFIRMATIONS`` times per layer and
-        run, whatever its risk (until issue #31's twelfth session only a layer at ``watch_risk`` or more, or
-        with its warning open: the eighth report set's one missed layer collapse was a slow one at risk 0.11,
-        docs/alerts.md#the-eighth-report-set-issue-31s-eleventh-session-seeds-180-189)."""
+        run, whatever its risk: a slow collapse can come at a low risk (0.11), below ``watch_risk``."""
         for label in {k.split("/")[0] for k in self.states.between}:
             seen, used = self.states.entered_between(label), self.band.get(label, [])
             if seen not in used and len(used) < BAND_CONFIRMATIONS and not self.states.layer_in("malignant", label):
@@ -278,8 +276,8 @@ class CollapseRisk:
         """Steps of attention at every step a layer still needs (0: none does): when a head of a layer comes
         between the malignant lines (``AttentionStates.entered_between``), the layer is confirmed
         for twice ``collapse_dwell`` steps from that sample, as a head that entered the state is. A head hovering
-        at the entropy line can sit inside it between samples 10 steps apart and just above it at each sample:
-        issue #31's sixth report set missed a layer collapse so (docs/cost.md#watching-closer). At most
+        at the entropy line can sit inside it between samples 10 steps apart and just above it at each sample,
+        and its layer's collapse would go unseen (docs/cost.md#watching-closer). At most
         ``BAND_CONFIRMATIONS`` times per layer: a model whose heads keep coming near the line (a ViT's after its
         Eureka moment) would otherwise be sampled at every step for hundreds of steps."""
         dwell = 2 * self.states.cfg.collapse_dwell

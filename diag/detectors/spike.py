@@ -2,7 +2,7 @@
 
 The average forgets in steps, not samples: a sample ``dt`` steps after the previous one gets the weight
 ``1 - 0.9 ** (dt / 10)`` (0.1 at the default 10-step loss cadence), so the mean and the variance look back
-over the same ~100 steps at any ``every`` (issue #17: windows in steps). The variance starts at 0 and is
+over the same ~100 steps at any ``every``. The variance starts at 0 and is
 divided by the weight it has gathered, ``1 - prod(1 - weight)`` (the bias correction of Adam's moments), so
 that it means the same after a few samples at ``every=1`` as after a few at ``every=10``.
 """

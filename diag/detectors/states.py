@@ -37,7 +37,7 @@ from diag.detectors.base import Alert, Observation
 from diag.detectors.config import StatesConfig
 from diag.detectors.episodes import Closed, Dwell, Episodes, Opened, Recurrence
 
-__all__ = ["AttentionStates", "STATES", "StateEpisode", "attention_state", "episodes_of", "head_key", "lines"]
+__all__ = ["AttentionStates", "STATES", "StateEpisode", "episodes_of", "head_key", "lines"]
 
 STATES = ("malignant", "benign", "uniform")
 KINDS = {"malignant": "malignant_collapse", "benign": "benign_collapse", "uniform": "uniform_attention"}
@@ -64,15 +64,6 @@ def head_key(label: str, h: int, n_heads: int) -> str:
 def lines(rows: float, cfg: StatesConfig) -> tuple[float, float]:
     """(sparse entropy line in nats, low-rank line) for attention over ``rows`` rows."""
     return cfg.sparse_entropy, 1.0 + cfg.low_rank_frac * max(rows - 1.0, 0.0)
-
-
-def attention_state(entropy: float, rank: float, rows: float, cfg: StatesConfig,
-                    uniform_entropy: float = math.inf) -> str:
-    """One sample's state by the entry lines: 'malignant', 'benign', 'uniform' or 'normal'."""
-    sparse_line, rank_line = lines(rows, cfg)
-    if entropy <= sparse_line:
-        return "malignant" if rank <= rank_line else "benign"
-    return "uniform" if rank <= rank_line and entropy >= cfg.uniform_frac * uniform_entropy else "normal"
 
 
 def tests(state: str, e: float, r: float, rows: float, u: float, cfg: StatesConfig) -> tuple[bool, bool]:
@@ -141,7 +132,7 @@ class _Machine:
             # a layer enters a state when enough heads hold it at once, and leaves it when too few are still in
             # it: a head already on its way out (its exit dwell under way) does not open a layer, or a layer
             # would be "established" by a head whose attention had left the state before the others entered
-            # it (issue #31's second report set: a layer opened at step 75 by a head whose exit began at 52)
+            # it (say, a layer opened at step 75 by a head whose exit began at 52)
             holding = [h for h in active if episodes.holding(head_key(label, h, n))]
             if label not in self.layers[state] and self.derive:  # resumed from heads only: known, not news
                 self.layers[state][label] = len(active) >= need
@@ -204,11 +195,6 @@ class AttentionStates:
         # malignant episode nor a candidate): the collapse risk confirms the layer when a head comes there
         self.between: dict[str, int] = {}
 
-    @property
-    def malignant(self) -> Episodes:
-        """The heads' malignant episodes (the collapse risk stops warning a head or layer already collapsed)."""
-        return self.machine.heads["malignant"]
-
     def wants_attention(self) -> str | None:
         """A head in a malignant state not yet established: the next close sample confirms or clears it (at the
         default cadence's 50 steps the collapse would be established that much later)."""
@@ -220,8 +206,8 @@ class AttentionStates:
         """Steps of close attention samples a malignant state being confirmed still needs (0: none is): from
         the first sample of its dwell up to twice ``collapse_dwell`` on (a candidate still pending after that
         sits between the lines, which the ordinary closer look follows). Judged on samples 10 or 50 steps
-        apart, the dwell misses what happens between them: measured on the report runs of issue #31, sparse
-        samples established layer states that the attention of every step does not have, and missed some
+        apart, the dwell misses what happens between them: on the evaluation's runs (docs/alerts.md#evaluation)
+        sparse samples establish layer states that the attention of every step does not have, and miss some
         that it has."""
         episodes = self.machine.heads["malignant"]
         ends = [episodes.since(k) + 2 * self.cfg.collapse_dwell - self.step for k in episodes.keys

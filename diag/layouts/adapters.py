@@ -78,7 +78,7 @@ CROSS_NAMES = ("encoder_attn", "crossattention", "EncDecAttention", "multihead_a
                "cross_attention", "src_attn")
 
 # Children that normalise q or k after the projection (QK-norm: Qwen3, OLMo2, Gemma3, ...): the
-# kernel's per-head norms then no longer follow x @ Wq_h^T, so the capture checks shapes only.
+# kernel's per-head norms do not follow x @ Wq_h^T, so the capture checks shapes only.
 QK_NORMS = ("q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_layernorm", "key_layernorm")
 
 

@@ -14,14 +14,12 @@ from torch import Tensor
 from diag.math.norms import frobenius
 from diag.math.spectral import (
     effective_rank,
-    qk_singular_values,
     qk_singular_values_of_layers,
     spectral_energy_concentration,
     stable_rank,
 )
 
 __all__ = [
-    "spectrum_metrics",
     "layer_spectra",
     "grad_metrics",
     "grad_ratio",
@@ -33,19 +31,8 @@ __all__ = [
 DEFAULT_SEC_TOP = 4
 
 
-def spectrum_metrics(wq: Tensor, wk: Tensor, sec_top: int = DEFAULT_SEC_TOP) -> dict[str, Tensor]:
-    """Per-head qk_sigma1, qk_sec, qk_erank, qk_stable_rank and the spectrum itself.
-
-    wq: (..., H, D, E); wk: (..., G, D, E). Leading dimensions (e.g. stacked layers
-    of equal shape) are flattened into the head dimension for one batched call.
-    """
-    lead = wq.shape[:-3]
-    # Row l*H + h of the flattened queries pairs with row l*G + h // (H/G) of the keys.
-    sv = qk_singular_values(wq.flatten(0, -3), wk.flatten(0, -3))
-    return _metrics_of_spectra(sv.reshape(*lead, wq.shape[-3], sv.shape[-1]), sec_top)
-
-
 def _metrics_of_spectra(sv: Tensor, sec_top: int) -> dict[str, Tensor]:
+    """Per head: qk_sigma1, qk_sec, qk_erank, qk_stable_rank and the spectrum itself."""
     return {
         "qk_sigma1": sv[..., 0],
         "qk_sec": spectral_energy_concentration(sv, sec_top),
@@ -56,7 +43,7 @@ def _metrics_of_spectra(sv: Tensor, sec_top: int) -> dict[str, Tensor]:
 
 
 def layer_spectra(qk: Sequence[tuple[Tensor, Tensor]], sec_top: int = DEFAULT_SEC_TOP) -> list[dict[str, Tensor]]:
-    """:func:`spectrum_metrics` of many layers: one batched call per group of equal shapes.
+    """The spectral metrics of many layers' heads: one batched call per group of equal shapes.
 
     qk: per layer, the per-head (wq, wk) of :func:`diag.layouts.split_qkv`. Returns the
     metrics of each layer, in the order given.

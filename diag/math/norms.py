@@ -115,7 +115,7 @@ class Sigma1:
             return self._gram_split(w)
         work = w.to(torch.float32)
         try:
-            sigma, ritz = self._krylov_split(work, self._start(work, key))
+            sigma, ritz = self._krylov(work, self._start(work, key))
         except RuntimeError:  # torch.linalg errors on NaN input, on every process alike
             sigma, ritz = None, None
         if sigma is None or not bool(torch.isfinite(sigma).all()):
@@ -135,39 +135,6 @@ class Sigma1:
         finite = torch.isfinite(gram).flatten(-2).all(-1)
         vals = torch.linalg.eigvalsh(torch.where(finite[..., None, None], gram, 0))
         return torch.where(finite, vals[..., -1].clamp_min(0).sqrt(), torch.nan)
-
-    def _krylov_split(self, work: Tensor, start: Tensor) -> tuple[Tensor, Tensor | None]:
-        """:meth:`_krylov` with the rows split across processes: each block's sums over rows (the next Krylov
-        block W^T W q and the new entries of the projected Gram matrix) in one reduce."""
-        n, block = work.shape[-1], start.shape[-1]
-        q = torch.linalg.qr(start).Q  # (..., n, b), the same on every process
-        wq = work @ q  # (..., m_r, b): this process's rows
-        both = self.reduce(torch.cat([work.transpose(-1, -2) @ wq, wq.transpose(-1, -2) @ wq], -2))
-        z, gram = both[..., :n, :], both[..., n:, :].double()  # (..., n, b), (..., b, b)
-        basis, w_basis = q, wq
-        estimate = None
-        while True:
-            vals, vecs = torch.linalg.eigh((gram + gram.transpose(-1, -2)) / 2)
-            new = vals[..., -1].clamp_min(0).sqrt()
-            done = estimate is not None and bool(((new - estimate).abs() <= self.rtol * new).all())
-            full = self.max_dim is not None and basis.shape[-1] + block > self.max_dim
-            if done or full:
-                self.last_dim = basis.shape[-1]
-                return new, basis @ vecs[..., -block:].to(basis.dtype)
-            if basis.shape[-1] + block > n:
-                self.last_dim = n
-                return new, None
-            estimate = new
-            for _ in range(2):  # re-orthogonalise twice against the whole basis
-                z = z - basis @ (basis.transpose(-1, -2) @ z)
-            q = torch.linalg.qr(z).Q
-            wq = work @ q
-            both = self.reduce(torch.cat([work.transpose(-1, -2) @ wq, w_basis.transpose(-1, -2) @ wq,
-                                          wq.transpose(-1, -2) @ wq], -2))
-            d = basis.shape[-1]
-            z, cross, corner = both[..., :n, :], both[..., n:n + d, :].double(), both[..., n + d:, :].double()
-            gram = torch.cat([torch.cat([gram, cross], -1), torch.cat([cross.transpose(-1, -2), corner], -1)], -2)
-            basis, w_basis = torch.cat([basis, q], -1), torch.cat([w_basis, wq], -1)
 
     def _per_matrix_nan_safe(self, w: Tensor, key: object) -> Tensor:
         """Non-finite matrices are NaN; the finite ones of the batch are still measured (cold)."""
@@ -195,11 +162,17 @@ class Sigma1:
         return start
 
     def _krylov(self, work: Tensor, start: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Block Krylov on W^T W from ``start``: (sigma_1, the top Ritz vectors for the next start), or
+        (sigma_1 so far, None) when the space would be nearly all of R^n. Each block's sums over rows (the
+        next block W^T W q and the projected Gram matrix's new entries) go through ``reduce`` in one call
+        when the rows are split across processes."""
+        reduce = self.reduce if self.reduce is not None else _whole
         n, block = work.shape[-1], start.shape[-1]
-        q = torch.linalg.qr(start).Q  # (..., n, b)
-        wq = work @ q  # (..., m, b)
+        q = torch.linalg.qr(start).Q  # (..., n, b), the same on every process
+        wq = work @ q  # (..., m, b): this process's rows
+        both = reduce(torch.cat([work.transpose(-1, -2) @ wq, wq.transpose(-1, -2) @ wq], -2))
+        z, gram = both[..., :n, :], both[..., n:, :].double()  # (..., n, b), (..., b, b): the projected W^T W
         basis, w_basis = q, wq
-        gram = (wq.transpose(-1, -2) @ wq).double()  # (..., d, d): the projected W^T W
         estimate = None
         while True:
             vals, vecs = torch.linalg.eigh((gram + gram.transpose(-1, -2)) / 2)
@@ -208,21 +181,26 @@ class Sigma1:
             full = self.max_dim is not None and basis.shape[-1] + block > self.max_dim
             if done or full:
                 self.last_dim = basis.shape[-1]
-                ritz = basis @ vecs[..., -block:].to(basis.dtype)  # the top Ritz vectors: next start
-                return new, ritz
+                return new, basis @ vecs[..., -block:].to(basis.dtype)  # the top Ritz vectors: next start
             if basis.shape[-1] + block > n:  # the Krylov space is nearly everything: exact instead
                 self.last_dim = n
                 return new, None
             estimate = new
-            z = work.transpose(-1, -2) @ wq  # (..., n, b): the next Krylov block of W^T W
             for _ in range(2):  # re-orthogonalise twice against the whole basis
                 z = z - basis @ (basis.transpose(-1, -2) @ z)
             q = torch.linalg.qr(z).Q
             wq = work @ q
-            cross = (w_basis.transpose(-1, -2) @ wq).double()  # (..., d, b)
-            corner = (wq.transpose(-1, -2) @ wq).double()
+            both = reduce(torch.cat([work.transpose(-1, -2) @ wq, w_basis.transpose(-1, -2) @ wq,
+                                     wq.transpose(-1, -2) @ wq], -2))
+            d = basis.shape[-1]
+            z, cross, corner = both[..., :n, :], both[..., n:n + d, :].double(), both[..., n + d:, :].double()
             gram = torch.cat([torch.cat([gram, cross], -1), torch.cat([cross.transpose(-1, -2), corner], -1)], -2)
             basis, w_basis = torch.cat([basis, q], -1), torch.cat([w_basis, wq], -1)
+
+
+def _whole(sums: Tensor) -> Tensor:
+    """The sums over rows when one process holds every row: as they are."""
+    return sums
 
 
 def power_sigma1(a: Tensor, v: Tensor, iters: int, rows: Reduce | None = None,

@@ -58,10 +58,6 @@ class Plan:
     entries: list[Planned] = field(default_factory=list)  # step order, failed ones in their place
     failures: list[tuple[str, str]] = field(default_factory=list)  # paths that could not be placed at all
 
-    @property
-    def analysable(self) -> list[Planned]:
-        return [e for e in self.entries if e.error is None]
-
 
 def _step_failure(path: Path) -> str:
     return (f"{path}: no step stored with it ({', '.join(STEP_KEYS)}) and none in its name ({STEP_NAMES}), "

@@ -90,7 +90,7 @@ class UnitStore:
         tmp.replace(path)
 
     def forget_others(self) -> None:
-        """Remove the units this analysis did not use (those of checkpoints or options no longer analysed)."""
+        """Remove the units this analysis did not use (those of checkpoints or options it does not analyse)."""
         if not self.folder.is_dir():
             return
         for old in self.folder.iterdir():

@@ -1,18 +1,9 @@
-"""The data of the TensorBoard images: layer x head grids, attention maps, update ratios over time.
+"""The data of the TensorBoard images: layer x head grids, their colour ranges and words, the heads whose
+attention maps an alert asks for, the update ratios over time.
 
-Pure numpy: the grids, colour ranges and words (:func:`layer_head_data`, from the catalog's entries,
-:mod:`diag.catalog.metrics`) that :mod:`diag.outputs.figures` draws with axes, tick values and a colour
-bar (matplotlib), and a plain pixel rendering of them. This module draws nothing with matplotlib and
-imports nothing of :mod:`diag.outputs.figures`. Every image is a
-(height, width, 3) uint8 RGB array for ``SummaryWriter.add_image(..., dataformats="HWC")``. Each value is one block of
-``cell x cell`` identical pixels (nearest neighbour, so a browser that scales
-the image never blurs two heads together); row 0 is at the top.
-
-Colour: viridis (dark purple = low, yellow = high) from a 17-colour table taken
-from matplotlib's viridis and linearly interpolated to 256 entries (within
-6/255 of matplotlib's, checked by the tests); matplotlib is not imported here.
-Non-finite values (and missing heads or layers) are mid grey, a colour viridis
-does not contain.
+Pure numpy: the grids, colour ranges and titles (:func:`layer_head_data`, from the catalog's entries,
+:mod:`diag.catalog.metrics`) that :mod:`diag.outputs.figures` draws with axes, tick values and a colour bar
+(matplotlib). This module draws nothing and imports nothing of :mod:`diag.outputs.figures`.
 
 Image tags (see docs/tensorboard.md):
 
@@ -20,7 +11,7 @@ Image tags (see docs/tensorboard.md):
 * ``attention_map/L03/H05``: the attention probabilities of a head an alert
   names, queries down, keys across, on a fixed 0..1 scale;
 * ``step_size/update_ratio_q``: rows = layers, columns = sampled steps, the
-  log10 of sigma_1(dW)/sigma_1(W) on the range of the image.
+  update ratio sigma_1(dW)/sigma_1(W) on a log scale.
 """
 
 from __future__ import annotations
@@ -37,85 +28,22 @@ from diag.errors import ConfigError
 from diag.outputs.sinks import Record
 
 __all__ = [
-    "VIRIDIS_ANCHORS",
-    "MISSING",
     "HeatmapData",
-    "colormap",
-    "colorize",
-    "cell_size",
-    "heatmap",
     "finite_range",
     "layer_head_grid",
     "entropy_fraction",
     "layer_head_data",
     "heatmap_metrics",
-    "layer_head_heatmaps",
-    "attention_map_image",
     "ALERT_MAPS_PER_STEP",
     "flagged_heads",
-    "update_ratio_image",
     "UpdateRatioHistory",
 ]
 
-# matplotlib 3.11 viridis at 0, 1/16, ..., 1 (RGB, 0..255).
-VIRIDIS_ANCHORS = np.array(
-    [[68, 1, 84], [72, 24, 106], [71, 45, 123], [66, 64, 134], [59, 82, 139], [51, 99, 141], [44, 114, 142],
-     [38, 130, 142], [33, 145, 140], [31, 160, 136], [40, 174, 128], [63, 188, 115], [94, 201, 98],
-     [132, 212, 75], [173, 220, 48], [216, 226, 25], [253, 231, 37]],
-    dtype=np.float64,
-)
-MISSING = np.array([128, 128, 128], dtype=np.uint8)  # non-finite or absent values
 
-
-def colormap(n: int = 256) -> np.ndarray:
-    """The viridis table: (n, 3) uint8, entry 0 for the low end."""
-    x = np.linspace(0.0, 1.0, n)
-    anchors = np.linspace(0.0, 1.0, len(VIRIDIS_ANCHORS))
-    lut = np.stack([np.interp(x, anchors, VIRIDIS_ANCHORS[:, c]) for c in range(3)], axis=1)
-    return np.rint(lut).astype(np.uint8)
-
-
-_LUT = colormap()
-
-
-def colorize(values: np.ndarray, lo: float, hi: float) -> np.ndarray:
-    """(R, C) numbers -> (R, C, 3) uint8: ``lo`` (and below) is the first colour, ``hi`` (and above)
-    the last, linear in between; non-finite values are :data:`MISSING`."""
-    v = np.asarray(values, dtype=np.float64)
-    finite = np.isfinite(v)
-    span = hi - lo if hi > lo else 1.0
-    with np.errstate(invalid="ignore"):
-        t = np.clip((np.where(finite, v, lo) - lo) / span, 0.0, 1.0)
-    out = _LUT[np.rint(t * (len(_LUT) - 1)).astype(np.intp)]
-    out[~finite] = MISSING
-    return out
-
-
-def cell_size(n_rows: int, n_cols: int, target: int = 256, most: int = 16) -> int:
-    """Pixels per value so that the longer side is about ``target`` pixels (1 to ``most``)."""
-    return max(1, min(most, target // max(n_rows, n_cols, 1)))
-
-
-def heatmap(values: np.ndarray, lo: float, hi: float, cell: int | tuple[int, int] | None = None) -> np.ndarray:
-    """(R, C) numbers -> (R * cell_h, C * cell_w, 3) uint8; ``cell`` defaults to :func:`cell_size`."""
-    values = np.asarray(values, dtype=np.float64)
-    if values.ndim != 2 or values.size == 0:
-        raise ConfigError(f"heatmap: expected a non-empty 2-D array (rows x columns), got shape {values.shape}; "
-                          "pass one value per layer and head")
-    if cell is None:
-        cell = cell_size(*values.shape)
-    cell_h, cell_w = (cell, cell) if isinstance(cell, int) else cell
-    rgb = colorize(values, lo, hi)
-    return np.repeat(np.repeat(rgb, cell_h, axis=0), cell_w, axis=1)
-
-
-def finite_range(values: np.ndarray, lo: float | None = None, hi: float | None = None) -> tuple[float, float]:
+def finite_range(values: np.ndarray) -> tuple[float, float]:
+    """The smallest and the largest finite value (0 and 1 when there is none)."""
     finite = values[np.isfinite(values)]
-    if lo is None:
-        lo = float(finite.min()) if finite.size else 0.0
-    if hi is None:
-        hi = float(finite.max()) if finite.size else 1.0
-    return lo, hi
+    return (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
 
 
 # ---------------------------------------------------------------- layer x head
@@ -171,22 +99,7 @@ def heatmap_metrics(arrays: Mapping[str, Mapping[str, np.ndarray]]) -> list[str]
     return [m.name for m in metrics_with("heatmap") if m.name in present]
 
 
-def layer_head_heatmaps(arrays: Mapping[str, Mapping[str, np.ndarray]], labels: Sequence[str]) -> dict[str, np.ndarray]:
-    """``{"heatmap/<metric>": image}`` for each heatmap metric (:func:`heatmap_metrics`) that ``arrays`` holds."""
-    images = {}
-    for metric in heatmap_metrics(arrays):
-        data = layer_head_data(arrays, labels, metric)
-        images[f"heatmap/{metric}"] = heatmap(data.grid, data.lo, data.hi)
-    return images
-
-
 # ---------------------------------------------------------------- attention maps
-
-
-def attention_map_image(probs: np.ndarray) -> np.ndarray:
-    """(queries, keys) attention probabilities -> image on the fixed scale 0 .. 1 (a key that takes
-    all of a query's mass is yellow; uniform attention over n keys is 1/n, near the dark end)."""
-    return heatmap(probs, 0.0, 1.0, cell_size(*np.shape(probs), target=256, most=8))
 
 
 # Attention maps written per sampled step at most (alerts can name many heads at once, e.g. every
@@ -210,28 +123,10 @@ def flagged_heads(alerts: Iterable, most: int = ALERT_MAPS_PER_STEP) -> list[tup
 # ---------------------------------------------------------------- update ratios over time
 
 
-def update_ratio_image(values: np.ndarray) -> np.ndarray:
-    """(layers, steps) update ratios -> log10 heatmap on the finite range of the image.
-
-    A ratio of 0 (a layer that did not move) takes the low end; NaN is grey. Columns are
-    8 pixels wide up to 64 steps, then narrower down to one pixel per step (beyond 512 steps
-    the image is as wide as the number of steps; :class:`UpdateRatioHistory` keeps at most 1024).
-    """
-    v = np.asarray(values, dtype=np.float64)
-    with np.errstate(all="ignore"):
-        logv = np.where(v > 0, np.log10(np.where(v > 0, v, 1.0)), np.where(v == 0, -np.inf, np.nan))
-    lo, hi = finite_range(logv)
-    logv = np.where(np.isneginf(logv), lo, logv)
-    n_layers, n_steps = v.shape
-    cell_w = max(1, min(8, 512 // max(n_steps, 1)))
-    cell_h = max(2, min(16, 256 // max(n_layers, 1)))
-    return heatmap(logv, lo, hi, (cell_h, cell_w))
-
-
 class UpdateRatioHistory:
-    """A sink that keeps ``update_ratio_<x>/<layer>`` per step, for :func:`update_ratio_image`.
+    """A sink that keeps ``update_ratio_<x>/<layer>`` per step, for the update-ratio figures.
 
-    Bounded: past ``2 * most`` steps every other step is dropped (so the image spans the
+    Bounded: past ``2 * most`` steps every other step is dropped (so the figure spans the
     whole run at an even, coarser spacing). Writes nothing anywhere.
     """
 
@@ -272,7 +167,3 @@ class UpdateRatioHistory:
 
     def metrics(self) -> list[str]:
         return sorted({metric for values in self.series.values() for metric, _ in values})
-
-    def images(self, labels: Sequence[str]) -> dict[str, np.ndarray]:
-        """``{"step_size/<metric>": image}`` for each update-ratio metric seen so far (plain pixels)."""
-        return {f"step_size/{m}": update_ratio_image(self.matrix(m, labels)) for m in self.metrics()}

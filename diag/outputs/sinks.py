@@ -41,7 +41,7 @@ log = logging.getLogger("diag")
 @dataclass
 class Record:
     """What one step produced. Scalars may be NaN; histograms are 1-D arrays; images are
-    (height, width, 3) uint8 RGB arrays (see :mod:`diag.outputs.images`)."""
+    (height, width, 3) uint8 RGB arrays (see :mod:`diag.outputs.figures`)."""
 
     step: int
     scalars: dict[str, float] = field(default_factory=dict)

@@ -32,7 +32,7 @@ from collections.abc import Iterable
 from diag.catalog.metrics import FAMILIES, chart_stat, charted, family
 from diag.catalog.tags import layer_run_tag, parse_tag
 
-__all__ = ["ALERT_CATEGORY", "ALERT_LEVELS", "ALERT_EVENT_TAG", "alert_run", "build_layout", "chart_regexes"]
+__all__ = ["ALERT_CATEGORY", "ALERT_LEVELS", "ALERT_EVENT_TAG", "alert_run", "build_layout"]
 
 ALERT_CATEGORY = "alerts"
 ALERT_LEVELS = ("critical", "warning", "info")
@@ -79,7 +79,3 @@ def build_layout(tags: Iterable[str], updates: Iterable[str] = ()) -> dict[str, 
                               ["Multiline", [rf"^{ALERT_EVENT_TAG}$"]]}
     return charts
 
-
-def chart_regexes(layout: dict[str, dict[str, list]]) -> dict[tuple[str, str], list[str]]:
-    """``{(category, chart title): [regex, ...]}`` of a layout in the format above."""
-    return {(cat, title): list(spec[1]) for cat, charts in layout.items() for title, spec in charts.items()}

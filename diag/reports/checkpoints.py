@@ -22,29 +22,16 @@ from diag.catalog.metrics import METRICS
 from diag.catalog.tags import head_label
 from diag.offline.series import Analysis
 from diag.outputs.figures import figure
+from diag.outputs.images import layer_head_grid
 from diag.reports.html import integer_steps, page, table
 
-__all__ = ["write_report", "FIGURES"]
-
-FIGURES = ("heatmaps.png", "sigma1.png", "spectra.png", "attention.png", "updates.png")
-
-
-def _figure(width: float, height: float):
-    return figure(width, height)
-
-
-def _grid(analysis: Analysis, step: int, metric: str) -> np.ndarray:
-    rows = [analysis.spectra[step][la.label][metric] for la in analysis.layers]
-    grid = np.full((len(rows), max(len(r) for r in rows)), np.nan)
-    for i, r in enumerate(rows):
-        grid[i, : len(r)] = r
-    return grid
+__all__ = ["write_report"]
 
 
 def _heatmaps(analysis: Analysis, step: int, path: Path, panels: tuple[str, ...]) -> None:
-    fig = _figure(9, 0.35 * len(analysis.layers) + 2)
+    fig = figure(9, 0.35 * len(analysis.layers) + 2)
     for ax, metric in zip(fig.subplots(1, len(panels)), panels):
-        grid = _grid(analysis, step, metric)
+        grid = layer_head_grid(analysis.spectra[step], [la.label for la in analysis.layers], metric)
         # the catalog's range, ends it leaves open from the data (SEC is a fraction: a fixed 0..1 scale;
         # auto-ranging over 0.96..0.99 made near-equal heads look apart)
         lo, hi = METRICS[metric].range
@@ -65,7 +52,7 @@ def _heatmaps(analysis: Analysis, step: int, path: Path, panels: tuple[str, ...]
 def _trajectories(analysis: Analysis, path: Path, metric: str, source: dict, title: str) -> None:
     entry = METRICS[metric]
     ylabel = f"{entry.label}, max over heads" if entry.per == "head" else entry.label
-    fig = _figure(7, 4)
+    fig = figure(7, 4)
     ax = fig.subplots()
     steps = sorted(source)
     for la in analysis.layers:
@@ -84,7 +71,7 @@ def _spectra(analysis: Analysis, step: int, path: Path, top: int) -> None:
         heads += [(float(sec), f"{la.label}/{head_label(h, len(sv))}", sv[h])
                   for h, sec in enumerate(metrics["qk_sec"])]
     heads.sort(key=lambda t: -t[0] if np.isfinite(t[0]) else np.inf)
-    fig = _figure(7, 4)
+    fig = figure(7, 4)
     ax = fig.subplots()
     for sec, name, sv in heads[:top]:
         ax.plot(np.arange(1, len(sv) + 1), sv, marker=".", label=f"{name} (SEC {sec:.2f})")

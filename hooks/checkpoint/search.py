@@ -22,9 +22,9 @@ layer whose feed-forward widths (:data:`FFN_KEYS`), vocabulary and position tabl
 what the probe's forward needs (the attention module keeps the model's width and heads: its
 shapes are what is tested), and the layouts carried to every layer of the same name pattern.
 So the probe's memory is one attention module in float64 plus a constant, whatever the
-model's depth, feed-forward width or vocabulary (a 70B-shaped model: about 1.3 GB, was 17.6);
-a config that cannot be built or run so cut is probed as before: 2 layers of full width, the
-vocabulary cut.
+model's depth, feed-forward width or vocabulary (a 70B-shaped model: about 1.3 GB; its
+2 full-width layers would take 17.6); a config that cannot be built or run so cut is probed on
+2 layers of full width, the vocabulary cut.
 """
 
 from __future__ import annotations

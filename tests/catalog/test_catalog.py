@@ -17,7 +17,7 @@ from diag.outputs.records import build_record
 from diag.outputs.sinks import MemorySink
 from diag.outputs.tb_layout import build_layout
 from diag.reports.run import write_run_report
-from hooks import Monitor
+from hooks.monitor.monitor import Monitor
 from tests.support import zoo
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"

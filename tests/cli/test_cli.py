@@ -10,7 +10,7 @@ import torch
 
 from diag.cli.main import main
 from diag.errors import SinkError
-from hooks import Monitor
+from hooks.monitor.monitor import Monitor
 from tests.support import zoo
 
 

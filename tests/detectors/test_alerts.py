@@ -16,8 +16,7 @@ from diag.outputs.alert_sink import AlertSink
 from diag.outputs.sinks import FanOut, MemorySink
 
 # the spectra and attention of a softmax plateau: sigma_1(Wq^T Wk) still under updates of 1%, attention at 0.9 of
-# uniform's entropy
-# (a missing signal is missing: a plateau is flagged only on what it claims, issue #31)
+# uniform's entropy (a missing signal is missing: a plateau is flagged only on what it claims)
 STILL = {"qk_sigma1": np.array([1.0]), "attn_entropy": np.array([2.7]), "attn_entropy_uniform": np.array([3.0]),
          "update_ratio_q": np.array([0.01]), "update_ratio_k": np.array([0.01])}
 QK_RATIO = {"grad_ratio_qk_v": np.array([0.1])}
@@ -38,9 +37,8 @@ def firing(alerts):
 
 
 def test_malignant_collapse_fires_once_after_persisting():
-    # Changed with issue #17: the old assertion expected a second alert at step 60 after one normal sample at
-    # 40, the flapping the issue names as a bug. Now one sample out is not the end of the episode (exit dwell).
-    # Changed with issue #31: one head of a two-head layer is a warning (head scope); the layer is not collapsed.
+    # One normal sample at 40 does not end the episode (the exit dwell), so step 60 raises no second alert.
+    # One head of a two-head layer is a warning (head scope); the layer is not collapsed.
     det = Detectors(AlertConfig(collapse_persist=2))
     script = [attn([2.0, 2.0], [40, 40]), attn([0.1, 2.0], [2, 40]), attn([0.1, 2.0], [2, 40]),
               attn([0.1, 2.0], [2, 40]), attn([2.0, 2.0], [40, 40]), attn([0.1, 2.0], [2, 40]),
@@ -80,8 +78,8 @@ def _plateau_run(det, losses, ratio):
 
 
 def test_plateau_then_eureka_moment():
-    # Changed with issue #17: the moment needs two samples below the plateau's trend (one noisy batch made
-    # false moments); it is reported at the second (9) with ``since`` the first (8), and it ends the plateau.
+    # The moment needs two samples below the plateau's trend (one noisy batch is no moment); it is reported at
+    # the second (9) with ``since`` the first (8), and it ends the plateau.
     # eureka_span=1: the moment reads each sample's loss (the median over a span is tested in test_plateau.py)
     det = Detectors(AlertConfig(plateau_window=6, plateau_rel=0.02, plateau_qk_ratio=0.3, eureka_drop=0.3,
                                 eureka_depth=0.0, eureka_span=1))
@@ -104,9 +102,9 @@ def test_slowly_sinking_plateau_is_flagged():
     # the Eureka reproduction's plateau: the loss still sinks ~0.3% per sample while the indicator is not read;
     # halves of the 20-sample window then differ by ~3% (<= plateau_rel 0.05); Q/K gradients at 0.35x of V's
     losses = [2.3, 2.0, 1.7] + [1.4 * 0.997**i for i in range(30)] + [1.0, 0.8, 0.5]
-    # Changed with issue #17: windows are in steps (20 samples at every=1 = plateau_window=20); the level is the
-    # trend's value, not a half-window mean; the moment needs 2 samples 25% below the trend (34 and 35: 1.0 at 33
-    # is only 22% below), so it is reported at 35 and marked at 34, the step the old assertion named.
+    # Windows are in steps (20 samples at every=1 = plateau_window=20); the level is the trend's value, not a
+    # half-window mean; the moment needs 2 samples 25% below the trend (34 and 35: 1.0 at 33 is only 22% below),
+    # so it is reported at 35 and marked at 34.
     # Pinned to the thresholds this test was written for (plateau_rel 0.05, plateau_qk_ratio 0.4, eureka_drop 0.25,
     # one sample per moment test, no depth line); the tuned defaults are evaluated on recorded runs
     # (docs/alerts.md#evaluation).
@@ -121,8 +119,8 @@ def test_slowly_sinking_plateau_is_flagged():
 
 def test_converged_low_loss_is_not_a_plateau():
     # flat at 0.1 after starting at 2.3: below plateau_min_frac (0.25) of the first loss, so a finished run,
-    # not a stuck one; the same flat stretch at 1.1 (48% of the start) is a plateau
-    # (windows in steps since issue #17: plateau_window=20 is the old 20 samples at every=1)
+    # not a stuck one; the same flat stretch at 1.1 (48% of the start) is a plateau (plateau_window=20: 20
+    # samples at every=1)
     losses = [2.3, 1.0, 0.3] + [0.1] * 30
     assert _plateau_run(Detectors(AlertConfig(plateau_window=20)), losses, ratio=0.05) == []
     out = _plateau_run(Detectors(AlertConfig(plateau_window=20)), [2.3, 1.5] + [1.1] * 30, ratio=0.05)
@@ -160,8 +158,8 @@ def test_loss_spike():
 
 def test_loss_spike_looks_back_in_steps_at_any_every():
     """A loss that starts to climb 0.05 per step at step 200 (after 200 flat noisy steps) is a spike within one
-    10-step interval at every 1, 2, 5 and 10 alike. Before issue #17's windows in steps the running mean forgot
-    10% per sample: at every=1 it followed the climb and never saw a spike."""
+    10-step interval at every 1, 2, 5 and 10 alike: the running mean forgets per step, not per sample (one that
+    forgot 10% per sample would, at every=1, follow the climb and never see a spike)."""
     rng = np.random.default_rng(0)
     losses = list(2.0 + 0.01 * rng.standard_normal(200)) + [2.0 + 0.05 * k + 0.01 * rng.standard_normal()
                                                             for k in range(100)]
@@ -267,7 +265,7 @@ def test_failing_callback_does_not_propagate(tmp_path):
 def test_monitor_raises_nonfinite_alert_once_per_episode(caplog):
     import torch
 
-    from hooks import Monitor
+    from hooks.monitor.monitor import Monitor
     from tests.support import zoo
 
     case = zoo.nanogpt()
@@ -283,7 +281,7 @@ def test_monitor_raises_nonfinite_alert_once_per_episode(caplog):
             case.model.zero_grad()
     monitor.close()
     assert [(a.step, a.kind) for a in seen if a.kind.startswith("nonfinite")] == [(0, "nonfinite_loss")]
-    # Changed with issue #31: the Monitor's own "non-finite values" warning said it a second time on the console
+    # said once on the console: by the nonfinite_loss alert, not again by a warning of the Monitor's own
     lines = [str(w.message) for w in caught] + [r.getMessage() for r in caplog.records]
     assert [line for line in lines if "non-finite" in line] == [next(line for line in lines if "nonfinite_loss" in
                                                                       line or "non-finite loss" in line)]
@@ -292,7 +290,7 @@ def test_monitor_raises_nonfinite_alert_once_per_episode(caplog):
 def test_skipped_step_numbers_warn_that_attention_was_not_captured():
     import torch
 
-    from hooks import Monitor
+    from hooks.monitor.monitor import Monitor
     from tests.support import zoo
 
     case = zoo.nanogpt()
@@ -323,12 +321,3 @@ def test_alerts_jsonl_is_strict_json_when_a_value_is_unknown(tmp_path):
 
     line = json.loads((tmp_path / "alerts.jsonl").read_text(), parse_constant=strict)
     assert line["values"] == {"loss": 1.3, "attn_uniformity": None}
-
-
-def test_a_field_that_is_gone_says_what_replaced_it():
-    with pytest.raises(ConfigError, match="sec_warn: collapse_warning reads collapse_risk.*warn_risk"):
-        AlertConfig(sec_warn=0.5)
-    with pytest.raises(ConfigError, match="plateau_qk_growth: replaced by plateau_qk_motion"):
-        AlertConfig(plateau_qk_growth=1.6)
-    with pytest.raises(ConfigError, match="watch_hold: .*CloserLookConfig"):
-        AlertConfig(watch_hold=100)

@@ -11,8 +11,7 @@ from diag.detectors import AlertConfig, Detectors, Observation
 from diag.detectors.plateau import Plateau
 
 # the spectra and attention of a softmax plateau: sigma_1(Wq^T Wk) still under updates of 1%, attention at 0.9 of
-# uniform's entropy
-# (a missing signal is missing: a plateau is flagged only on what it claims, issue #31)
+# uniform's entropy (a missing signal is missing: a plateau is flagged only on what it claims)
 STILL = {"qk_sigma1": np.array([1.0]), "attn_entropy": np.array([2.7]), "attn_entropy_uniform": np.array([3.0]),
          "update_ratio_q": np.array([0.01]), "update_ratio_k": np.array([0.01])}
 
@@ -71,10 +70,11 @@ def _flat_run(sigma_of_step, uniformity, cfg=None, update=0.01):
 
 
 def test_a_plateau_needs_query_key_weights_that_do_not_move_and_diffuse_attention():
-    """The alert says the model is stuck because attention learns slowly (Hoffmann et al.). Changed with issue
-    #31: sigma_1(Wq^T Wk) must move little per unit of the Q/K updates applied (ln growth / (steps x update
-    ratio) <= plateau_qk_motion: schedule-free, was a growth per window that a decaying learning rate confounds);
-    a flat loss with attention already focused (LLaMA's, 0.53-0.62 of uniform) is not that state either."""
+    """The alert says the model is stuck because attention learns slowly (Hoffmann et al.): sigma_1(Wq^T Wk)
+    must move little per unit of the Q/K updates applied (ln growth / (steps x update ratio) <=
+    plateau_qk_motion: schedule-free, where a growth per window would be confounded by a decaying learning
+    rate); a flat loss with attention already focused (LLaMA's, 0.53-0.62 of uniform) is not that state
+    either."""
     still = _flat_run(lambda s: [1.0, 2.0], 0.85)
     assert [(a.step, a.status) for a in still] == [(200, "firing")]  # the window (0, 200]: samples 10..200
     assert still[0].values["qk_motion"] == pytest.approx(0.0) and still[0].values["qk_sigma1_growth"] == 1.0
@@ -102,9 +102,9 @@ def test_a_plateau_needs_query_key_weights_that_do_not_move_and_diffuse_attentio
 
 
 def test_a_query_key_product_that_grew_much_over_the_window_is_no_plateau_whatever_its_motion():
-    """Issue #31's fourth session: over a window holding the run's first steps, whose update ratios are as large
-    as the weights, a query/key product grown 3-7x is a small motion per unit of them (GPT-2 and BERT of Hugging
-    Face at step 200 grew 4.0x and 3.2x at motion 0.08 and 0.05, and were flagged). sigma_1 x3 over the first
+    """Over a window holding the run's first steps, whose update ratios are as large as the weights, a
+    query/key product grown 3-7x is a small motion per unit of them (GPT-2 and BERT of Hugging Face at step
+    200 grow 4.0x and 3.2x at motion 0.08 and 0.05). sigma_1 x3 over the first
     100 steps, then still, with updates of 30% (motion ln 3 / (190 x 0.3) = 0.02): refused while the window
     holds most of the growth, flagged once it has rolled past enough: over the samples t - 190 .. t the growth is
     3 ** ((290 - t) / 100), at most 1.35 from t = 262.7."""
@@ -127,8 +127,9 @@ def _decaying_run(update_of_step, cfg=None, start=600, steps=1000):
 
 
 def test_a_loss_flat_under_a_decayed_learning_rate_is_no_plateau():
-    """Issue #31's seventh session: Hugging Face GPT-2 under warmup + cosine was warned at steps 880-900 of 1,000,
-    where its Q/K update ratios were 6-12% of what they had been; its NormSoftmax twin was no faster. The window's
+    """Hugging Face GPT-2 under warmup + cosine goes flat at steps 880-900 of 1,000, where its Q/K update ratios
+    are 6-12% of their largest; its NormSoftmax twin is no faster: it has stopped training, it is not stuck. The
+    window's
     mean Q/K update must be at least plateau_min_update (0.25) of the largest window's since the run's first
     window (not counting it: a run without warmup takes first steps as large as its weights). A constant
     learning rate is flagged once the loss has been flat a window; the same run whose updates decayed to 5%
@@ -157,8 +158,8 @@ def test_a_loss_flat_under_a_decayed_learning_rate_is_no_plateau():
 
 
 def test_a_plateau_without_spectra_or_attention_is_not_flagged():
-    """Changed with issue #31: a window without the spectra or the attention passed the entry tests (unknown
-    counted as a pass); now a plateau is flagged only on the evidence it states."""
+    """A window without the spectra or the attention does not pass the entry tests (unknown is no pass): a
+    plateau is flagged only on the evidence it states."""
     det, out = Detectors(), []
     for step in range(0, 400, 10):
         out += det.observe(Observation(step, 1.3, {"L00": {"grad_ratio_qk_v": np.array([0.3])}}))
@@ -170,20 +171,19 @@ def test_a_plateau_without_spectra_or_attention_is_not_flagged():
 
 
 def test_a_rising_loss_is_no_plateau():
-    """Changed with issue #31: abs() made a loss that rose by up to plateau_rel 'flat'."""
+    """A loss that rises, even by less than plateau_rel, is not flat."""
     assert run(1.3 * (1 + 0.0005 * np.arange(400))) == []  # +10% per 200 steps
     assert [a.step for a in run(np.full(400, 1.3))][:1] == [99]
 
 
-def test_a_state_saved_before_the_entry_test_read_spectra_and_attention_resumes():
-    """Points of the plateau window saved with [step, ratio, entropy] only (before issue #17's second round)
-    load with ln sigma_1 and the uniformity unknown; the resumed detector flags the plateau as the saved one
-    would have."""
+def test_a_state_without_the_windows_signals_resumes():
+    """Points of the plateau window saved as [step, ratio, entropy] without the window's signals load with
+    ln sigma_1 and the uniformity unknown; the resumed detector flags the plateau as the saved one would have."""
     det = Detectors(AlertConfig())
     for step in range(0, 150, 10):
         det.observe(Observation(step, 1.3, {"L00": {**STILL, "grad_ratio_qk_v": np.array([0.3])}}))
     state = det.state_dict()
-    assert len(state["loss_points"][0]) == 3  # an older version still reads the points (and ignores the rest)
+    assert len(state["loss_points"][0]) == 3  # the points keep three fields; the signals are saved apart
     del state["loss_signals"]
     resumed = Detectors(AlertConfig())
     resumed.load_state_dict(state)
@@ -230,10 +230,10 @@ def _flat_plateau(every):
 
 
 def test_the_trend_leaves_out_one_sample_far_under_it_but_not_the_plateaus_own_scatter():
-    """Issue #17's refit rule (docs/alerts.md#eureka_plateau): at every=1 the median of 20 samples hides one
-    sample 5 noise deviations down, which must not join the trend's window (the first samples of a drop);
-    at every=10 (a median of 2 samples) a pair 0.6 deviations down is the plateau's own scatter and joins it.
-    Before, the line was half a deviation at any cadence: the outlier joined, the scatter did not."""
+    """The refit rule (docs/alerts.md#eureka_plateau): at every=1 the median of 20 samples hides one sample 5
+    noise deviations down, which must not join the trend's window (the first samples of a drop); at every=10 (a
+    median of 2 samples) a pair 0.6 deviations down is the plateau's own scatter and joins it (a line of half a
+    deviation at any cadence would take the outlier and leave the scatter out)."""
     det, step = _flat_plateau(1)
     noise = det.plateau["noise"]
     expected = det.plateau["a"] + det.plateau["b"] * step
@@ -248,8 +248,7 @@ def test_the_trend_leaves_out_one_sample_far_under_it_but_not_the_plateaus_own_s
 
 
 # the moment's line of the tests below, whose samples are worked out for it: 0.575 x the plateau's level (the
-# default until issue #31's thirteenth session; the default's line is tested in
-# test_the_moment_is_marked_where_the_loss_is_deep_under_the_plateaus_level)
+# default's line is tested in test_the_moment_is_marked_where_the_loss_is_deep_under_the_plateaus_level)
 AT_0575 = AlertConfig(eureka_depth=0.425)
 
 
@@ -264,13 +263,13 @@ def _moments(losses, every=10, cfg=None):
 
 
 def test_the_moment_is_marked_where_the_loss_is_deep_under_the_plateaus_level():
-    """Issue #17 (docs/alerts.md#eureka_plateau): held-out accuracy passes halfway when the loss is about 0.6
+    """Held-out accuracy (docs/alerts.md#eureka_plateau) passes halfway when the loss is about 0.6
     of the plateau's level, so the moment needs the loss ``eureka_depth`` (38.5%) under the level the plateau was
     flagged at, not only 25% under its trend. A drop from the plateau's 1.4 that stops 3 points short of the line
     is no moment; the same run going on to 0.4 is marked where the loss crosses (1 - 0.385) x 1.4 = 0.861, at
     every cadence."""
     depth = AlertConfig().plateau.eureka_depth
-    assert depth == 0.385  # the shipped line (chosen in issue #31's thirteenth session)
+    assert depth == 0.385  # the default line (docs/alerts.md#defaults)
     steps = np.arange(1200)
     shallow = np.where(steps < 500, 1.4, np.maximum((1 - depth + 0.03) * 1.4, 1.4 - 0.005 * (steps - 500)))
     moments, plateau = _moments(shallow, cfg=AlertConfig())
@@ -291,13 +290,12 @@ def test_the_moment_is_marked_where_the_loss_is_deep_under_the_plateaus_level():
 
 def test_one_noisy_sample_back_over_the_line_does_not_delay_the_moment_but_two_do():
     """Sampled every 20 steps, the median of the last 20 steps is one batch: on held-out Eureka seed 22 the loss
-    crossed the depth line at 520, one noisy batch at 540 was back over it, and the moment waited for 560 and 580
-    (3 intervals after the accuracy jump at 500). One sample just over the line (nearer to it than to the
-    plateau's trend) between two under it no longer resets the count; two in a row still do, and so does one
-    back near the trend."""
+    crosses the depth line at 520 and one noisy batch at 540 is back over it (the accuracy jumps at 500). One
+    sample just over the line (nearer to it than to the plateau's trend) between two under it does not reset the
+    count; two in a row do, and so does one back near the trend."""
     plateau = [1.4] * 25  # steps 0-480, sampled every 20; the line is 0.575 x 1.4 = 0.805, halfway to it 1.10
     moments, _ = _moments(np.repeat(plateau + [0.78, 0.83, 0.76, 0.70, 0.6, 0.5], 20), every=20)
-    assert [m.since for m in moments] == [500]  # was 540
+    assert [m.since for m in moments] == [500]  # not 540: the sample at 540 is one noisy batch
     # two samples over the line in a row: the count starts again at 560
     moments, _ = _moments(np.repeat(plateau + [0.78, 0.83, 0.84, 0.76, 0.70, 0.6], 20), every=20)
     assert [m.since for m in moments] == [560]
@@ -346,9 +344,9 @@ def test_a_plateau_that_sinks_slowly_to_the_depth_line_is_no_moment():
     assert moments == []
 
 
-def test_a_plateau_saved_before_the_depth_line_takes_its_level_at_the_resume():
-    """A plateau saved without its level (before the depth line) takes the trend's value at the first step after
-    the resume as its level: 0.9 (36% under it) is no moment, 0.6 is."""
+def test_a_plateau_saved_without_its_level_takes_it_at_the_resume():
+    """A plateau saved without its level takes the trend's value at the first step after the resume as its
+    level: 0.9 (36% under it) is no moment, 0.6 is."""
     det = Detectors(AT_0575)
     for step in range(0, 400, 10):
         det.observe(Observation(step, 1.4, {"L00": {**STILL, "grad_ratio_qk_v": np.array([0.3])}}))
@@ -367,11 +365,10 @@ def test_a_plateau_saved_before_the_depth_line_takes_its_level_at_the_resume():
 
 
 def test_a_plateau_that_still_sinks_six_percent_per_100_steps_is_flagged():
-    """Fresh Eureka seed 44's plateau sank ~6% per 100 steps until its moment: sampled every 2 steps its window's
-    halves were 5.8-6.3% apart at steps 360-420, so the old `plateau_rel` of 5% did not flag it; the default
-    cadence did, at 340, where its samples happened to put the halves 4.9% apart. With the entry tests judging
-    the attention, the halves may differ by 12.5% (issue #17's third round, docs/alerts.md#defaults); a loss
-    falling 15% per 100 steps is still learning, not on a plateau."""
+    """Eureka seed 44's plateau sinks ~6% per 100 steps up to its moment: sampled every 2 steps its window's
+    halves are 5.8-6.3% apart at steps 360-420, so a `plateau_rel` of 5% flags it at one cadence and not at
+    another. With the entry tests judging the attention, the halves may differ by 12.5% (docs/alerts.md#defaults);
+    a loss falling 15% per 100 steps is still learning, not on a plateau."""
     sinking = run(1.4 * (1 - 0.0006 * np.arange(400)), every=10, cfg=AlertConfig())
     (flag,) = [a for a in sinking if a.kind == "eureka_plateau"]
     assert flag.step == 200 and "still sinks" in flag.message
@@ -382,8 +379,8 @@ def test_a_plateau_that_still_sinks_six_percent_per_100_steps_is_flagged():
 def test_the_plateau_begins_where_the_loss_came_down_into_its_band():
     """A window flat to 12.5% can still hold the end of the fall before the plateau: ``since`` is the first
     sample inside the plateau's band (its level x 1.125), and the message's sinking rate is measured from there.
-    Before, ``since`` was the window's first step (80 on Eureka seed 1, where the loss was still at 1.75) and
-    the rate, fitted over the fall's tail too, read 14% per 100 steps for a plateau sinking 3%."""
+    The window's first step would be too early (80 on Eureka seed 1, where the loss is still at 1.75), and a
+    rate fitted over the fall's tail too would read 14% per 100 steps for a plateau sinking 3%."""
     steps = np.arange(400)
     losses = np.where(steps < 150, 2.3 - 0.006 * steps, 1.4 - 0.0002 * (steps - 150))
     (flag,) = [a for a in run(losses, every=10, cfg=AlertConfig()) if a.kind == "eureka_plateau"]

@@ -64,8 +64,7 @@ def test_growth_is_per_window_at_any_sampling_interval():
 
 
 def test_an_update_ratio_older_than_update_fresh_is_missing_not_stale():
-    """Changed with issue #31: the update ratio of step 0 (sampled every 100 steps) no longer stands in for the
-    steps after it."""
+    """The update ratio of step 0 (sampled every 100 steps) does not stand in for the steps after it."""
     seq = [(0, sample([0.1], [0.3], [3.0], [40], [2.0], update=0.8))] + \
           [(s, sample([0.1 * (1 + s / 10)], [0.3], [3.0], [40], [2.0])) for s in range(10, 41, 10)]
     fresh = features(seq[:2])
@@ -101,8 +100,8 @@ def test_layer_probability_needs_its_share_of_heads():
 
 
 def test_a_head_already_collapsed_counts_as_collapsed_and_the_layer_waits_for_the_next():
-    """A layer of 4 that needs 2: with head 0 established, its (extrapolated, safe-looking) logit no longer
-    decides; the layer's probability is that of the likeliest other head, the k-th of the rest. With 2 held
+    """A layer of 4 that needs 2: with head 0 established, its (extrapolated, safe-looking) logit does not
+    decide; the layer's probability is that of the likeliest other head, the k-th of the rest. With 2 held
     the layer has collapsed: 1."""
     model = toy_model()
     x = np.zeros((4, len(FEATURES)))
@@ -258,7 +257,7 @@ def test_the_calibration_interval_resamples_runs_not_forecasts():
 
 def test_the_configuration_baseline_says_when_it_could_not_be_fitted():
     """With no design or tuning runs under RUNS the baseline is the set's own overall frequency, and its row
-    says so (it used to read "fitted on the tuning runs" all the same)."""
+    says so instead of "fitted on the tuning runs"."""
     from evaluation.report import Forecast, risk_tables
 
     fs = [Forecast(f"r{i}", lr, 0, "", "lm", t, "layer0", 0.3, int(lr > 4e-3 and t > 5))
@@ -271,7 +270,7 @@ def test_the_configuration_baseline_says_when_it_could_not_be_fitted():
 
 def test_one_sample_of_high_risk_is_no_warning_two_in_a_row_are():
     """warn_samples (2 here; the default is 3): a layer's risk at warn_risk at one sample and under it at the
-    next (a transient dip of attention, issue #31's QK-norm runs at steps 4 and 12) warns nobody; at 2 samples in
+    next (a transient dip of attention, as QK-norm runs show at steps 4 and 12) warns nobody; at 2 samples in
     a row it warns, dated from the first. With warn_samples=1 the single sample warns; with 3, two do not."""
     def alerts_of(entropies, cfg):
         risk = CollapseRisk(cfg, AttentionStates(StatesConfig()), 50, toy_model())
@@ -340,12 +339,11 @@ def replay_with(script, model):
 
 
 def test_a_head_hovering_at_the_line_of_a_layer_at_risk_is_confirmed_at_every_step(monkeypatch):
-    """Issue #31's sixth report set's missed collapse, rebuilt: both heads of a layer whose risk is high sit
-    inside the malignant lines between the samples of the closer look (every 10 steps) and just above the
-    entropy line at each of them. The ground truth (every step) establishes the layer at 60; the live
-    detector, replayed as the Monitor samples (evaluation.detectors.at_default_cadence), sees it only because a
-    head come between the lines of a layer at risk is confirmed at every step for 20 steps. Without that
-    confirmation the layer collapse gets no critical record."""
+    """Both heads of a layer whose risk is high sit inside the malignant lines between the samples of the closer
+    look (every 10 steps) and just above the entropy line at each of them. The ground truth (every step) establishes
+    the layer at 61; the live detector, replayed as the Monitor samples (evaluation.detectors.at_default_cadence),
+    sees it only because a head come between the lines of a layer at risk is confirmed at every step for 20 steps.
+    Without that confirmation the layer collapse gets no critical record."""
     import diag.detectors.risk as risk_module
     from diag.detectors.states import episodes_of
 
@@ -363,12 +361,11 @@ def test_a_head_hovering_at_the_line_of_a_layer_at_risk_is_confirmed_at_every_st
 
 
 def test_a_head_hovering_at_the_line_of_a_layer_at_low_risk_is_confirmed_too():
-    """Issue #31's eighth report set's missed collapse (a slow one on the prose corpus at risk 0.11), rebuilt:
-    the same hovering heads as above under a model whose risk stays at 0.05, so no closer look is on and
-    attention is sampled every 50 steps. The sample at 50 finds both heads between the lines; the layer is
-    confirmed at every step from there (with its own reason for the closer look) and the collapse the
-    ground truth establishes at 61 gets its critical record there. Gated on the risk (until the twelfth
-    session) it got none."""
+    """A slow collapse at a low risk: the same hovering heads as above under a model whose risk stays at 0.05,
+    so no closer look is on and attention is sampled every 50 steps. The sample at 50 finds both heads between
+    the lines; the layer is confirmed at every step from there (with its own reason for the closer look) and the
+    collapse the ground truth establishes at 61 gets its critical record there; a confirmation gated on the
+    risk would give it none."""
     model = toy_model(weight=0.0)
     model.layer_bias = -3.0  # p = sigmoid(-3) = 0.047 at every sample, under watch_risk
     script = band_script()

@@ -4,13 +4,20 @@ the evaluation's ground truth (episodes_of over the attention logged at every st
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
 
 from diag.detectors import AlertConfig, Detectors, Observation
 from diag.detectors.config import StatesConfig
-from diag.detectors.states import AttentionStates, attention_state, episodes_of, layer_needs, lines
+from diag.detectors.states import STATES, AttentionStates, episodes_of, layer_needs, lines
+from diag.detectors.states import tests as state_tests
+
+
+def attention_state(entropy, rank, rows, cfg, uniform_entropy=math.inf):
+    """One sample's state by the definition's entry tests ('normal' when it passes none)."""
+    return next((s for s in STATES if state_tests(s, entropy, rank, rows, uniform_entropy, cfg)[0]), "normal")
 
 
 def attn(entropy, rank, rows=64.0, uniform=3.5):
@@ -76,7 +83,7 @@ def test_one_head_is_a_warning_and_the_layer_is_critical_when_its_share_of_heads
 
 
 def test_a_layer_whose_single_head_collapses_gets_no_critical_record():
-    """The issue's false critical: one head of two malignant is a head-level record only."""
+    """One head of two malignant is a head-level record only, never a critical layer record."""
     script = [(s, attn([0.1, 2.0], [2.0, 40.0])) for s in range(0, 200, 5)]
     alerts, episodes = run(script)
     assert {(a.level, a.where) for a in alerts} == {("warning", "L00/H00")}
@@ -207,8 +214,8 @@ def test_a_head_on_its_way_out_does_not_open_its_layer_with_a_head_coming_in():
 
 
 def test_a_resume_from_head_episodes_only_does_not_announce_the_layer_again():
-    """A state saved before layers were kept (format 2: ``attention_episodes``, heads only): the layer's state is
-    derived from its heads on resume, silently, not fired as news."""
+    """A state that holds the heads only (``attention_episodes``): the layer's state is derived from its heads on
+    resume, silently, not fired as news."""
     script = [(s, attn([0.1, 0.1], [2.0, 2.0])) for s in range(0, 100, 10)]
     first = AttentionStates(StatesConfig())
     before = [a for s, m in script[:5] for a in first.observe(Observation(s, None, {"L00": m}))]
@@ -243,15 +250,13 @@ def test_a_layer_one_established_head_short_of_its_state_is_watched():
 
 
 def test_a_short_layer_state_whose_start_fell_between_samples_is_counted_from_its_start_at_the_default_cadence():
-    """The fifth report set's missed collapse, rebuilt: head 0 established early, head 1 enters at step 134 and
-    the layer's state ends at 148, 3 steps after the ground truth establishes it (145). At the default cadence,
-    close samples every 10 steps would first show head 1 at 140, so the dwell counted from there ends after the
-    state; watching the layer every ``watch_every`` steps shows it at 134 and the critical record comes at 144,
-    before the state ends. The tenth report set's miss, rebuilt the same way: head 1 enters at an odd step (135)
-    and the layer's state ends one step after it is established (146): watched every 2 steps (the default until
-    issue #31's fourteenth session) head 1 is first seen at 136 and the dwell counted from there ends after the
-    state; watched every step (the default) the record comes at 145. Replayed as the evaluation replays
-    (evaluation.detectors.at_default_cadence)."""
+    """Head 0 established early, head 1 enters at step 134 and the layer's state ends at 148, 4 steps after the
+    ground truth establishes it (144). Close samples every 10 steps would first show head 1 at 140, so the dwell
+    counted from there ends after the state; watching the layer every ``watch_every`` steps shows it at 134 and
+    the critical record comes at 144, before the state ends. Head 1 entering at an odd step (135), the layer's
+    state ending one step after it is established (146): watched every 2 steps head 1 is first seen at 136 and
+    the dwell counted from there ends after the state; watched every step (the default) the record comes at 145.
+    Replayed as the evaluation replays (evaluation.detectors.at_default_cadence)."""
     import functools
 
     from evaluation import detectors as evaluate_detectors
@@ -278,12 +283,12 @@ def test_a_short_layer_state_whose_start_fell_between_samples_is_counted_from_it
         return [(a.step, a.since) for a in alerts if a.level == "critical" and a.status == "firing"]
 
     assert CloserLookConfig.watch_every == 1
-    fifth, tenth = script(134, 148), script(135, 146)
-    assert truth(fifth) == [("L00", 134, 144, 148)] and truth(tenth) == [("L00", 135, 145, 146)]
-    assert critical(fifth, CloserLookConfig.watch_every) == critical(fifth, 2) == [(144, 134)]
-    assert critical(fifth, 10) == []  # no watch: first seen at 140, and the state is over at 148
-    assert critical(tenth, CloserLookConfig.watch_every) == [(145, 135)]
-    assert critical(tenth, 2) == []  # first seen at 136: the dwell counted from there ends at 146, with the state
+    even, odd = script(134, 148), script(135, 146)
+    assert truth(even) == [("L00", 134, 144, 148)] and truth(odd) == [("L00", 135, 145, 146)]
+    assert critical(even, CloserLookConfig.watch_every) == critical(even, 2) == [(144, 134)]
+    assert critical(even, 10) == []  # no watch: first seen at 140, and the state is over at 148
+    assert critical(odd, CloserLookConfig.watch_every) == [(145, 135)]
+    assert critical(odd, 2) == []  # first seen at 136: the dwell counted from there ends at 146, with the state
 
 
 def test_a_head_between_the_malignant_lines_is_noted_from_the_first_sample_of_its_stay():

@@ -117,7 +117,7 @@ def test_live_report_shows_curves_heatmaps_and_alerts_with_advice(seen):
     assert {"Alerts", "Curves", "Heatmaps over time"} <= set(page["headings"])
     assert len(page["figures"]) >= 12 and all(w > 300 and h > 100 for w, h, _ in page["figures"]), page["figures"]
     alerts = [json.loads(line) for line in (seen["logdir"] / "alerts.jsonl").read_text().splitlines()]
-    # each message's account in one column and its advice in the next, said once (issue #31: it was said twice);
+    # each message's account in one column and its advice in the next, said once;
     # the table's cells are the page text's tab- and line-separated pieces (a head's advice holds its layer's and
     # adds a sentence, so a substring count would count the layer's advice inside the heads')
     assert alerts

@@ -71,8 +71,8 @@ def check_live_run(logdir: Path, stdout: str, sampled: list[int]) -> list[dict]:
 def test_plain_loop(tmp_path):
     out = run_example("01_plain_loop.py", "--logdir", str(tmp_path), "--steps", "15")
     check_live_run(tmp_path, out, [0, 5, 10])
-    # no warmup, lr 5e-3: the first updates are as large as the weights. Changed with issue #17: this asserted a
-    # collapse_warning, which then fired in every no-warmup run (the bug); now an info note says what it is
+    # no warmup, lr 5e-3: the first updates are as large as the weights, and an info note says what that is (no
+    # collapse warning)
     assert any(kind == "large_early_updates" for _, _, kind, _ in printed_alerts(out))
     assert f"tensorboard --logdir {tmp_path}" in out
 

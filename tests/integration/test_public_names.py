@@ -84,3 +84,13 @@ def test_documented_paths_exist():
     missing = [(path.name, m.group(1)) for path in FILES
                for m in PATH.finditer(path.read_text(encoding="utf-8")) if not (ROOT / m.group(1)).exists()]
     assert not missing, missing
+
+
+def test_each_public_name_has_one_home():
+    """``diag`` exports the pure names, ``hooks`` the live ones: no name is exported by both, and each imports."""
+    import diag
+    import hooks
+
+    assert not set(diag.__all__) & set(hooks.__all__)
+    for package in (diag, hooks):
+        assert all(hasattr(package, name) for name in package.__all__), package.__name__

@@ -37,8 +37,8 @@ from hooks.demo import DemoRun, train
 
 @pytest.mark.parametrize("warmup", [0, 100])
 def test_demo_notes_large_first_updates_without_warmup_and_is_quiet_with_it(tmp_path, warmup):
-    """Changed with issue #17: this asserted collapse_warning at step 10, the first sample of every no-warmup run
-    (the bug the issue names). The honest signal at step 0 is the info note on large first updates."""
+    """Large first updates (no warmup) are no collapse warning: the honest signal at step 0 is the info note on
+    large first updates, and the warmup twin gets none."""
     monitor, losses = train(DemoRun(logdir=tmp_path / "run", steps=41, warmup=warmup, quiet=True))
     alerts = monitor.alert_sink.history
     notes = [a.step for a in alerts if a.kind == "large_early_updates"]
@@ -72,7 +72,7 @@ def test_the_twin_test_of_a_plateau():
     assert plateau_by_twin(run, quick, 2.8) is True  # 136 steps sooner: >= 25% of 400
     assert plateau_by_twin(run, slow, 2.8) is False
     assert plateau_by_twin(run, _run([3.0] * 400), 2.8) is False and plateau_by_twin(run, None, 2.8) is None
-    # neither leaves the level (issue #31's BERT runs and their twins, at the context-free level all run): stuck,
+    # neither leaves the level (as BERT runs and their twins at the context-free level): stuck,
     # and the twin test has no verdict on the cause; a run that leaves it is not stuck
     flat = _run([3.0] * 400)
     assert stuck_with_twin(flat, _run([3.0] * 400), 2.8) and plateau_by_twin(flat, _run([3.0] * 400), 2.8) is False
@@ -124,7 +124,7 @@ def test_accuracy_jump():
 
 
 def test_a_run_cut_off_during_its_jump_has_not_settled():
-    """vit-lr0.001-s130 of the third report set, re-recorded: the accuracy still rose from 0.58 to 0.72 over the
+    """A run cut off during its jump (as vit-lr0.001-s130): the accuracy still rises from 0.58 to 0.72 over the
     last 100 steps, so "halfway to the final accuracy" (the jump's date, 1900) is halfway to a point on the way
     up. A jump that finished 100 steps before the end has settled."""
     plateau = [(s, 0.0, 0.42) for s in range(0, 1860, 20)]
@@ -139,8 +139,8 @@ def test_a_run_cut_off_during_its_jump_has_not_settled():
 
 
 def test_the_accuracy_jump_is_also_judged_as_the_span_it_takes():
-    """Issue #31's eleventh session: on the consulted Eureka runs the accuracy takes 3-15 evaluation intervals to
-    rise from a quarter to three quarters of the way up; the span is the first evaluations above those lines."""
+    """On the consulted Eureka runs the accuracy takes 3-15 evaluation intervals to rise from a quarter to three
+    quarters of the way up; the span is the first evaluations above those lines."""
     rise = [(500 + 20 * i, 0.0, 0.43 + 0.05 * i) for i in range(1, 10)]  # 0.48 at 520 .. 0.88 at 680
     info = {"blind": 0.43, "evals": [(s, 0.0, 0.42) for s in range(0, 520, 20)] + rise
             + [(s, 0.0, 0.92) for s in range(700, 2000, 20)]}
@@ -221,9 +221,9 @@ def test_a_plan_runs_multi_threaded_runs_with_fewer_processes():
 
 
 def test_a_claim_whose_recorder_is_gone_is_taken_over_and_a_living_one_is_not(tmp_path):
-    """A killed recording left its ``.claim`` behind, and the plan reported the run as recorded while skipping
-    it; now the claim holds its process id: a dead one's is taken over, a living one's or an unreadable one
-    says which file to look at."""
+    """A killed recording leaves its ``.claim`` behind: the claim holds its process id, so a dead one's is taken
+    over, and a living one's or an unreadable one says which file to look at (never a run reported as recorded
+    while it is skipped)."""
     import os
     import subprocess
     import sys
@@ -252,7 +252,7 @@ def test_the_warning_threshold_that_meets_both_goals_beats_a_quieter_one_with_th
                 + [{**row, "onset": None, "warned": False, "lead": None, "false_warning": True}] * false
                 + [{**row, "onset": None, "warned": False, "lead": None, "false_warning": False}] * quiet)
 
-    meets = warn_score(rows(43, 1, 2, 46))  # 98% warned, 4% false: both of issue #31's goals
+    meets = warn_score(rows(43, 1, 2, 46))  # 98% warned, 4% false: both goals (CATCH_GOAL, FALSE_GOAL)
     quiet = warn_score(rows(39, 5, 0, 48))  # 89% warned, none false: the same plain score, 43 - 2 x 2 = 39
     assert meets[1:] == (43, 44, 2, 48) and quiet[1:] == (39, 44, 0, 48)
     assert meets[0] > quiet[0]

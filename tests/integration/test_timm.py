@@ -37,8 +37,8 @@ from torch import nn
 from diag.layouts.adapters import find_layout
 from diag.math.attention import stats_from_probabilities_reference
 from diag.outputs.sinks import MemorySink
-from hooks import Monitor
 from hooks.layout.discover import module_view
+from hooks.monitor.monitor import Monitor
 from tests.support import zoo
 from tests.support.harness import assert_sigma1_by_hand, one_step
 from tests.support.references import assert_max_logits

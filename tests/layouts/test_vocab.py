@@ -87,7 +87,7 @@ def test_groups_and_order_of_a_fused_weight(qkv):
     rows = torch.cat([torch.cat([kg[i][None], vg[i][None], qg[i * n:(i + 1) * n]]).reshape(-1, E) for i in range(2)])
     _check(QKVLayout(H, D, "w", packing="fused_per_group", n_kv_heads=G, groups=2, order="kvq"), {"w": rows}, qkv)
     falcon = QKVLayout(H, D, "w", packing="fused_per_group", n_kv_heads=G)
-    assert falcon.groups is None and "groups" not in falcon.describe()  # None: n_kv_heads groups, as before
+    assert falcon.groups is None and "groups" not in falcon.describe()  # None: n_kv_heads groups
     from_numpy = QKVLayout(H, D, "w", packing="fused_per_group", groups=np.int64(2), order="qvk")  # from a config
     assert type(from_numpy.groups) is int and json.dumps(from_numpy.to_dict())
 

@@ -203,8 +203,8 @@ _ATTN = "layers.0.self_attn."
 
 @FUZZ
 @given(odd_state(), st.sampled_from([".pt", ".safetensors"]), st.none() | st.integers(1, 5))
-# found by this test in issue #31's twelfth session: empty Q/K rows made a head width of 0, and the separate
-# projections' adapter and the grouped-query hint divided by it (ZeroDivisionError, not a clean error)
+# empty Q/K rows make a head width of 0, which the separate projections' adapter and the grouped-query hint
+# must not divide by (a ZeroDivisionError, not a clean error)
 @example({f"{_ATTN}q_proj.weight": torch.zeros(1, 0), f"{_ATTN}k_proj.weight": torch.zeros(0, 0),
           f"{_ATTN}v_proj.weight": torch.zeros(0, 0), f"{_ATTN}o_proj.weight": torch.tensor(1.0)}, ".pt", None)
 @example({f"{_ATTN}q_proj.weight": torch.zeros(0, 0), f"{_ATTN}k_proj.weight": torch.zeros(0, 0),

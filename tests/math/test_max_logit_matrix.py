@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from diag.outputs.sinks import MemorySink
-from hooks import Monitor
+from hooks.monitor.monitor import Monitor
 from tests.support import zoo
 from tests.support.references import assert_max_logits, logits_by_hand
 

@@ -23,7 +23,7 @@ import torch
 
 from diag.math.attention import stats_from_probabilities_reference
 from diag.outputs.sinks import MemorySink
-from hooks import Monitor
+from hooks.monitor.monitor import Monitor
 from tests.support import zoo
 from tests.support.references import attention_modules, hand_sliced
 
@@ -132,7 +132,7 @@ def test_spectra_match_full_svd(ran):
 
 def reference_attention(case: zoo.Case, batch: dict) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
     """The model's own eager probabilities per layer (N, H, Q, K), allowed keys (N, Q, K), and which query
-    rows are tokens (N, Q): padded rows (right padding) do not count (issue 16; they used to)."""
+    rows are tokens (N, Q): padded rows (right padding) do not count."""
     model, n = case.model, 2
     ids = batch["input_ids"][:n]
     seq = ids.shape[1]

@@ -16,7 +16,7 @@ from diag.cli.main import main
 from diag.offline.checkpoint import CheckpointError, open_checkpoint
 from diag.offline.series import analyze_checkpoints
 from diag.outputs.sinks import MemorySink
-from hooks import Monitor
+from hooks.monitor.monitor import Monitor
 from tests.support import zoo
 
 WEIGHT_TAGS = ("qk_sigma1", "qk_sec", "qk_erank", "qk_stable_rank")

@@ -21,9 +21,9 @@ from diag.layouts.infer import fused_layouts
 from diag.layouts.vocab import QKVLayout, split_qkv
 from diag.offline.series import analyze_checkpoints
 from diag.outputs.sinks import MemorySink
-from hooks import Monitor
 from hooks.checkpoint.search import ModelLayouts
 from hooks.checkpoint.verdicts import verdicts
+from hooks.monitor.monitor import Monitor
 from tests.support import zoo
 
 H, D, E = 4, 8, 32
@@ -151,7 +151,7 @@ def test_family_folder_is_exact_with_no_options(name, tmp_path):
 
 
 def test_bigcode_multi_head_is_not_read_as_all_q_all_k_all_v(tmp_path):
-    """The bug of issue 20: its c_attn has nanoGPT's name and shape but is interleaved per head."""
+    """GPT-BigCode's c_attn has nanoGPT's name and shape but is interleaved per head."""
     model = _model("gpt-bigcode-multi-head")
     model.save_pretrained(tmp_path / "bc")
     layers = _offline(tmp_path / "bc").layers
@@ -212,7 +212,7 @@ def test_a_large_model_is_probed_on_a_small_twin_and_every_layer_gets_its_layout
 
 
 def test_the_command_line_reads_a_bigcode_folder_exactly_with_no_options(tmp_path, capsys):
-    """The case of issue 20 end to end: once read as [all Q | all K | all V] with exit code 0."""
+    """GPT-BigCode end to end: its interleaved c_attn is never read as [all Q | all K | all V]."""
     model = _model("gpt-bigcode-multi-head")
     model.save_pretrained(tmp_path / "bigcode")
     code = main(["analyze", str(tmp_path / "bigcode"), "--json", "--out", str(tmp_path / "out"), "--no-report"])
@@ -229,8 +229,8 @@ def test_the_command_line_reads_a_bigcode_folder_exactly_with_no_options(tmp_pat
 
 def test_a_codegen_folder_is_read_as_groups_of_query_value_key(tmp_path):
     """CodeGen's qkv_proj: 4 groups of [Q | V | K]. The probe forward finds QKVLayout(groups=4, order='qvk')
-    among the fused candidates (none fitted before, and its logits, computed in float32 inside a float64
-    twin, were then also held to float64's precision), and the spectra are the full SVD of Wq_h^T Wk_h sliced
+    among the fused candidates (its logits, computed in float32 inside a float64 twin, are held to float32's
+    precision, not float64's), and the spectra are the full SVD of Wq_h^T Wk_h sliced
     by hand as transformers' CodeGenAttention splits its rows."""
     nh, d = 8, 4
     torch.manual_seed(0)

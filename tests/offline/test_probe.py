@@ -8,8 +8,8 @@ import torch
 from diag.cli.main import main
 from diag.offline.series import analyze_checkpoints
 from diag.outputs.sinks import MemorySink
-from hooks import Monitor
 from hooks.checkpoint.probe import Probe
+from hooks.monitor.monitor import Monitor
 from tests.support import zoo
 
 ATTN_TAGS = ("attn_entropy", "attn_rank", "attn_max_logit", "attn_rows", "attn_entropy_uniform")

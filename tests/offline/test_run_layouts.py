@@ -23,7 +23,7 @@ from diag.layouts.vocab import QKVLayout
 from diag.offline.layoutfile import FILE_NAME, LayoutEntry, read_layout_file, write_layout_file
 from diag.offline.series import analyze_checkpoints
 from diag.outputs.sinks import MemorySink
-from hooks import Monitor
+from hooks.monitor.monitor import Monitor
 from tests.support import zoo
 
 E, H, VOCAB, T = 32, 4, 50, 8

@@ -17,7 +17,7 @@ TRAIN = textwrap.dedent(
     """
     import torch
     from tests.support import zoo
-    from hooks import Monitor
+    from hooks.monitor.monitor import Monitor
     torch.set_num_threads(1)
     case = zoo.nanogpt()
     opt = torch.optim.AdamW(case.model.parameters(), lr=1e-3)
@@ -72,7 +72,7 @@ def test_killed_process_leaves_only_complete_lines(tmp_path):
 def test_resume_with_purge_step_does_not_duplicate_tensorboard_steps(tmp_path):
     import torch
 
-    from hooks import Monitor
+    from hooks.monitor.monitor import Monitor
     from tests.support import zoo
 
     def run(start: int, stop: int, purge: int | None) -> None:

@@ -6,9 +6,9 @@ the runs and plugins it lists; every scalar series with ``metrics.jsonl`` and th
 Monitor's own records; the custom-scalars layout with what the Monitor wrote, and
 every chart's regex, resolved by the server itself, with the written tags; the images
 (PNG, decoded) pixel for pixel with the arrays the Monitor drew; the histograms and
-alert texts. Unit tests pin the image building (pixel layout, colours, scales) and the
-layout rules; the Monitor's image options and fault isolation are checked without a
-server.
+alert texts. Unit tests pin the data behind the images (grids, colour ranges, the heads
+an alert names) and the layout rules; the Monitor's image options and fault isolation are
+checked without a server.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import urllib.parse
 import urllib.request
 import warnings
 
+import matplotlib
 import numpy as np
 import pytest
 import torch
@@ -36,25 +37,13 @@ from diag.catalog.metrics import CHART_STAT, LAYER_METRICS, PER_HEAD_METRICS, fa
 from diag.catalog.tags import layer_runs
 from diag.detectors import Alert, AlertConfig, TrainingHalted
 from diag.errors import ConfigError
-from diag.outputs.images import (
-    ALERT_MAPS_PER_STEP,
-    MISSING,
-    VIRIDIS_ANCHORS,
-    UpdateRatioHistory,
-    attention_map_image,
-    colormap,
-    flagged_heads,
-    heatmap,
-    layer_head_grid,
-    layer_head_heatmaps,
-    update_ratio_image,
-)
+from diag.outputs.images import ALERT_MAPS_PER_STEP, UpdateRatioHistory, flagged_heads, layer_head_data
 from diag.outputs.sinks import MemorySink, Record
-from diag.outputs.tb_layout import build_layout, chart_regexes
-from hooks import Monitor
+from diag.outputs.tb_layout import build_layout
+from hooks.monitor.monitor import Monitor
 from tests.support import zoo
 
-LUT = colormap()
+VIRIDIS = np.rint(np.array(matplotlib.colormaps["viridis"].colors) * 255).astype(int)  # (256, 3)
 STEPS = 5
 RUN = "run1"
 
@@ -138,6 +127,11 @@ def _memory_scalars(memory: MemorySink) -> dict[str, dict[int, float]]:
     return out
 
 
+def chart_regexes(layout: dict[str, dict[str, list]]) -> dict[tuple[str, str], list[str]]:
+    """``{(category, chart title): [regex, ...]}`` of a custom-scalars layout."""
+    return {(cat, title): list(spec[1]) for cat, charts in layout.items() for title, spec in charts.items()}
+
+
 def _same_float32(expected: float, got: float) -> bool:
     if not math.isfinite(expected):
         return not math.isfinite(got)
@@ -147,7 +141,7 @@ def _same_float32(expected: float, got: float) -> bool:
 # ------------------------------------------------------------- the server
 
 
-# The run scheme changed on purpose (#18): besides the run itself (every tag), one run per layer (its
+# Besides the run itself (every tag), one run per layer (its
 # charted statistics under one name, so a chart draws the layers in distinct colours and names them) and
 # one per alert level (the alerts raised at each sampled step, zero when none).
 LAYER_RUNS = [f"{RUN}/L00", f"{RUN}/L01"]
@@ -260,7 +254,7 @@ def test_images_are_served_pixel_for_pixel(server, run):
         assert sorted(served) == sorted(drawn[tag]), tag
         for step, pixels in served.items():
             np.testing.assert_array_equal(pixels, drawn[tag][step], err_msg=f"{tag} at step {step}")
-    # (#18, on purpose) every image is a figure with axes, tick values, labels and a colour bar, not bare cells
+    # every image is a figure with axes, tick values, labels and a colour bar, not bare cells
     for tag in drawn:
         for step, image in drawn[tag].items():
             assert looks_like_a_figure(image), (tag, step)
@@ -271,7 +265,7 @@ def looks_like_a_figure(image: np.ndarray) -> bool:
     rgb = image.astype(int)
     white = (rgb > 245).all(axis=-1).mean()
     dark = (rgb < 60).all(axis=-1).mean()
-    dist = np.abs(rgb[:, :, None, :] - LUT[None, None, ::8, :].astype(int)).sum(-1).min(-1)
+    dist = np.abs(rgb[:, :, None, :] - VIRIDIS[None, None, ::8, :]).sum(-1).min(-1)
     viridis = (dist < 30).mean()
     return image.shape[0] >= 200 and image.shape[1] >= 250 and white > 0.15 and dark > 0.002 and viridis > 0.05
 
@@ -294,7 +288,7 @@ def test_histograms_and_alert_texts_are_served(server, run):
     # SummaryWriter.add_text appends "/text_summary" to the tag
     assert sorted(_json(server, "/data/plugin/text/tags")[RUN]) == ["alerts/benign_collapse/text_summary",
                                                                     "run/attention_sample/text_summary"]
-    # the constants of the attention sample are a table, not charts (#18)
+    # the constants of the attention sample are a table, not charts
     (table,) = _json(server, "/data/plugin/text/text", run=RUN, tag="run/attention_sample/text_summary")
     assert table["step"] == 0 and "attn_rows" in table["text"] and "L01" in table["text"]
     (entry,) = _json(server, "/data/plugin/text/text", run=RUN, tag="alerts/benign_collapse/text_summary")
@@ -302,39 +296,10 @@ def test_histograms_and_alert_texts_are_served(server, run):
     assert all(f"L{i:02d}/H{h:02d}" in entry["text"] for i in range(2) for h in range(4))
 
 
-# ------------------------------------------------------------- image building
+# ------------------------------------------------------------- the data behind the images
 
 
-def test_heatmap_pixel_layout():
-    values = np.array([[0.0, 1.0, 2.0], [3.0, np.nan, 4.0]])
-    image = heatmap(values, lo=0.0, hi=4.0, cell=5)
-    assert image.shape == (10, 15, 3) and image.dtype == np.uint8
-    for i in range(2):
-        for j in range(3):
-            block = image[5 * i: 5 * i + 5, 5 * j: 5 * j + 5]
-            expected = MISSING if np.isnan(values[i, j]) else LUT[int(round(values[i, j] / 4.0 * 255))]
-            assert (block == expected).all(), (i, j)
-    # row 0 at the top, column 0 at the left; clipped outside [lo, hi]
-    assert (heatmap(np.array([[-9.0, 99.0]]), 0.0, 1.0, cell=1)[0] == [LUT[0], LUT[-1]]).all()
-    # rectangular cells
-    assert heatmap(values, 0.0, 4.0, cell=(2, 7)).shape == (4, 21, 3)
-    with pytest.raises(ValueError, match="2-D"):
-        heatmap(np.zeros(3), 0.0, 1.0)
-
-
-def test_colormap_is_matplotlib_viridis():
-    from matplotlib import colormaps
-
-    reference = np.array([colormaps["viridis"](i / 255)[:3] for i in range(256)]) * 255
-    assert LUT.shape == (256, 3)
-    assert np.abs(LUT.astype(float) - reference).max() <= 6.0
-    assert (LUT[0] == VIRIDIS_ANCHORS[0]).all() and (LUT[-1] == VIRIDIS_ANCHORS[-1]).all()
-    assert not (LUT == MISSING).all(axis=1).any()  # grey is not a viridis colour
-    luminance = LUT.astype(float) @ [0.299, 0.587, 0.114]
-    assert (np.diff(luminance) > -1.0).all()  # dark to bright
-
-
-def test_layer_head_heatmaps_scales():
+def test_layer_head_data_grids_and_colour_ranges():
     arrays = {
         "L00": {"qk_sigma1": np.array([1.0, 4.0]), "qk_sec": np.array([0.0, 1.0]),
                 "attn_entropy": np.array([0.0, 2.0]), "attn_entropy_uniform": np.array([2.0])},
@@ -343,41 +308,14 @@ def test_layer_head_heatmaps_scales():
                 "attn_entropy": np.array([0.5]), "attn_entropy_uniform": np.array([1.0])},
     }
     labels = ["L00", "L01", "L02"]
-    grid = layer_head_grid(arrays, labels, "qk_sigma1")
-    np.testing.assert_array_equal(grid, [[1.0, 4.0], [np.nan, np.nan], [2.0, np.nan]])
-    images = layer_head_heatmaps(arrays, labels)
-    assert set(images) == {"heatmap/qk_sigma1", "heatmap/qk_sec", "heatmap/attn_entropy"}
-    cell = images["heatmap/qk_sec"].shape[0] // 3
-    assert images["heatmap/qk_sec"].shape == (3 * cell, 2 * cell, 3)
-    pix = {tag: image[::cell, ::cell] for tag, image in images.items()}
-    # sigma_1 on 0 .. max of the image (4): 1 -> 1/4, 4 -> top, 2 -> half
-    assert (pix["heatmap/qk_sigma1"][0, 0] == LUT[64]).all() and (pix["heatmap/qk_sigma1"][0, 1] == LUT[255]).all()
-    assert (pix["heatmap/qk_sigma1"][2, 0] == LUT[128]).all()
-    assert (pix["heatmap/qk_sigma1"][1] == MISSING).all() and (pix["heatmap/qk_sigma1"][2, 1] == MISSING).all()
-    # SEC on the fixed 0 .. 1
-    assert (pix["heatmap/qk_sec"][0] == [LUT[0], LUT[255]]).all() and (pix["heatmap/qk_sec"][2, 0] == LUT[128]).all()
-    # entropy as a fraction of uniform attention's: 0/2, 2/2, 0.5/1
-    assert (pix["heatmap/attn_entropy"][0] == [LUT[0], LUT[255]]).all()
-    assert (pix["heatmap/attn_entropy"][2, 0] == LUT[128]).all()
-    assert layer_head_heatmaps({"L00": {"grad_norm_q": np.ones(2)}}, ["L00"]) == {}
-
-
-def test_attention_map_image_is_on_a_fixed_scale():
-    probs = np.array([[1.0, 0.0], [0.5, 0.5]])
-    image = attention_map_image(probs)
-    assert image.shape == (16, 16, 3)  # 2 x 2 values, 8 pixels each at most
-    pix = image[::8, ::8]
-    assert (pix[0] == [LUT[255], LUT[0]]).all() and (pix[1] == [LUT[128], LUT[128]]).all()
-    assert attention_map_image(np.full((128, 128), 1 / 128)).shape == (256, 256, 3)
-
-
-def test_update_ratio_image_is_log_scaled_over_steps():
-    values = np.array([[1e-4, 1e-3, 1e-2], [0.0, np.nan, 1e-2]])  # (layers, steps)
-    image = update_ratio_image(values)
-    assert image.shape == (2 * 16, 3 * 8, 3)
-    pix = image[::16, ::8]
-    assert (pix[0] == [LUT[0], LUT[128], LUT[255]]).all()  # log10: -4 .. -2 over the image
-    assert (pix[1, 0] == LUT[0]).all() and (pix[1, 1] == MISSING).all()  # 0: the low end; NaN: grey
+    sigma = layer_head_data(arrays, labels, "qk_sigma1")  # on 0 .. the largest value of the grid
+    np.testing.assert_array_equal(sigma.grid, [[1.0, 4.0], [np.nan, np.nan], [2.0, np.nan]])
+    assert (sigma.lo, sigma.hi) == (0.0, 4.0)
+    sec = layer_head_data(arrays, labels, "qk_sec")  # SEC on the fixed 0 .. 1
+    assert (sec.lo, sec.hi) == (0.0, 1.0)
+    entropy = layer_head_data(arrays, labels, "attn_entropy")  # a fraction of uniform attention's: 0/2, 2/2, 0.5/1
+    np.testing.assert_array_equal(entropy.grid, [[0.0, 1.0], [np.nan, np.nan], [0.5, np.nan]])
+    assert (entropy.lo, entropy.hi) == (0.0, 1.0) and "uniform" in entropy.cbar
 
 
 def test_update_ratio_history_keeps_steps_and_stays_bounded():
@@ -389,7 +327,7 @@ def test_update_ratio_history_keeps_steps_and_stays_bounded():
     assert steps[-1] == 19 and steps == sorted(steps) and len(steps) >= 4
     np.testing.assert_array_equal(history.matrix("update_ratio_q", ["L00", "L01"]),
                                   [[float(s) for s in steps], [np.nan] * len(steps)])
-    assert set(history.images(["L00"])) == {"step_size/update_ratio_q"}
+    assert history.metrics() == ["update_ratio_q"]
 
 
 def test_flagged_heads_most_severe_first_each_once_and_capped():
@@ -407,12 +345,12 @@ def test_flagged_heads_most_severe_first_each_once_and_capped():
 
 
 def test_layout_rules_follow_the_tag_scheme():
-    assert set(CHART_STAT) <= set(PER_HEAD_METRICS), "a chart rule for a metric that is no longer written"
+    assert set(CHART_STAT) <= set(PER_HEAD_METRICS), "a chart rule for a metric that is not written"
     assert all(family(m) != "other" for m in PER_HEAD_METRICS + LAYER_METRICS)
     tags = ["loss", "qk_sigma1/L00/max", "qk_sigma1/L00/min", "qk_sigma1/L00/mean", "qk_sigma1/L00/H00",
             "attn_rows/L00", "new_metric/L03/max", "alerts/loss_spike", "limit/scale"]
     layout = build_layout(tags)
-    assert layout == {  # the per-layer charts read the per-layer runs (#18); constants get no chart
+    assert layout == {  # the per-layer charts read the per-layer runs; constants get no chart
         "training": {"loss": ["Multiline", ["^loss$"]]},
         "spectra": {"qk_sigma1 (max over heads), a line per layer": ["Multiline", [r"^by_layer/qk_sigma1/max$"]]},
         "other": {"new_metric (max over heads), a line per layer": ["Multiline", [r"^by_layer/new_metric/max$"]]},
@@ -479,7 +417,7 @@ def test_image_faults_never_reach_training(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("drawing failed")
 
-    monkeypatch.setattr(figures, "layer_head_figures", broken)  # the drawing moved to diag.outputs (#18)
+    monkeypatch.setattr(figures, "layer_head_figures", broken)
     case, memory = zoo.nanogpt(), MemorySink()
     seen: list[Alert] = []
     with warnings.catch_warnings(record=True) as caught:
@@ -490,8 +428,8 @@ def test_image_faults_never_reach_training(monkeypatch):
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
     messages = [str(w.message) for w in caught if str(w.message).startswith("diag:")]
     assert len(messages) == 1 and "tensorboard failed" in messages[0] and "drawing failed" in messages[0], messages
-    # the alerts still went out (changed with issue #17: heads of a layer that start together are one record;
-    # with issue #31 a layer whose heads are in the state has a record of its own beside its heads')
+    # the alerts still went out: heads of a layer that start together are one record, and a layer whose
+    # heads are in the state has a record of its own beside its heads'
     firing = [a for a in seen if a.status == "firing"]
     assert sum(len(a.heads) or 1 for a in firing if "/H" in a.where) == 8
     assert sorted(a.where for a in firing if "/H" not in a.where) == ["L00", "L01"]

@@ -14,7 +14,7 @@ import torch.nn.modules.module as module_globals
 from torch import nn
 
 from diag.outputs.sinks import MemorySink
-from hooks import Monitor
+from hooks.monitor.monitor import Monitor
 from tests.support import zoo
 
 STEPS = 12

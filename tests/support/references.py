@@ -145,7 +145,7 @@ def allowed_keys(case: zoo.Case, batch: dict, index: int) -> torch.Tensor:
 
 def token_rows(case: zoo.Case, batch: dict, index: int) -> torch.Tensor:
     """(N, Q) query rows of the index-th attention module that are tokens, not padding, by hand: the encoder's
-    (or a decoder-only model's) self-attention over the padded source; every row of a decoder's (issue 16)."""
+    (or a decoder-only model's) self-attention over the padded source; every row of a decoder's."""
     n, probe = N_SEQ, allowed_keys(case, batch, index)
     layers = attention_modules(case)
     n_enc = sum(1 for _, c in layers if not c) - sum(1 for _, c in layers if c)

@@ -24,7 +24,7 @@ from torch import nn
 from diag.layouts.vocab import QKVLayout
 from diag.math.attention import stats_from_probabilities_reference
 from diag.outputs.sinks import MemorySink
-from hooks import Monitor
+from hooks.monitor.monitor import Monitor
 
 E, H, T, B = 32, 4, 9, 3
 D = E // H

@@ -19,7 +19,7 @@ from torch._dynamo.utils import counters
 
 from diag.math.spectral import qk_singular_values_reference
 from diag.outputs.sinks import MemorySink
-from hooks import Monitor
+from hooks.monitor.monitor import Monitor
 from tests.support import zoo
 
 EVERY, STEPS = 3, 8

@@ -1,8 +1,8 @@
 """Keys projected from another sequence than the module's input, as in Twins' global sub-sampled attention,
 PVT-v2 and SegFormer: ``k, v = kv(norm(conv_stride_r(x)))`` while ``q = q(x)``. The key projection is a module
 of its own, so the capture keeps what its ``F.linear`` read and checks the kernel's k against it: with zero
-configuration such a layer is confirmed on q and k (before, k could not be compared and a layout proposed from
-the names was refused), its metrics equal a float64 per-head reference, and a key split that disagrees with the
+configuration such a layer is confirmed on q and k (a layout proposed from the names alone would be refused),
+its metrics equal a float64 per-head reference, and a key split that disagrees with the
 model is refused instead of being measured on q alone. What the key projection read counts only where its batch
 is the kernel's (keys projected per image and shared by its windows are not), and any of its calls in one
 forward may be the one the kernel used.
@@ -102,8 +102,7 @@ def test_keys_from_a_strided_convolution_are_checked_against_what_the_key_projec
 
 def test_a_key_split_that_disagrees_with_the_model_is_refused_not_measured_on_q_alone():
     """The model packs kv per head [K_h | V_h]; a spec reading it as [K | V] splits keys wrongly. Only k shows
-    it, and k is projected from the sub-sampled grid: before, the check compared q alone and measured the
-    wrong keys."""
+    it, and k is projected from the sub-sampled grid: a check of q alone would measure the wrong keys."""
     torch.manual_seed(0)
     model = Pyramid(interleaved=True).train()
     x = _batch()
@@ -162,8 +161,8 @@ def test_the_key_projection_called_twice_is_confirmed_by_the_call_the_kernel_use
 
 def test_keys_shared_by_windows_are_not_compared_with_the_wrong_sequences():
     """The context has 3 images, the kernel 12 windows: the kernel's k is not compared with the context (its
-    first sequences are not the kernel's first windows), so the correct layout is kept on q alone, as before,
-    instead of being refused."""
+    first sequences are not the kernel's first windows), so the correct layout is kept on q alone, not
+    refused."""
     torch.manual_seed(0)
     model = nn.ModuleDict({"attn": WindowsWithSharedKeys()}).train()
     x = torch.randn(4 * B, 9, E, generator=torch.Generator().manual_seed(4))

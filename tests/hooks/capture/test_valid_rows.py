@@ -17,7 +17,7 @@ import torch
 
 from diag.math.attention import stats_from_logits, stats_from_probabilities_reference, valid_query_rows
 from diag.outputs.sinks import MemorySink
-from hooks import Monitor
+from hooks.monitor.monitor import Monitor
 from tests.support import zoo
 
 N, RANK_ROWS, REL = 2, 5, 1e-4
@@ -105,7 +105,7 @@ def test_entropy_and_rank_over_token_rows_match_eager_attention(name):
 
 
 def test_padding_changes_the_numbers():
-    """The padded rows are not a no-op here: counting them (the old behaviour) gives another entropy."""
+    """The padded rows are not a no-op here: counting them would give another entropy."""
     case, batch = build("bert-eager-right")
     p = eager_probabilities(case, batch)[0]
     allowed = (p > 0).any(1)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from diag.layouts.vocab import QKVLayout
-from hooks import Monitor
 from hooks.layout.book import LayoutBook
+from hooks.monitor.monitor import Monitor
 from hooks.steplimit import SpectralStepLimit
 from tests.support.harness import one_step
 from tests.support.styles import STYLES, E, Net

@@ -34,8 +34,9 @@ from diag.errors import SpecError
 from diag.layouts.vocab import QKVLayout
 from diag.math.attention import stats_from_probabilities_reference
 from diag.outputs.sinks import MemorySink
-from hooks import Monitor, discover
 from hooks.capture.capture import AttentionCapture
+from hooks.layout.discover import discover
+from hooks.monitor.monitor import Monitor
 from tests.support import zoo
 from tests.support.references import N_SEQ, allowed_keys, attention_modules, family, hand_sliced, token_rows
 

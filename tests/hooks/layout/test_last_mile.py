@@ -1,17 +1,16 @@
-"""The live cases that were still refused (issue 34), measured with no spec and exact against float64 references:
-the weight side against the full SVD of each head's Wq_h^T Wk_h sliced by hand, the attention statistics against
+"""Layers that only the computation explains, measured with no spec and exact against float64 references: the
+weight side against the full SVD of each head's Wq_h^T Wk_h sliced by hand, the attention statistics against
 probabilities from the kernel's real inputs (recomputed by hand in float64, or the model's own eager ones).
 
-(a) Q/K/V activations clamped to a range between projection and kernel (MPT's and OLMo's ``clip_qkv``): refused at
-    the first forward before ("the per-head norms of the kernel's q differ ..."); now confirmed through the clamp
-    the forward made, and the layer's record says what was seen between them.
+(a) Q/K/V activations clamped to a range between projection and kernel (MPT's and OLMo's ``clip_qkv``), so that
+    the per-head norms of the kernel's q differ from the projection's: confirmed through the clamp the forward
+    made, and the layer's record says what was seen between them.
 (b) DeBERTa-v2 with relative-position terms (``relative_attention=True``, ``pos_att_type=["p2c", "c2p"]``) where
-    its relative-position products have the shape of ``q @ k^T`` (2 * position_buckets == tokens): the capture
-    took the last of them as the logits' product, refused the layer, and the spec its refusal offered was
-    refused too; now the product the layout explains is taken.
+    its relative-position products have the shape of ``q @ k^T`` (2 * position_buckets == tokens): of the
+    products, the one the layout explains is taken as the logits' (not the last one of that shape).
 (c) per-head 3-D W_Q/W_K/W_V (TransformerLens style), head count only in a config object, einsum scores and its
-    own softmax: refused at construction ("no attention layer recognised", offering another model's example);
-    now found by its computation, and without a capture refused with the spec its shapes imply.
+    own softmax, which no name recognises: found by its computation, and without a capture refused with the
+    spec its shapes imply.
 """
 
 from __future__ import annotations
@@ -25,8 +24,9 @@ from test_refusals import specs_in
 from torch import nn
 
 from diag.errors import SpecError
+from diag.layouts.vocab import QKVLayout
 from diag.math.attention import stats_from_probabilities_reference
-from hooks import Monitor, QKVLayout
+from hooks.monitor.monitor import Monitor
 from tests.support.harness import assert_sigma1_by_hand, one_step
 from tests.support.styles import ClampedFused, ClampedRope, ConfigHeads3D, D, E, G, H, Net, rope
 

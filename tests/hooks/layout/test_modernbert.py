@@ -1,6 +1,6 @@
 """ModernBERT (Hugging Face ``ModernBertForMaskedLM``: a fused ``Wqkv`` projection, rotary positions, pre-LN),
-attached with NO spec: the BERT-style masked language model the evaluation's healthy runs use from the sixth
-report set on (evaluation/healthy.py). Every head's spectral metrics equal the float64 full SVD of
+attached with NO spec: the BERT-style masked language model of the evaluation's healthy runs
+(evaluation/healthy.py). Every head's spectral metrics equal the float64 full SVD of
 Wq_h^T Wk_h sliced by hand from ``Wqkv`` (rows [q | k | v], each ``num_heads`` blocks of ``head_dim``), its
 attention entropy and rank equal the library's eager probabilities (``output_attentions=True``) through the
 per-head float64 loops, under both the eager and the fused SDPA kernel, padding included."""

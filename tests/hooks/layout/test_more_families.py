@@ -95,7 +95,7 @@ def test_longformer_sliding_window_keeps_its_weight_side_signals(tokens):
     """Longformer's encoder scores are (batch, tokens, heads, window): no head split of the layer reads that
     softmax as (batch, heads, queries, keys). The call, not the layout, is what cannot be read: the attention
     statistics are dropped with a warning that says so, and sigma_1 of every head is still the full SVD of
-    Wq_h^T Wk_h (until 2026-12-02 the whole layer was refused as a suspect head split)."""
+    Wq_h^T Wk_h (the layer is not refused as a suspect head split)."""
     cfg = transformers.LongformerConfig(vocab_size=V, hidden_size=E, num_attention_heads=NH, num_hidden_layers=2,
                                         intermediate_size=64, max_position_embeddings=80, attention_window=4,
                                         pad_token_id=0)

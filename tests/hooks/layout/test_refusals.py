@@ -13,8 +13,9 @@ from test_styles import assert_exact, run
 from torch import nn
 
 from diag.errors import SpecError
+from diag.layouts.vocab import QKVLayout
 from diag.outputs.sinks import MemorySink
-from hooks import Monitor, QKVLayout
+from hooks.monitor.monitor import Monitor
 from tests.support.styles import STYLES, E, Net
 
 H, D = 4, 8
@@ -108,9 +109,9 @@ def test_the_refusal_names_the_modules_that_compute_attention_and_its_specs_work
 
 @pytest.mark.parametrize("per_head", [False, True])
 def test_a_module_only_the_computation_finds_is_read_from_its_forward(per_head):
-    """With attention captured, names finding no layer no longer refuses the model (it did, at construction):
-    the module whose forward computes attention is proposed from its shapes and the first forward confirms the
-    proposal ([all Q | all K | all V]) or reads the right one (per head) from the kernel's q and k."""
+    """With attention captured, names that find no layer do not refuse the model at construction: the module whose
+    forward computes attention is proposed from its shapes and the first forward confirms the proposal ([all Q | all K |
+    all V]) or reads the right one (per head) from the kernel's q and k."""
     monitor, record, checked, caught = run(Gated(per_head))
     assert [la.name for la in monitor.layers] == ["blocks.0.mixer", "blocks.1.mixer"]
     assert checked == {0: "q,k", 1: "q,k"} and not monitor.refused, caught
@@ -218,10 +219,10 @@ class GroupedWindows(nn.Module):
 
 
 def test_an_unread_attention_call_leaves_a_proposal_from_names_refused_and_its_spec_measures_the_weight_side():
-    """Before, a 5-D SDPA call dropped only the attention statistics and the spectra were logged under the names'
-    unconfirmed proposal (with eager attention the same layer was refused): a guess. Now it is refused with the
-    proposal offered as a spec; with that spec the weight side is measured, exact against the hand-sliced
-    [all Q | all K | all V] rows, and the attention statistics are left out."""
+    """A 5-D SDPA call the capture cannot read leaves the names' proposal unconfirmed: a guess, so the layer is
+    refused with the proposal offered as a spec (as it is with eager attention), never measured under the guess;
+    with that spec the weight side is measured, exact against the hand-sliced [all Q | all K | all V] rows, and
+    the attention statistics are left out."""
     model = nn.Sequential(GroupedWindows())
     x = torch.randn(3, 8, E)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hooks import Monitor
+from hooks.monitor.monitor import Monitor
 from tests.support.harness import assert_sigma1_by_hand, one_step
 from tests.support.styles import STYLES, E, Net, per_head_weights
 

@@ -11,10 +11,11 @@ import pytest
 import torch
 from torch import nn
 
-from diag import ConfigError, MemorySink
-from hooks import Monitor, SpectralStepLimit
+from diag.errors import ConfigError
+from diag.outputs.sinks import MemorySink
 from hooks.layout.discover import discover
-from hooks.steplimit import STATE_KEY
+from hooks.monitor.monitor import Monitor
+from hooks.steplimit.limit import STATE_KEY, SpectralStepLimit
 from tests.support import zoo
 
 
