@@ -8,7 +8,8 @@
 what a Monitor at that interval passes its detectors) and at the Monitor's default per-family cadence
 (``"default"``: each family at its own period, plus the closer look the detectors ask for, as
 ``hooks.monitor.cadence.CloserLook`` adds it). Hugging Face runs, recorded with every family every 10 steps, are
-replayed at the default cadence only (the design set's, recorded at the default cadence of the time, as recorded).
+replayed at the default cadence only (the design set's, recorded at the Monitor's default cadence itself, as
+recorded).
 A run counts once in every figure, whatever the cadences it is replayed at.
 """
 
