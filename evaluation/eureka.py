@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -166,8 +167,8 @@ class EurekaRun:
     evals: list[tuple[int, float, float]]  # (step, validation loss, validation accuracy)
 
 
-def train(cfg: EurekaConfig, logdir: str | Path | None = None, say=None, *, schedule: Schedule = Schedule(),
-          observations: Path | None = None) -> EurekaRun:
+def train(cfg: EurekaConfig, logdir: str | Path | None = None, say: Callable[[str], None] | None = None, *,
+          schedule: Schedule = Schedule(), observations: Path | None = None) -> EurekaRun:
     """Train one run with the Monitor attached; returns the closed Monitor, its records and the curves.
 
     ``schedule``: the learning rate of each step as a fraction of ``cfg.lr``; ``observations``: where the
@@ -191,7 +192,8 @@ class Evaluation:
     """After every ``cfg.eval_every``-th step and the last: the held-out loss and accuracy (``evals``), and a
     progress line to ``say``."""
 
-    def __init__(self, cfg: EurekaConfig, model: ViT, data: DigitGrid, monitor: Monitor, say=None) -> None:
+    def __init__(self, cfg: EurekaConfig, model: ViT, data: DigitGrid, monitor: Monitor,
+                 say: Callable[[str], None] | None) -> None:
         self.cfg, self.model, self.monitor, self.say = cfg, model, monitor, say
         self.val_x, self.val_y = data.validation()
         self.evals: list[tuple[int, float, float]] = []
