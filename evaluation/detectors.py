@@ -8,7 +8,8 @@
 what a Monitor at that interval passes its detectors) and at the Monitor's default per-family cadence
 (``"default"``: each family at its own period, plus the closer look the detectors ask for, as
 ``hooks.monitor.cadence.CloserLook`` adds it). Hugging Face runs, recorded with every family every 10 steps, are
-replayed at the default cadence only (the design set's, recorded at the default cadence of the time, as recorded).
+replayed at the default cadence only (the design set's, recorded at the Monitor's default cadence itself, as
+recorded).
 A run counts once in every figure, whatever the cadences it is replayed at.
 """
 
@@ -227,16 +228,21 @@ def rows_of(runs: list[Run], cfg: AlertConfig, cadences=None) -> list[dict]:
             for r in runs for every in (cadences or everys(r)) if every in everys(r)]
 
 
+def _header(*columns: str) -> list[str]:
+    """A markdown table's header row and the row under it."""
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
+
 def _frac(rows: list[dict], key: str) -> str:
     return f"{sum(bool(r[key]) for r in rows)}/{len(rows)}"
 
 
 def collapse_table(rows: list[dict]) -> list[str]:
     """One row per cadence over the collapse runs (twins included; no run counted twice at a cadence)."""
-    out = ["| every | runs | layer collapses | critical within 50 steps | ... of those the run lasted 50 steps past "
-           "| critical on runs without a layer collapse | warned before the onset | warning leads >= 5 steps | "
-           "warnings on runs without a layer collapse | most records of one kind on one head |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+    out = _header("every", "runs", "layer collapses", "critical within 50 steps",
+                  "... of those the run lasted 50 steps past", "critical on runs without a layer collapse",
+                  "warned before the onset", "warning leads >= 5 steps", "warnings on runs without a layer collapse",
+                  "most records of one kind on one head")
     for every in EVERYS:
         rs = [r for r in rows if r["kind"] == "collapse" and r["every"] == every]
         est = [r for r in rs if r["onset"] is not None]
@@ -252,8 +258,7 @@ def collapse_table(rows: list[dict]) -> list[str]:
 
 def runs_table(rows: list[dict]) -> list[str]:
     """The collapse runs one by one at the default cadence."""
-    out = ["| run | layer onset (head onset) | damaged (from) | critical | collapse_warning | other alerts |",
-           "|---|---|---|---|---|---|"]
+    out = _header("run", "layer onset (head onset)", "damaged (from)", "critical", "collapse_warning", "other alerts")
     for r in rows:
         if r["kind"] != "collapse" or r["every"] != "default":
             continue
@@ -267,8 +272,8 @@ def runs_table(rows: list[dict]) -> list[str]:
 
 def damage_table(rows: list[dict]) -> list[str]:
     """The twin test at the default cadence: damaged runs and whether an alert came before the damage."""
-    out = ["| lr | runs with a twin | damaged | alert before the damage | alerts on undamaged runs | alerts on twins |",
-           "|---|---|---|---|---|---|"]
+    out = _header("lr", "runs with a twin", "damaged", "alert before the damage", "alerts on undamaged runs",
+                  "alerts on twins")
     rs = [r for r in rows if r["kind"] == "collapse" and r["every"] == "default"]
     for lr in sorted({r["lr"] for r in rs}):
         mine = [r for r in rs if r["lr"] == lr and not r["twin"] and r["damaged"] is not None]
@@ -294,10 +299,9 @@ def _within(rows: list[dict], n: int) -> str:
 def eureka_table(rows: list[dict]) -> list[str]:
     """Per cadence; the moments' timing over all runs with a jump, and over those whose accuracy had settled by
     the end (evaluation.truth.settled: a run cut off during its jump has no final accuracy to be halfway to)."""
-    out = ["| every | softmax runs with a jump | plateaus flagged before the jump | moments within 2 intervals | "
-           "within 4 | ... of the runs whose accuracy settled: within 2 | within 4 | false moments | "
-           "NormSoftmax runs flagged | moments within 2 intervals of the jump's rise (25-75%) |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+    out = _header("every", "softmax runs with a jump", "plateaus flagged before the jump", "moments within 2 intervals",
+                  "within 4", "... of the runs whose accuracy settled: within 2", "within 4", "false moments",
+                  "NormSoftmax runs flagged", "moments within 2 intervals of the jump's rise (25-75%)")
     for every in EVERYS:
         rs = [r for r in rows if r["kind"] == "eureka" and r["every"] == every]
         soft = [r for r in rs if not r["twin"] and r["jump"] is not None]
@@ -313,8 +317,8 @@ def eureka_table(rows: list[dict]) -> list[str]:
 
 def eureka_runs_table(rows: list[dict]) -> list[str]:
     """The Eureka runs one by one at the default cadence: jump, plateau, moment and its offset in intervals."""
-    out = ["| run | accuracy jump | its rise (25-75%) | settled by the end | plateau flagged | moment | "
-           "offset (intervals) |", "|---|---|---|---|---|---|---|"]
+    out = _header("run", "accuracy jump", "its rise (25-75%)", "settled by the end", "plateau flagged", "moment",
+                  "offset (intervals)")
     for r in rows:
         if r["kind"] != "eureka" or r["every"] != "default":
             continue
@@ -335,7 +339,7 @@ def plateau_signals_table(runs: list[Run]) -> list[str]:
     jump (the whole run without one), every 10 steps: what tells a NormSoftmax plateau from a softmax one."""
     from diag.detectors.plateau import _uniformity
 
-    out = ["| run | attention | jump | attention entropy / uniform's | Q/K:V gradient ratio |", "|---|---|---|---|---|"]
+    out = _header("run", "attention", "jump", "attention entropy / uniform's", "Q/K:V gradient ratio")
     for run in runs:
         if run.spec.task != "vit" or run.spec.steps <= 1000:
             continue
@@ -350,9 +354,10 @@ def plateau_signals_table(runs: list[Run]) -> list[str]:
 
 
 def healthy_table(rows: list[dict]) -> list[str]:
-    out = ["| run | plateau alerts | the NormSoftmax twin says | the plateau sits at the context-free loss "
-           f"({context_free_loss():.2f} nats) | warning or critical alerts | ... of those, the ground truth finds the "
-           "head or layer in that state |", "|---|---|---|---|---|---|"]
+    """The healthy runs one by one: their plateau alerts with the twin's verdict, and their other alerts."""
+    out = _header("run", "plateau alerts", "the NormSoftmax twin says",
+                  f"the plateau sits at the context-free loss ({context_free_loss():.2f} nats)",
+                  "warning or critical alerts", "... of those, the ground truth finds the head or layer in that state")
     for r in rows:
         if r["kind"] == "hf" and not r["twin"]:
             truth = {None: "-", True: "a real attention plateau", False: "no attention plateau"}[r["plateau_real"]]

@@ -15,11 +15,14 @@ the indicator except its position, so the model must learn an intermediate step
 (read the indicator, then look at the cell it names) that no label shows.
 
 The model is a small pre-LN ViT (4x4 patches: 16 tokens plus a class token)
-whose attention is nanoGPT-style (a fused ``c_attn`` and ``n_head``), so the
-Monitor discovers it with no spec. ``--attention normsoftmax`` replaces the
-softmax of the logits ``s`` by ``softmax(s / (T * std_keys(s)))`` (Hoffmann et
-al.'s NormSoftmax: the logits normalised by their standard deviation over the
-keys, with a temperature ``T``, ``--temperature``).
+built of the demo GPT's blocks and attention (``hooks.demo``: nanoGPT-style, a
+fused ``c_attn`` and ``n_head``) without the causal mask, so the Monitor
+discovers it with no spec. ``--attention normsoftmax`` replaces the softmax of
+the logits ``s`` by ``softmax(s / (T * std_keys(s)))`` (Hoffmann et al.'s
+NormSoftmax: the logits normalised by their standard deviation over the keys,
+with a temperature ``T``, ``--temperature``); ``--attention qknorm`` puts a
+LayerNorm on q and k per head. The runs the evaluation records go through
+``python -m evaluation.runs vit`` (:func:`train_spec`).
 
 Typical course (plain softmax, seeds 0 and 1): within 300 steps the loss falls
 to about 1.4, on its way to ln 3 = 1.10 (the model reads the three candidate
@@ -46,14 +49,17 @@ from torch import Tensor, nn
 
 from diag.detectors.config import AlertConfig
 from diag.outputs.sinks import MemorySink
+from evaluation.recording import recording
+from evaluation.spec import RunSpec
+from hooks.demo import Block, Schedule, SelfAttention, train_steps
 from hooks.monitor.monitor import Monitor
 
-__all__ = ["EurekaConfig", "DigitGrid", "ViT", "train"]
+__all__ = ["EurekaConfig", "DigitGrid", "ViT", "train", "train_spec"]
 
 
 @dataclass
 class EurekaConfig:
-    attention: str = "softmax"  # or "normsoftmax"
+    attention: str = "softmax"  # "normsoftmax", or "qknorm" (LayerNorm on q and k per head)
     temperature: float = 0.5  # NormSoftmax: logits / (temperature * std) -> std 1 / temperature
     n_layer: int = 2
     n_head: int = 4
@@ -67,6 +73,11 @@ class EurekaConfig:
     every: int = 10  # Monitor sampling interval
     seed: int = 0
     alerts: AlertConfig = field(default_factory=AlertConfig)
+
+    def __post_init__(self) -> None:
+        if self.attention not in ("softmax", "normsoftmax", "qknorm"):
+            raise ValueError(f"EurekaConfig(attention={self.attention!r}): expected 'softmax', 'normsoftmax' or "
+                             "'qknorm'")
 
 
 # ------------------------------------------------------------------ data
@@ -106,39 +117,20 @@ class DigitGrid:
 # ------------------------------------------------------------------ model
 
 
-class SelfAttention(nn.Module):
+class ViTAttention(SelfAttention):
+    """The demo's attention (``hooks.demo.SelfAttention``) over every token, with softmax, NormSoftmax or QK-norm."""
+
     def __init__(self, cfg: EurekaConfig) -> None:
-        super().__init__()
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)  # fused q, k, v: discovered as nanoGPT-style
-        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
-        self.n_head = cfg.n_head
+        super().__init__(cfg.n_embd, cfg.n_head, causal=False, qk_norm=cfg.attention == "qknorm")
         self.norm_softmax = cfg.attention == "normsoftmax"
         self.temperature = cfg.temperature
 
-    def forward(self, x: Tensor) -> Tensor:
-        b, t, c = x.shape  # (B, T, C)
-        q, k, v = self.c_attn(x).split(c, dim=2)  # 3 x (B, T, C)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))  # (B, H, T, D)
-        if self.norm_softmax:
-            s = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, H, T, T)
-            s = s / (self.temperature * s.std(dim=-1, keepdim=True) + 1e-6)  # NormSoftmax
-            y = torch.softmax(s, dim=-1) @ v  # (B, H, T, D)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v)  # (B, H, T, D)
-        return self.c_proj(y.transpose(1, 2).reshape(b, t, c))  # (B, T, C)
-
-
-class Block(nn.Module):
-    def __init__(self, cfg: EurekaConfig) -> None:
-        super().__init__()
-        self.ln_1, self.ln_2 = nn.LayerNorm(cfg.n_embd), nn.LayerNorm(cfg.n_embd)
-        self.attn = SelfAttention(cfg)
-        c = cfg.n_embd
-        self.mlp = nn.Sequential(nn.Linear(c, 4 * c), nn.GELU(), nn.Linear(4 * c, c))
-
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.attn(self.ln_1(x))  # (B, T, C)
-        return x + self.mlp(self.ln_2(x))  # (B, T, C)
+    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        if not self.norm_softmax:
+            return super().attend(q, k, v)
+        s = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, H, T, T)
+        s = s / (self.temperature * s.std(dim=-1, keepdim=True) + 1e-6)  # NormSoftmax
+        return torch.softmax(s, dim=-1) @ v  # (B, H, T, D)
 
 
 class ViT(nn.Module):
@@ -151,7 +143,7 @@ class ViT(nn.Module):
         self.embed = nn.Linear(cfg.patch * cfg.patch, cfg.n_embd)
         self.cls = nn.Parameter(torch.zeros(1, 1, cfg.n_embd))
         self.pos = nn.Parameter(0.02 * torch.randn(1, n_tokens + 1, cfg.n_embd))
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg.n_embd, ViTAttention(cfg)) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.head = nn.Linear(cfg.n_embd, 10)
 
@@ -176,57 +168,60 @@ class EurekaRun:
     evals: list[tuple[int, float, float]]  # (step, validation loss, validation accuracy)
 
 
-def train(cfg: EurekaConfig, logdir: str | Path | None = None, say=None, *,
-          lr_factor: Callable[[int], float] | None = None, qk_norm: bool = False,
-          wrap: Callable | None = None) -> EurekaRun:
+def train(cfg: EurekaConfig, logdir: str | Path | None = None, say: Callable[[str], None] | None = None, *,
+          schedule: Schedule = Schedule(), observations: Path | None = None) -> EurekaRun:
     """Train one run with the Monitor attached; returns the closed Monitor, its records and the curves.
 
-    ``lr_factor(step)``: the learning rate of a step as a fraction of ``cfg.lr`` (default: constant);
-    ``qk_norm``: LayerNorm on q and k per head (:class:`evaluation.runs.QKNormAttention`); ``wrap``: called
-    with the Monitor's detectors, returns what replaces them (the evaluation's recorder)."""
-    say = say or (lambda *a: None)
+    ``schedule``: the learning rate of each step as a fraction of ``cfg.lr``; ``observations``: where the
+    evaluation records what the detectors are given (:func:`evaluation.recording.recording`)."""
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     data = DigitGrid()
-    val_x, val_y = data.validation()
     model = ViT(cfg)
-    if qk_norm:
-        from evaluation.runs import QKNormAttention
-
-        for block in model.blocks:
-            block.attn = QKNormAttention(block.attn, cfg.n_embd // cfg.n_head, causal=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor or (lambda s: 1.0))
     memory = MemorySink()
     monitor = Monitor(model, logdir=logdir, every=cfg.every, sinks=[memory], alerts=cfg.alerts)
-    if wrap is not None:
-        monitor.detectors = wrap(monitor.detectors)
-    losses, evals = [], []
-    start = time.perf_counter()
-    try:
-        for step in range(cfg.steps):
-            model.train()
-            x, y = data.batch(cfg.batch_size, gen)
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            monitor.step(step, loss=loss)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            schedule.step()
-            losses.append(loss.item())
-            if step % cfg.eval_every == 0 or step == cfg.steps - 1:
-                model.eval()
-                with torch.no_grad():
-                    logits = model(val_x)
-                accuracy = (logits.argmax(-1) == val_y).float().mean().item()
-                evals.append((step, F.cross_entropy(logits, val_y).item(), accuracy))
-                recent = losses[-cfg.eval_every:]
-                say(f"step {step:5d}  train loss {sum(recent) / len(recent):.3f}  val loss {evals[-1][1]:.3f}  "
-                    f"val acc {evals[-1][2]:.3f}  qk/v grad ratio {_qk_ratio(monitor.last):.2f}  "
-                    f"{time.perf_counter() - start:5.1f}s")
-    finally:
-        monitor.close()
-    return EurekaRun(cfg, monitor, memory, losses, evals)
+    evaluate = Evaluation(cfg, model, data, monitor, say)
+    with recording(monitor, observations):
+        losses = train_steps(model, lambda: data.batch(cfg.batch_size, gen),
+                             lambda batch: F.cross_entropy(model(batch[0]), batch[1]), optimizer, cfg.steps,
+                             schedule=schedule, monitor=monitor, callbacks=(evaluate,))
+    return EurekaRun(cfg, monitor, memory, losses, evaluate.evals)
+
+
+class Evaluation:
+    """After every ``cfg.eval_every``-th step and the last: the held-out loss and accuracy (``evals``), and a
+    progress line to ``say``."""
+
+    def __init__(self, cfg: EurekaConfig, model: ViT, data: DigitGrid, monitor: Monitor,
+                 say: Callable[[str], None] | None) -> None:
+        self.cfg, self.model, self.monitor, self.say = cfg, model, monitor, say
+        self.val_x, self.val_y = data.validation()
+        self.evals: list[tuple[int, float, float]] = []
+        self.start = time.perf_counter()
+
+    def __call__(self, step: int, losses: list[float]) -> None:
+        if step % self.cfg.eval_every and step != self.cfg.steps - 1:
+            return
+        self.model.eval()
+        with torch.no_grad():
+            logits = self.model(self.val_x)
+        accuracy = (logits.argmax(-1) == self.val_y).float().mean().item()
+        self.evals.append((step, F.cross_entropy(logits, self.val_y).item(), accuracy))
+        if self.say is not None:
+            recent = losses[-self.cfg.eval_every:]
+            self.say(f"step {step:5d}  train loss {sum(recent) / len(recent):.3f}  val loss {self.evals[-1][1]:.3f}  "
+                     f"val acc {accuracy:.3f}  qk/v grad ratio {_qk_ratio(self.monitor.last):.2f}  "
+                     f"{time.perf_counter() - self.start:5.1f}s")
+
+
+def train_spec(spec: RunSpec, out: Path) -> dict:
+    """A ``RunSpec(task="vit")``: train it, recorded into ``out``; returns its every-step losses, its held-out
+    evaluations and the no-indicator accuracy (:func:`blind_accuracy`)."""
+    cfg = EurekaConfig(attention=spec.twin or "softmax", seed=spec.seed, steps=spec.steps, lr=spec.lr,
+                       every=spec.every or 10, **spec.shape)
+    run = train(cfg, schedule=spec.lr_schedule, observations=out / "observations.jsonl")
+    return {"losses": run.losses, "evals": run.evals, "blind": blind_accuracy()}
 
 
 # ------------------------------------------------------------------ analysis (definitions in docs/alerts.md)
@@ -285,7 +280,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=EurekaConfig.steps)
-    parser.add_argument("--attention", choices=("softmax", "normsoftmax"), default="softmax")
+    parser.add_argument("--attention", choices=("softmax", "normsoftmax", "qknorm"), default="softmax")
     parser.add_argument("--temperature", type=float, default=EurekaConfig.temperature)
     parser.add_argument("--lr", type=float, default=EurekaConfig.lr)
     parser.add_argument("--layers", type=int, default=EurekaConfig.n_layer)

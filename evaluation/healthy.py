@@ -11,9 +11,10 @@ patches: 16 tokens and a class token, batch 64). The two masked language models:
 positions, post-LN), which at this size stays at the corpus's context-free loss for about 2,000 steps
 (docs/alerts.md#masked-language-models-a-plateau-at-the-context-free-loss), and ModernBERT (rotary positions,
 pre-LN, a fused ``Wqkv``; every layer global), which leaves it within 150 steps (design seed 0: 2.84 nats over
-steps 100-149, against 3.14): the healthy BERT-style run from the sixth report set on. AdamW (betas 0.9/0.95,
+steps 100-149, against 3.14): the healthy BERT-style run (evaluation.seeds.HF_FAMILIES6). AdamW (betas 0.9/0.95,
 weight decay 0.1), gradient clipping at 1, a constant learning rate or 100 warmup steps then cosine decay. The
-Monitor is attached as a user would, with no arguments (the default cadence). ``--normsoftmax`` trains the
+Monitor samples every family every ``--every`` steps, or with ``--every 0`` is attached as a user would, with no
+arguments (the default cadence). ``--normsoftmax`` trains the
 same run with NormSoftmax attention (Hoffmann et al.: the logits divided by their standard deviation over the
 keys, temperature 0.5), registered as a transformers attention function: the causal twin of a plateau (a
 plateau that attention causes is one the twin leaves much faster). The twin's attention is not one the Monitor
@@ -28,7 +29,10 @@ from pathlib import Path
 import torch
 import transformers
 
-from evaluation.runs import RunSpec, _monitor
+from evaluation.recording import recording
+from evaluation.spec import RunSpec
+from hooks import Monitor
+from hooks.demo import adamw, load_text, train_steps
 
 __all__ = ["build", "train_spec", "normsoftmax_attention"]
 
@@ -118,8 +122,6 @@ class Batches:
             self.images = torch.tensor(digits.images / 16.0, dtype=torch.float32)[:, None]  # (N, 1, 8, 8)
             self.labels = torch.tensor(digits.target, dtype=torch.long)  # (N,)
         else:
-            from hooks.demo import load_text
-
             self.data = torch.frombuffer(bytearray(load_text().encode()), dtype=torch.uint8).long()
 
     def __call__(self) -> dict:
@@ -136,6 +138,7 @@ class Batches:
 
 
 def train_spec(spec: RunSpec, out: Path) -> dict:
+    """Train the run, recorded into ``out``; returns its every-step losses and the mean of its last 50."""
     if spec.twin == "normsoftmax" and spec.model == "roformer":
         raise ValueError("RunSpec(model='roformer', twin='normsoftmax'): RoFormer computes its attention in its own "
                          "code, not through a transformers attention function, so it has no NormSoftmax twin; "
@@ -143,24 +146,9 @@ def train_spec(spec: RunSpec, out: Path) -> dict:
     torch.manual_seed(spec.seed)
     model = build(spec.model)
     model.config._attn_implementation = "normsoftmax" if spec.twin == "normsoftmax" else "sdpa"
-    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    from evaluation.runs import lr_factor
-
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(spec, s))
+    optimizer = adamw(model, spec.lr)
     batches = Batches(spec.model, spec.seed)
-    losses = []
-    monitor = _monitor(model, spec, out)
-    try:
-        model.train()
-        for step in range(spec.steps):
-            loss = model(**batches()).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            monitor.step(step, loss=loss)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            schedule.step()
-            losses.append(float(loss.detach()))
-    finally:
-        monitor.close()
+    with recording(Monitor(model, every=spec.every or None), out / "observations.jsonl") as monitor:
+        losses = train_steps(model, batches, lambda batch: model(**batch).loss, optimizer, spec.steps,
+                             schedule=spec.lr_schedule, clip=1.0, monitor=monitor)
     return {"losses": losses, "final_loss": float(sum(losses[-50:]) / len(losses[-50:])) if losses else math.nan}

@@ -15,8 +15,9 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
-from evaluation.runs import Claimed, RunSpec, record
+from evaluation.runs import Claimed, record
 from evaluation.seeds import SETS
+from evaluation.spec import RunSpec
 
 COST = {"lm": 1.0, "vit": 0.15, "hf": 0.25}  # rough seconds per step at the run's cadence, for the order only
 
@@ -30,7 +31,7 @@ def missing(name: str, root: Path) -> list[RunSpec]:
 
 def groups(todo: list[RunSpec], jobs: int) -> list[tuple[int, list[RunSpec]]]:
     """The runs by their thread count, each group with as many processes as keep the threads within ``jobs``
-    (the rounding replicas' two threads each, two side by side on two cores, took three times as long)."""
+    (the rounding replicas' two threads each: two of them side by side on two cores take three times as long)."""
     by_threads: dict[int, list[RunSpec]] = {}
     for spec in todo:
         by_threads.setdefault(max(spec.threads, 1), []).append(spec)

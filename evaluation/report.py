@@ -16,57 +16,17 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from diag.detectors import AlertConfig, Detectors
+from diag.detectors import AlertConfig
 from evaluation import detectors as judge
-from evaluation.risk import outcome_at
+from evaluation.forecasts import Forecast, brier, forecasts
 from evaluation.seeds import BOUNDARY_LR, SETS
-from evaluation.truth import Run, load_runs, states
+from evaluation.truth import load_runs
 
 BINS = ((0.0, 0.2), (0.2, 0.8), (0.8, 1.0000001))
-
-
-@dataclass
-class Forecast:
-    run: str
-    lr: float
-    warmup: int
-    twin: str
-    task: str
-    step: int
-    label: str
-    p: float
-    y: int
-
-
-def forecasts(run: Run, cfg: AlertConfig | None = None) -> list[Forecast]:
-    """Every ``collapse_risk`` the Monitor at its default cadence would have logged on this run, with its outcome:
-    the layer's malignant collapse established within the horizon (samples of a layer already collapsed are left
-    out)."""
-    cfg = cfg or AlertConfig()
-    det = Detectors(cfg)
-    onsets: dict[str, list[tuple[int, int | None]]] = {}
-    for e in states(run, cfg.states):
-        if e.state == "malignant" and "/" not in e.where:
-            onsets.setdefault(e.where, []).append((e.opened, e.until))
-    out = []
-    for o, _ in judge.at_default_cadence(run.obs, det, run.losses):
-        if o.loss is None and all(judge.family(k) == "updates" for m in o.layers.values() for k in m):
-            continue  # the update ratios of the step after a sample: no risk is judged on them
-        for label, p in det.scalars().get("collapse_risk", {}).items():
-            y = outcome_at(onsets.get(label, []), o.step, cfg.risk.risk_horizon)
-            if y >= 0:
-                out.append(Forecast(run.name, run.spec.lr, run.spec.warmup, run.spec.twin, run.spec.task, o.step,
-                                    label, p, y))
-    return out
-
-
-def brier(p: np.ndarray, y: np.ndarray) -> float:
-    return float(np.mean((p - y) ** 2))
 
 
 def lr_base_rate(fs: list[Forecast]) -> np.ndarray:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,8 +34,9 @@ from diag.detectors.base import Observation
 from diag.detectors.config import RiskConfig, StatesConfig
 from diag.detectors.risk import FEATURES, MODEL_FILE, HeadTrend, RiskModel, layer_logit, observe_features
 from diag.detectors.states import head_key, layer_needs
+from evaluation.forecasts import forecasts, outcome_at
 from evaluation.seeds import SETS
-from evaluation.truth import Run, load_runs, states
+from evaluation.truth import Run, load_runs, malignant_episodes
 
 HORIZON = RiskConfig().risk_horizon
 
@@ -71,30 +71,12 @@ class Sample:
     k: int
 
 
-def _onsets(run: Run, cfg: StatesConfig) -> tuple[dict[str, list[tuple[int, int | None]]], dict[str, list]]:
-    heads, layers = defaultdict(list), defaultdict(list)
-    for e in states(run, cfg):
-        if e.state == "malignant":
-            (heads if "/" in e.where else layers)[e.where].append((e.opened, e.until))
-    return heads, layers
-
-
-def outcome_at(episodes: list[tuple[int, int | None]], t: int, horizon: int) -> int:
-    """-1: in an established episode at step ``t`` (not a forecast); 1: one opens within ``horizon`` steps; 0."""
-    for opened, until in episodes:
-        if opened <= t and (until is None or until > t):
-            return -1
-        if t < opened <= t + horizon:
-            return 1
-    return 0
-
-
 def samples_of(run: Run, cfg: RiskConfig | None = None, horizon: int = HORIZON, dense: bool = True) -> list[Sample]:
     """The samples of one run: ``dense``, where a closer look samples (every 10 steps, every 2 in the first 30);
     else where the default cadence alone samples (attention every 50 steps, spectra every 20)."""
     cfg = cfg or RiskConfig()
     st = StatesConfig()
-    heads, layers = _onsets(run, st)
+    heads, layers = malignant_episodes(run, st)
     trends: dict[str, HeadTrend] = {}
     due = dense_steps if dense else sparse_steps
     out = []
@@ -158,15 +140,9 @@ def fit(samples: list[Sample], c: float = 0.1) -> RiskModel:
     return model
 
 
-def brier(p: np.ndarray, y: np.ndarray) -> float:
-    return float(np.mean((p - y) ** 2))
-
-
 def trust(runs: list[Run], levels=(0.2, 0.3, 0.5, 0.8)) -> list[list[float]]:
-    """What followed a layer's risk first reaching each level at the default cadence (with the model now
-    shipped): [level, runs in which some layer reached it, of which that layer collapsed within the horizon]."""
-    from evaluation.report import forecasts
-
+    """What followed a layer's risk first reaching each level at the default cadence (with the shipped
+    model): [level, runs in which some layer reached it, of which that layer collapsed within the horizon]."""
     rows = []
     fs = [f for r in runs for f in forecasts(r)]
     for level in levels:
@@ -181,12 +157,10 @@ def trust(runs: list[Run], levels=(0.2, 0.3, 0.5, 0.8)) -> list[list[float]]:
 def calibrate(runs: list[Run], model: RiskModel) -> int:
     """Recalibrate the layer's probability on the forecasts a Monitor at its default cadence logs on ``runs``
     (the tuning set's): :func:`recalibrate`. The fit samples a closer look's steps; the Monitor forecasts where
-    its cadence and its closer look sample, which weighs the samples differently, and the first report set of
-    issue #31 found forecasts of 0.2-0.8 under-forecast and of 0.8-1 over-confident: a miscalibration no
-    single slope and intercept mends (a Platt fit on the tuning runs moved one bin into its interval and the
-    other out). Returns the number of forecasts."""
-    from evaluation.report import forecasts
-
+    its cadence and its closer look sample, which weighs the samples differently: without the recalibration,
+    forecasts of 0.2-0.8 under-forecast and those of 0.8-1 are over-confident on the first report set, a
+    miscalibration no single slope and intercept mends (a Platt fit on the tuning runs moves one bin into its
+    interval and the other out). Returns the number of forecasts."""
     model.calibration = []
     fs = [f for r in runs for f in forecasts(r)]
     recalibrate(model, np.array([f.p for f in fs]), np.array([f.y for f in fs]))

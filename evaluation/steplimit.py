@@ -24,7 +24,7 @@ import tempfile
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from hooks.demo import DEFAULT_LR, DemoRun, train
+from hooks.demo import DEFAULT_LR, DemoRun, Schedule, train
 
 
 def first(alerts, kind: str) -> int | None:
@@ -46,7 +46,8 @@ def run(seed: int, warmup: int, tau: float | None, steps: int, logdir: Path) -> 
     series = read_metrics(logdir)
     labels = [layer.label for layer in monitor.layers]
     if tau is None:
-        lr = [DEFAULT_LR * (min(1.0, (s + 1) / warmup) if warmup else 1.0) for s in range(steps)]
+        schedule = Schedule(warmup)
+        lr = [DEFAULT_LR * schedule(s) for s in range(steps)]
         layer_lr = {label: sum(lr) / len(lr) for label in labels}
         worst = None
     else:

@@ -22,7 +22,7 @@
   the best predictor that reads no context (the entropy of its corpus's bytes, :func:`context_free_loss`; within
   ``CONTEXT_FREE_MARGIN``, over the ``CONTEXT_FREE_SPAN`` steps before the alert) has learned nothing from its
   context: a stuck run, not a slowly improving one, and no healthy run. Measured from the corpus and the run's
-  every-step losses, independently of the detectors (issue #31's eighth session, for the BERT-style runs).
+  every-step losses, independently of the detectors (BERT itself sits there at this size).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,10 +39,10 @@ import numpy as np
 from diag.detectors.config import StatesConfig
 from diag.detectors.states import StateEpisode, episodes_of
 from evaluation.record import load_observations
-from evaluation.runs import RunSpec
+from evaluation.spec import RunSpec
 
-__all__ = ["Run", "load_run", "load_runs", "states", "collapse_onset", "damage", "accuracy_jump", "accuracy_rise",
-           "settled", "stuck_with_twin", "context_free_loss", "at_context_free"]
+__all__ = ["Run", "load_run", "load_runs", "states", "malignant_episodes", "collapse_onset", "damage", "accuracy_jump",
+           "accuracy_rise", "settled", "stuck_with_twin", "context_free_loss", "at_context_free"]
 
 DAMAGE_MARGIN = 0.05  # final loss 5% over the twin's: clearly worse (run-to-run spread of twins is ~1%)
 SEPARATION_SPAN = 20
@@ -92,6 +93,19 @@ def states(run: Run, cfg: StatesConfig | None = None) -> list[StateEpisode]:
     if cfg not in cache:
         cache[cfg] = episodes_of(run.obs, cfg)
     return cache[cfg]
+
+
+Episodes = dict[str, list[tuple[int, int | None]]]  # head or layer -> [(opened, until or None)]
+
+
+def malignant_episodes(run: Run, cfg: StatesConfig | None = None) -> tuple[Episodes, Episodes]:
+    """(per head, per layer) the steps each malignant episode of the run opened and ended (None: still open)."""
+    heads: Episodes = defaultdict(list)
+    layers: Episodes = defaultdict(list)
+    for e in states(run, cfg):
+        if e.state == "malignant":
+            (heads if "/" in e.where else layers)[e.where].append((e.opened, e.until))
+    return heads, layers
 
 
 def collapse_onset(run: Run, cfg: StatesConfig | None = None, scope: str = "layer") -> int | None:

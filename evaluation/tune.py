@@ -5,31 +5,31 @@
 The choices, each printed as a table of every value tried (``--only depth``: the last one alone):
 
 * ``warn_risk`` and ``warn_samples``, the risk at which ``collapse_warning`` fires and at how many samples in a
-  row: on the collapse runs (the GPT, its QK-norm twins and the collapse ViT: the runs of the report's warning
-  table) away from the boundary learning rate at the default cadence. The values that meet issue #31's two goals
-  there (at least 95% of the collapses warned 5 steps or more before their onset, at most 5% of the runs without
-  a layer collapse warned) are preferred, the most collapses warned first, then the fewest false warnings; where
-  none meets both, the most collapses warned minus two for each false warning. Ties go to the higher value and
-  then to more samples (fewer warnings). (Until issue #31's eighth session the score alone chose: it tied 0.2 at
-  3 samples, which meets both goals on the tuning, third and fourth report sets, with 0.4, which warns 89%.)
-  Each run is replayed once per ``watch_risk`` and every pair read off that replay (:func:`risk_sequence`,
-  exact: tests/detectors/test_risk.py); 1 to 5 samples since issue #31's fourteenth session (1 to 3 before).
-  Given several sets, the pair that meets both goals on the most of them taken one at a time comes first (the goals
-  are judged on one set, and the tuning and third to tenth sets hold 12-19 collapses and 12-22 runs without one away
-  from the boundary each: one miss fails a set, and so do one or two false warnings), then the score above on all of
-  them together (issue #31's fourteenth session: pooled over the tuning and third to tenth sets the score alone
-  picks 0.2 at 5 samples, 143 of 150 and 8 of 170, which meets both goals on 2 of the 9 sets; 0.2 at 3 samples, 149
-  of 150 and 11 of 170, meets them on 4, the most).
+  row (1 to 5): on the collapse runs (the GPT, its QK-norm twins and the collapse ViT: the runs of the report's
+  warning table) away from the boundary learning rate at the default cadence. The values that meet the warning's
+  two goals there (at least 95% of the collapses warned 5 steps or more before their onset, at most 5% of the runs
+  without a layer collapse warned) are preferred, the most collapses warned first, then the fewest false warnings;
+  where none meets both, the most collapses warned minus two for each false warning. Ties go to the higher value
+  and then to more samples (fewer warnings). The goals come before the score because the score alone can tie a
+  pair that meets them with one that does not (0.2 at 3 samples, which meets both on the tuning, third and fourth
+  report sets, with 0.4, which warns 89%). Each run is replayed once per ``watch_risk`` and every pair read off
+  that replay (:func:`risk_sequence`, exact: tests/detectors/test_risk.py).
+  Given several sets, the pair that meets both goals on the most of them taken one at a time comes first, then the
+  score above on all of them together: the goals are judged on one set, and the tuning and third to tenth sets
+  hold 12-19 collapses and 12-22 runs without one away from the boundary each, so one miss fails a set, and so do
+  one or two false warnings. Pooled over those nine sets the score alone picks 0.2 at 5 samples (143 of 150
+  collapses warned, 8 of 170 false warnings), which meets both goals on 2 of them; 0.2 at 3 samples (149 of 150,
+  11 of 170) meets them on 4, the most.
 * ``plateau_qk_motion``, how little the query/key product may move per unit of its updates on a plateau: every
   softmax Eureka plateau of the tuning set flagged before its accuracy jump at every cadence, minus two for each
   plateau alert on a healthy run (the design set's: the tuning set has none) that the NormSoftmax twin test does
   not call a real plateau and that does not sit at the corpus's context-free loss (a run stuck there is no
   healthy run); ties go to the value in the middle of the best ones. It is also chosen leaving each
-  healthy family out, to show whether that family's report depends on its own runs. (Issue #31's eleventh
-  session, pooled over the tuning and third to seventh report sets: every value from 0.2 up, off included, flags
-  all 150 plateaus with no healthy alert, because ``plateau_max_growth`` already holds the healthy runs' windows;
-  the middle of that tie is 0.4, the shipped 0.25 keeps the test as a second line over the largest motion a
-  plateau needed, 0.19; docs/alerts.md#defaults.)
+  healthy family out, to show whether that family's report depends on its own runs. Pooled over the tuning and
+  third to seventh report sets, every value from 0.2 up, off included, flags all 150 plateaus with no healthy
+  alert, because ``plateau_max_growth`` already holds the healthy runs' windows; the middle of that tie is 0.4,
+  and the shipped 0.25 keeps the test as a second line over the largest motion a plateau needed, 0.19
+  (docs/alerts.md#defaults).
 * ``plateau_max_growth``, how much sigma_1(Wq^T Wk) may grow over a plateau's window, ``plateau_min_frac``, how
   high over the first loss a plateau sits, and ``plateau_min_update``, how small the Q/K updates may have become
   against their largest window's: the same score, each with the other fields at their defaults, and each also
@@ -57,7 +57,9 @@ MIN_UPDATE = (0.0, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4)
 EUREKA_DEPTH = (0.34, 0.355, 0.365, 0.375, 0.38, 0.385, 0.39, 0.395, 0.4, 0.425)
 
 
-CATCH_GOAL, FALSE_GOAL = 0.95, 0.05  # issue #31: collapses warned 5 steps ahead, warned runs without a collapse
+# the warning's goals: at least this share of the collapses warned 5 steps ahead, at most this share of the runs
+# without a collapse warned
+CATCH_GOAL, FALSE_GOAL = 0.95, 0.05
 
 
 def warn_score(rows: list[dict]) -> tuple[tuple, int, int, int, int]:
@@ -189,8 +191,8 @@ def tune_one(runs: list[Run], name: str, values: tuple[float, ...]) -> tuple[flo
 
 def tune_depth(runs: list[Run]) -> tuple[float, list[str]]:
     """``eureka_depth``: the moments within 2 sampling intervals of the accuracy jump over the softmax Eureka runs
-    at every cadence (issue #31's thirteenth session chose it on the tuning and third to ninth
-    report sets); every plateau must still be flagged before its jump and no moment be false. The value in the
+    at every cadence (the shipped value was chosen on the tuning and third to ninth report sets); every plateau
+    must still be flagged before its jump and no moment be false. The value in the
     middle of the flat top: of those within 2 moments of the best count (less than one run at its five cadences),
     so that the choice does not rest on one moment."""
     eureka = [r for r in runs if r.spec.task == "vit" and r.spec.steps > 1000 and not r.spec.twin]

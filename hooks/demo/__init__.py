@@ -17,12 +17,16 @@ without warmup (:class:`hooks.SpectralStepLimit`). Compare them in one TensorBoa
     python -m tensorboard.main --logdir runs
 
 The Monitor is attached exactly as in any training loop. The package is also the
-examples' and benchmarks' model and data: ``model`` (``GPTConfig``, ``GPT``), ``data``
-(``load_text``, ``get_batch``), ``loop`` (``train``, ``run_demo``).
+examples', the benchmarks' and the evaluation's model, data and loop: ``model``
+(``GPTConfig``, ``GPT``, its ``SelfAttention`` and ``Block``), ``data`` (``load_text``,
+``encode``, ``get_batch``), ``loop`` (``train_steps``, the one training loop, with its
+``Schedule``), ``run`` (the demo's run: ``DemoRun``, ``train``, ``run_demo``).
 """
 
-from hooks.demo.data import MAX_CHARS, get_batch, load_text
-from hooks.demo.loop import DEFAULT_LR, DemoRun, run_demo, train
-from hooks.demo.model import GPT, GPTConfig
+from hooks.demo.data import MAX_CHARS, encode, get_batch, load_text
+from hooks.demo.loop import Schedule, StepCallback, adamw, train_steps
+from hooks.demo.model import GPT, Block, GPTConfig, SelfAttention
+from hooks.demo.run import DEFAULT_LR, DemoRun, run_demo, train
 
-__all__ = ["DEFAULT_LR", "DemoRun", "GPT", "GPTConfig", "MAX_CHARS", "get_batch", "load_text", "run_demo", "train"]
+__all__ = ["DEFAULT_LR", "Block", "DemoRun", "GPT", "GPTConfig", "MAX_CHARS", "Schedule", "SelfAttention",
+           "StepCallback", "adamw", "encode", "get_batch", "load_text", "run_demo", "train", "train_steps"]

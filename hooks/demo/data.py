@@ -11,7 +11,7 @@ from torch import Tensor
 from diag.errors import DiagError
 from hooks.demo.model import GPTConfig
 
-__all__ = ["MAX_CHARS", "load_text", "get_batch"]
+__all__ = ["MAX_CHARS", "encode", "get_batch", "load_text"]
 
 MAX_CHARS = 2_000_000
 
@@ -32,6 +32,13 @@ def load_text(max_chars: int = MAX_CHARS) -> str:
                         "run the demo with a CPython that has its .py sources, e.g. python.org's or a distribution's "
                         "full python3 package")
     return text
+
+
+def encode(text: str) -> tuple[Tensor, int]:
+    """``text`` as character ids, the characters numbered in sorted order, and the vocabulary's size."""
+    chars = sorted(set(text))
+    stoi = {ch: i for i, ch in enumerate(chars)}
+    return torch.tensor([stoi[ch] for ch in text], dtype=torch.long), len(chars)  # (N,)
 
 
 def get_batch(data: Tensor, cfg: GPTConfig, gen: torch.Generator) -> tuple[Tensor, Tensor]:

@@ -1,4 +1,6 @@
-"""The demo's model: a nanoGPT-style, pre-LN character-level GPT with a fused ``c_attn`` (few wide heads)."""
+"""The demo's model: a nanoGPT-style, pre-LN character-level GPT with a fused ``c_attn`` (few wide heads).
+
+Its attention and block are also the evaluation's ViT's (``evaluation.eureka``)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["GPTConfig", "GPT"]
+__all__ = ["Block", "GPT", "GPTConfig", "SelfAttention"]
 
 
 @dataclass
@@ -20,29 +22,45 @@ class GPTConfig:
     n_head: int = 2  # few wide heads: d_head = n_embd // n_head = 64
     n_embd: int = 128
     batch_size: int = 16
+    qk_norm: bool = False  # LayerNorm on q and k per head (Dehghani et al. 2023): attention that cannot collapse
 
 
-class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+class SelfAttention(nn.Module):
+    """nanoGPT's attention: a fused ``c_attn`` (q, k, v) and ``n_head``, as the Monitor's nanoGPT adapter reads it.
+
+    ``causal``: a language model's mask, else every token sees every other (a ViT). ``qk_norm``: LayerNorm on q
+    and k per head. :meth:`attend` is the one place a variant changes (NormSoftmax, say)."""
+
+    def __init__(self, n_embd: int, n_head: int, causal: bool = True, qk_norm: bool = False) -> None:
         super().__init__()
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)  # fused q, k, v: the Monitor's nanoGPT adapter
-        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
-        self.n_head = cfg.n_head
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = nn.Linear(n_embd, n_embd)
+        self.n_head = n_head
+        self.causal = causal
+        self.q_norm = nn.LayerNorm(n_embd // n_head) if qk_norm else None
+        self.k_norm = nn.LayerNorm(n_embd // n_head) if qk_norm else None
 
     def forward(self, x: Tensor) -> Tensor:
         b, t, c = x.shape  # (B, T, C)
         q, k, v = self.c_attn(x).split(c, dim=2)  # 3 x (B, T, C)
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))  # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        y = self.attend(q, k, v)  # (B, nh, T, hs)
         return self.c_proj(y.transpose(1, 2).reshape(b, t, c))  # (B, T, C)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)  # (B, nh, T, hs)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    """A pre-LN transformer block around ``attn``: x + attn(ln_1(x)), then x + mlp(ln_2(x)) (a 4x GELU MLP)."""
+
+    def __init__(self, n_embd: int, attn: nn.Module) -> None:
         super().__init__()
-        self.ln_1, self.ln_2 = nn.LayerNorm(cfg.n_embd), nn.LayerNorm(cfg.n_embd)
-        self.attn = CausalSelfAttention(cfg)
-        c = cfg.n_embd
+        self.ln_1, self.ln_2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
+        self.attn = attn
+        c = n_embd
         self.mlp = nn.Sequential(nn.Linear(c, 4 * c), nn.GELU(), nn.Linear(4 * c, c))
 
     def forward(self, x: Tensor) -> Tensor:
@@ -56,7 +74,8 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
-        self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.h = nn.ModuleList(Block(cfg.n_embd, SelfAttention(cfg.n_embd, cfg.n_head, qk_norm=cfg.qk_norm))
+                               for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying, as in nanoGPT

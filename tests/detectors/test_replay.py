@@ -10,7 +10,8 @@ import pytest
 from diag.detectors import AlertConfig
 from evaluation import detectors as evaluate_detectors
 from evaluation.record import load_observations
-from evaluation.runs import RunSpec, record
+from evaluation.runs import record
+from evaluation.spec import RunSpec
 
 
 def live(tmp_path, every: int | None, steps: int) -> list:
@@ -33,24 +34,21 @@ def test_replay_of_a_recorded_run_matches_the_live_monitor(tmp_path, every):
     assert key and [(a.step, a.kind, a.where, a.status, a.since) for a in replayed] == key
 
 
-def test_closing_the_monitor_closes_the_recorder_it_carries(tmp_path):
-    """Monitor.close closes detectors that hold a resource: the recorder's file, after the update sample still
-    pending at close was written to it (no file left to the garbage collector)."""
-    from diag.outputs.sinks import MemorySink
-    from evaluation.record import Recorder
-    from tests.support import harness, zoo
+def test_recording_closes_the_recorder_after_the_monitor_wrote_its_pending_sample(tmp_path):
+    """evaluation.recording: the Monitor's close writes the update sample still pending at the end of the run,
+    then the recorder's file is closed (no file left to the garbage collector)."""
+    import torch
 
-    recorders = []
+    from evaluation.recording import recording
+    from hooks import Monitor
+    from hooks.demo import GPT, GPTConfig, adamw, train_steps
 
-    def on_step(step, monitor, model, loss):
-        if not recorders:
-            monitor.detectors = Recorder(monitor.detectors, tmp_path / "observations.jsonl")
-            recorders.append(monitor.detectors)
-        monitor.step(step, loss=loss)
-
-    harness.train(zoo.nanogpt(dropout=0.0), 2, {"every": 1, "sinks": [MemorySink()], "images": False}, tmp_path,
-                  on_step)
-    assert recorders[0].file.closed
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=2, n_embd=16))
+    ids = torch.randint(0, 16, (2, 8))
+    with recording(Monitor(model, every=1), tmp_path / "observations.jsonl") as monitor:
+        train_steps(model, lambda: (ids, ids), lambda batch: model(*batch), adamw(model, 1e-3), 2, monitor=monitor)
+    assert monitor.detectors.file.closed
     observations = load_observations(tmp_path / "observations.jsonl")
     assert [o.step for o in observations if any("update_ratio_q" in m for m in o.layers.values())][-1] == 1
 
@@ -75,6 +73,7 @@ def test_replay_hands_the_detectors_the_mean_loss_the_live_monitor_hands_them(tm
 
         harness.train(zoo.nanogpt(dropout=0.0), 41, {"sinks": [MemorySink()], "images": False, **kwargs}, None,
                       on_step)
+        seen[0].close()
         return load_observations(path)
 
     recorded = run({"every": 1}, tmp_path / "every1.jsonl")

@@ -237,7 +237,8 @@ def test_the_calibration_interval_resamples_runs_not_forecasts():
     """Fifty runs whose forecasts share their run's fate: the interval with the run as the unit is as wide as
     fifty trials allow (and the Jeffreys interval of 5,000 'independent' forecasts far narrower); with one forecast
     per run both agree."""
-    from evaluation.report import Forecast, interval90, run_interval90
+    from evaluation.forecasts import Forecast
+    from evaluation.report import interval90, run_interval90
 
     def runs(per_run: int) -> list[Forecast]:
         return [Forecast(f"r{i}", 1e-3, 0, "", "lm", t, "layer0", 0.3, int(i % 10 < 3))
@@ -258,7 +259,8 @@ def test_the_calibration_interval_resamples_runs_not_forecasts():
 def test_the_configuration_baseline_says_when_it_could_not_be_fitted():
     """With no design or tuning runs under RUNS the baseline is the set's own overall frequency, and its row
     says so instead of "fitted on the tuning runs"."""
-    from evaluation.report import Forecast, risk_tables
+    from evaluation.forecasts import Forecast
+    from evaluation.report import risk_tables
 
     fs = [Forecast(f"r{i}", lr, 0, "", "lm", t, "layer0", 0.3, int(lr > 4e-3 and t > 5))
           for i, lr in enumerate((2e-3, 5e-3, 1e-2)) for t in range(10)]

@@ -136,7 +136,8 @@ def test_evaluation_records_each_healthy_family_with_a_zero_configuration_monito
     import warnings
 
     from evaluation import detectors as evaluate_detectors
-    from evaluation.runs import RunSpec, record
+    from evaluation.runs import record
+    from evaluation.spec import RunSpec
     from evaluation.truth import load_run
 
     spec = RunSpec("hf", 3, 1e-3, 30, model=model, every=0)
@@ -156,7 +157,8 @@ def test_evaluation_records_each_healthy_family_with_a_zero_configuration_monito
 def test_the_normsoftmax_twin_of_a_language_model_trains(tmp_path):
     """The causal twin of a language model's plateau (evaluation/healthy.py): NormSoftmax as a transformers
     attention function, with causal rows of one key (no spread: its gradient must stay finite)."""
-    from evaluation.runs import RunSpec, record
+    from evaluation.runs import record
+    from evaluation.spec import RunSpec
     from evaluation.truth import load_run
 
     run = load_run(record(RunSpec("hf", 0, 1e-3, 20, model="gpt2", every=0, twin="normsoftmax"), tmp_path))
@@ -167,7 +169,7 @@ def test_a_masked_model_without_an_attention_function_has_no_normsoftmax_twin_an
     """RoFormer computes its attention in its own code: a NormSoftmax "twin" would silently be the softmax run,
     so it is refused, naming the model, why and what to take instead."""
     from evaluation.healthy import train_spec
-    from evaluation.runs import RunSpec
+    from evaluation.spec import RunSpec
 
     with pytest.raises(ValueError, match=r"model='roformer'.*no NormSoftmax twin.*modernbert"):
         train_spec(RunSpec("hf", 0, 1e-3, 5, model="roformer", every=0, twin="normsoftmax"), tmp_path)

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from evaluation import eureka
-from evaluation.runs import RunSpec
 from evaluation.seeds import BOUNDARY_LR
+from evaluation.spec import RunSpec
 from evaluation.truth import (
     Run,
     accuracy_jump,
@@ -175,7 +175,7 @@ def test_an_attention_state_alert_is_checked_against_the_logged_attention(monkey
 def test_normsoftmax_attention_against_a_per_head_loop():
     torch.manual_seed(0)
     cfg = eureka.EurekaConfig(attention="normsoftmax", temperature=0.5)
-    attn = eureka.SelfAttention(cfg).double()
+    attn = eureka.ViTAttention(cfg).double()
     x = torch.randn(2, 17, cfg.n_embd, dtype=torch.float64)
     wq, wk, wv = attn.c_attn.weight.split(cfg.n_embd)
     bq, bk, bv = attn.c_attn.bias.split(cfg.n_embd)

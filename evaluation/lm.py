@@ -1,0 +1,46 @@
+"""The collapse reproduction's task (``RunSpec(task="lm")``): the demo's character-level GPT, trained as a spec says.
+
+The GPT of ``hooks.demo`` (4 layers of 2 heads, d_model 128, context 128, batch 16, AdamW betas 0.9/0.95,
+weight decay 0.1) on the standard library's source (``corpus="stdlib"``) or on the English text of Python's own
+documentation (``corpus="pydoc"``: ``pydoc_data.topics``), with the spec's learning-rate schedule, optionally
+with QK-norm (the twin that cannot collapse) and at another width, depth and context.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from evaluation.recording import recording
+from evaluation.spec import RunSpec
+from hooks import Monitor
+from hooks.demo import GPT, GPTConfig, adamw, encode, get_batch, load_text, train_steps
+
+__all__ = ["corpus", "train_spec"]
+
+
+def corpus(name: str) -> str:
+    """The text of a corpus: the standard library's source, or the English of Python's documentation."""
+    if name == "stdlib":
+        return load_text()
+    if name == "pydoc":
+        import pydoc_data.topics
+
+        return "".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
+    raise ValueError(f"unknown corpus {name!r}: expected 'stdlib' or 'pydoc'")
+
+
+def train_spec(spec: RunSpec, out: Path) -> dict:
+    """Train the run, recorded into ``out``; returns its every-step losses."""
+    data, vocab = encode(corpus(spec.corpus))
+    context = {"block_size": spec.context} if spec.context else {}
+    cfg = GPTConfig(vocab_size=vocab, qk_norm=spec.twin == "qknorm", **spec.shape, **context)
+    torch.manual_seed(spec.seed)
+    gen = torch.Generator().manual_seed(spec.seed)
+    model = GPT(cfg)
+    optimizer = adamw(model, spec.lr)
+    with recording(Monitor(model, every=spec.every or None), out / "observations.jsonl") as monitor:
+        losses = train_steps(model, lambda: get_batch(data, cfg, gen), lambda batch: model(*batch), optimizer,
+                             spec.steps, schedule=spec.lr_schedule, monitor=monitor)
+    return {"losses": losses}
