@@ -26,8 +26,8 @@ def test_custom_attention_example_runs():
 
 
 def test_every_alert_field_is_in_the_defaults_table_and_none_that_is_gone():
-    """docs/alerts.md#defaults lists exactly AlertConfig's fields, each with its default (issue #31 replaced the
-    trend warning's ten fields; the table kept them and missed the risk's eight)."""
+    """docs/alerts.md#defaults lists exactly AlertConfig's fields, one a row, each with its default: no field the
+    config lacks, none it has missing."""
     import re
 
     from diag.detectors import AlertConfig
