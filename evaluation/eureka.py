@@ -182,7 +182,7 @@ def train(cfg: EurekaConfig, logdir: str | Path | None = None, say=None, *,
 
     ``lr_factor(step)``: the learning rate of a step as a fraction of ``cfg.lr`` (default: constant);
     ``qk_norm``: LayerNorm on q and k per head (:class:`evaluation.runs.QKNormAttention`); ``wrap``: called
-    with the Monitor's detectors, returns what replaces them (the evaluation's recorder)."""
+    with the Monitor's detectors, returns what replaces them (the evaluation's recorder, closed after the Monitor)."""
     say = say or (lambda *a: None)
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -225,6 +225,8 @@ def train(cfg: EurekaConfig, logdir: str | Path | None = None, say=None, *,
                     f"{time.perf_counter() - start:5.1f}s")
     finally:
         monitor.close()
+        if wrap is not None:
+            monitor.detectors.close()  # the recorder's file, after the update sample Monitor.close judged
     return EurekaRun(cfg, monitor, memory, losses, evals)
 
 

@@ -163,4 +163,5 @@ def train_spec(spec: RunSpec, out: Path) -> dict:
             losses.append(float(loss.detach()))
     finally:
         monitor.close()
+        monitor.detectors.close()  # the recorder's file, after the update sample Monitor.close judged
     return {"losses": losses, "final_loss": float(sum(losses[-50:]) / len(losses[-50:])) if losses else math.nan}

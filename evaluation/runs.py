@@ -175,6 +175,7 @@ def train_lm(spec: RunSpec, out: Path) -> dict:
             losses.append(loss.item())
     finally:
         monitor.close()
+        monitor.detectors.close()  # the recorder's file, after the update sample Monitor.close judged
     return {"losses": losses}
 
 

@@ -33,9 +33,9 @@ def test_replay_of_a_recorded_run_matches_the_live_monitor(tmp_path, every):
     assert key and [(a.step, a.kind, a.where, a.status, a.since) for a in replayed] == key
 
 
-def test_closing_the_monitor_closes_the_recorder_it_carries(tmp_path):
-    """Monitor.close closes detectors that hold a resource: the recorder's file, after the update sample still
-    pending at close was written to it (no file left to the garbage collector)."""
+def test_the_recorder_keeps_the_update_sample_the_monitor_judges_at_close(tmp_path):
+    """Monitor.close judges the update sample still pending through the recorder, and leaves the recorder's file to
+    whoever opened it: it is open after Monitor.close, and holds that sample once closed."""
     from diag.outputs.sinks import MemorySink
     from evaluation.record import Recorder
     from tests.support import harness, zoo
@@ -50,7 +50,8 @@ def test_closing_the_monitor_closes_the_recorder_it_carries(tmp_path):
 
     harness.train(zoo.nanogpt(dropout=0.0), 2, {"every": 1, "sinks": [MemorySink()], "images": False}, tmp_path,
                   on_step)
-    assert recorders[0].file.closed
+    assert not recorders[0].file.closed
+    recorders[0].close()
     observations = load_observations(tmp_path / "observations.jsonl")
     assert [o.step for o in observations if any("update_ratio_q" in m for m in o.layers.values())][-1] == 1
 
@@ -75,6 +76,7 @@ def test_replay_hands_the_detectors_the_mean_loss_the_live_monitor_hands_them(tm
 
         harness.train(zoo.nanogpt(dropout=0.0), 41, {"sinks": [MemorySink()], "images": False, **kwargs}, None,
                       on_step)
+        seen[0].close()
         return load_observations(path)
 
     recorded = run({"every": 1}, tmp_path / "every1.jsonl")
