@@ -160,7 +160,7 @@ def count_heads(monitor, seen: dict) -> None:
         if layer.block is None:
             seen["work"][layer.label] = list(range(layer.layout.n_heads))
         else:
-            work = monitor._heads.work(layer)
+            work = monitor.sampler._heads.work(layer)
             seen["work"][layer.label] = [layer.block.first_head + h for h in work.q]
 
 
