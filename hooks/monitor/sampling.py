@@ -51,7 +51,7 @@ class Sample:
     loss: float | None
     loss_mean: float | None
     maps: dict[str, Tensor | None]
-    overflow: bool = False
+    overflow: bool
 
     @property
     def observation(self) -> Observation:
@@ -90,36 +90,23 @@ class Sampler:
     def measure(self, step: int, loss: Tensor | float | None, due: frozenset[str]) -> Sample:
         """The families ``due`` at ``step`` (``loss``: the step's, read when the loss is due)."""
         loss = loss if "loss" in due else None
-        if "attention" in due and not self.capture.armed:
-            self._warn_once("unarmed", f"diag: step {step} is sampled but step {step - 1} was not "
-                            "reported, so its attention was not captured; call monitor.step for every "
-                            "training step with consecutive step numbers")
-        results, problems = self.capture.take() if "attention" in due else ({}, {})  # by layer index
+        results, per_layer, spectra_failed = self._read(step, due)
         with torch.no_grad():
-            by_index, spectra_failed = self.weights.sample(step, due)  # layer index -> {metric: (H,) or (1,)}
-            for layer in self.layers:
-                self._attention(layer, by_index[layer.index], results, problems)
-            if self._heads is not None and due & {"grads", "spectra", "attention"}:  # every rank, every such step
-                spectra_failed = self._gather_heads(by_index, results, due, spectra_failed)
-            per_layer = [by_index[layer.index] for layer in self.layers]
-            for layer, values in zip(self.layers, per_layer):
-                if layer.index in self.refused:
-                    values.clear()  # its weights are still snapshotted: the update is dropped when measured
-            sample = self._host(step, per_layer, loss, self._mean() if loss is not None else None)
+            record, arrays, loss_value, mean_value = self._host(step, per_layer, loss,
+                                                                self._mean() if loss is not None else None)
         # under tensor parallelism rank 0's kernel saw its own block of heads: the first, numbered as in one process
-        sample.maps = {layer.label: _maps(results.get(layer.index)) for layer in self.layers
-                       if layer.block is None or layer.block.index == 0}
+        maps = {layer.label: _maps(results.get(layer.index)) for layer in self.layers
+                if layer.block is None or layer.block.index == 0}
         if spectra_failed:  # NaN from a failed solver, already reported: not a sign of NaN weights
-            sample.arrays = _without(sample.arrays, lambda metric: metric in SPECTRAL_METRICS)
-        scaled = self.grad_scaler is not None and self.grad_scaler.is_enabled()
-        sample.overflow = scaled and overflowed(sample.arrays)
-        skip = (SPECTRAL_METRICS if spectra_failed else ()) + (GRAD_METRICS if sample.overflow else ())
-        warning = unreported(step, sample.record.scalars, skip)
+            arrays = _without(arrays, lambda metric: metric in SPECTRAL_METRICS)
+        overflow = self.grad_scaler is not None and self.grad_scaler.is_enabled() and overflowed(arrays)
+        skip = (SPECTRAL_METRICS if spectra_failed else ()) + (GRAD_METRICS if overflow else ())
+        warning = unreported(step, record.scalars, skip)
         if warning is not None:
             self._warn_once("nonfinite", warning)
-        if sample.overflow:  # the scaler skips this update: its gradients are not the model's
-            sample.arrays = _without(sample.arrays, lambda metric: metric.startswith("grad_"))
-        return sample
+        if overflow:  # the scaler skips this update: its gradients are not the model's
+            arrays = _without(arrays, lambda metric: metric.startswith("grad_"))
+        return Sample(record, arrays, loss_value, mean_value, maps, overflow)
 
     def updates(self) -> tuple[Record, LayerArrays]:
         """The update ratios of the last update sample (one host read): their record and the detectors' arrays,
@@ -135,6 +122,26 @@ class Sampler:
             record.scalars[layer_tag(metric, label)] = value
             arrays.setdefault(label, {})[metric] = np.array([value])
         return record, arrays
+
+    def _read(self, step: int, due: frozenset[str]) -> tuple[dict[int, AttentionStats], list[dict[str, Tensor]], bool]:
+        """On the device: the captured attention by layer index, each layer's metrics (``{metric: (H,) or (1,)}``,
+        empty for a refused layer) in layer order, and whether the spectra failed."""
+        if "attention" in due and not self.capture.armed:
+            self._warn_once("unarmed", f"diag: step {step} is sampled but step {step - 1} was not "
+                            "reported, so its attention was not captured; call monitor.step for every "
+                            "training step with consecutive step numbers")
+        results, problems = self.capture.take() if "attention" in due else ({}, {})
+        with torch.no_grad():
+            by_index, spectra_failed = self.weights.sample(step, due)  # layer index -> {metric: (H,) or (1,)}
+            for layer in self.layers:
+                self._attention(layer, by_index[layer.index], results, problems)
+            if self._heads is not None and due & {"grads", "spectra", "attention"}:  # every rank, every such step
+                spectra_failed = self._gather_heads(by_index, results, due, spectra_failed)
+        per_layer = [by_index[layer.index] for layer in self.layers]
+        for layer, values in zip(self.layers, per_layer):
+            if layer.index in self.refused:
+                values.clear()  # its weights are still snapshotted: the update is dropped when measured
+        return results, per_layer, spectra_failed
 
     def _mean(self) -> Tensor | float | None:
         try:  # losses of several shapes or devices: the detectors read the step's loss
@@ -172,7 +179,7 @@ class Sampler:
         return failed
 
     def _host(self, step: int, per_layer: list[dict], loss: Tensor | float | None,
-              mean: Tensor | float | None) -> Sample:
+              mean: Tensor | float | None) -> tuple[Record, LayerArrays, float | None, float | None]:
         """The record and the detectors' arrays, the loss and the mean loss since the last loss sample as floats:
         loss tensors travel to the host in the same transfer as every metric (one host sync per sampled step on
         an accelerator). The mean goes to the detectors, not to the record: the ``loss`` tag is the step's."""
@@ -188,7 +195,7 @@ class Sampler:
         record = build_record(step, arrays, self.per_head)
         if loss_value is not None:
             record.scalars["loss"] = loss_value
-        return Sample(record, arrays, loss_value, mean_value, {})
+        return record, arrays, loss_value, mean_value
 
 
 def _maps(stats: AttentionStats | None) -> Tensor | None:
