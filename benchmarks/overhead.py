@@ -1,6 +1,6 @@
 """What watching costs: ratios measured side by side in one run (not a timed test).
 
-    .venv/bin/python benchmarks/overhead.py --models 4x256 small --only 2 3 4 5 --reps 1   # the issue-19 table
+    .venv/bin/python benchmarks/overhead.py --models 4x256 small --only 2 3 4 5 --reps 1   # the cost table (docs/cost.md)
     .venv/bin/python benchmarks/overhead.py --models 4x256 --only 2 --paired --reps 5 --everys default  # paired steps
     .venv/bin/python benchmarks/overhead.py --models small --reps 5
     .venv/bin/python benchmarks/overhead.py --models medium --only 1 --reps 1   # 24 layers x 1024
@@ -49,13 +49,13 @@ from diag.outputs.sinks import MemorySink
 from hooks import SIGNALS, Monitor
 from hooks.layout.discover import discover
 
-# layers, heads, d_model; "4x256" is the small GPT-2 of issue 19
+# layers, heads, d_model; "4x256" is the 4-layer GPT-2 of docs/cost.md
 SHAPES = {"small": (12, 12, 768), "4x256": (4, 8, 256), "medium": (24, 16, 1024), "tiny": (2, 4, 64)}
 
 
 def clock() -> float:
     """Seconds on the clock chosen with --clock: this process's CPU time (default; immune to the waits
-    another process's load adds; the issue's measure is CPU time) or wall time. On a CUDA device
+    another process's load adds; the cost table's measure) or wall time. On a CUDA device
     (``--device cuda``) wall time after the device finished its queued work (a synchronisation at every
     reading, in the watched and the plain steps alike: the kernels' own time, not the host's)."""
     if DEVICE.startswith("cuda"):

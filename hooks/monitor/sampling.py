@@ -185,7 +185,7 @@ class Sampler:
         an accelerator). The mean goes to the detectors, not to the record: the ``loss`` tag is the step's."""
         rows = [(layer.label, values) for layer, values in zip(self.layers, per_layer)]
         scalars = {name: value.detach().reshape(1) for name, value in (("loss", loss), ("loss_mean", mean))
-                   if isinstance(value, Tensor)}  # (1,) each, as float(loss) requires a scalar
+                   if isinstance(value, Tensor)}  # (1,) each: a loss has one element, as float(loss) requires
         if scalars:
             rows.append(("", scalars))
         arrays = host_arrays(rows)
