@@ -14,8 +14,8 @@ to it; run with ``--threads 1`` so it counts one core's work) or wall time:
   1. exact spectra of all heads (d_head x d_head core) vs the naive full SVD of each
      d_model x d_model product: time ratio and the largest relative disagreement;
   2. training-step time with the Monitor at its default cadence (``every`` unset:
-     loss and gradient norms every 10 steps, spectra, attention and update ratios every
-     100) and at every=1, 10, 100 vs no Monitor, over whole sampling periods (100 steps
+     loss and gradient norms every 10 steps, the spectra every 20, attention every 50,
+     update ratios every 100) and at every=1, 10, 100 vs no Monitor, over whole sampling periods (100 steps
      for the default and every=100), each window run back to back with the same steps
      unmonitored: median (min, max) time ratios (incl. the final close()), and the
      Monitor's accounted share of the window (time inside monitor.step plus the time

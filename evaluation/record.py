@@ -1,7 +1,8 @@
 """What the detectors saw, recorded for offline replay: the recorder and its reader.
 
 :class:`Recorder` wraps a Monitor's detectors and appends every :class:`~diag.detectors.Observation` they are
-given to ``observations.jsonl`` (:mod:`evaluation.runs` records every run this way, at ``every=1``);
+given to ``observations.jsonl`` (:mod:`evaluation.runs` records every run this way, at ``every=1``; whoever opens
+a recorder closes it after ``Monitor.close``, which judges the last update sample);
 :mod:`evaluation.detectors` replays the detectors over these files for any threshold choice and any coarser
 sampling interval (keep the observations whose step is a multiple of ``k``: exactly what a Monitor at
 ``every=k`` would have passed them, since each sample measures the step it samples and the update ratio of the
@@ -16,17 +17,18 @@ from pathlib import Path
 
 import numpy as np
 
-from diag.detectors import Observation
+from diag.detectors import Alert, Detector, DetectorWrapper, Observation
 
 
-class Recorder:
+class Recorder(DetectorWrapper):
     """Wraps the Monitor's detectors: every observation is appended to a JSONL file, then judged."""
 
-    def __init__(self, inner, path: Path) -> None:
-        self.inner, self.path = inner, path
+    def __init__(self, inner: Detector, path: Path) -> None:
+        super().__init__(inner)
+        self.path = path
         self.file = path.open("w")
 
-    def observe(self, obs: Observation) -> list:
+    def observe(self, obs: Observation) -> list[Alert]:
         self._write(obs)
         return self.inner.observe(obs)
 
@@ -39,25 +41,14 @@ class Recorder:
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
 
-    def observe_updates(self, obs: Observation) -> list:
-        """The update ratios of a step after a sample (the Monitor's shared, collective-free path): recorded too."""
+    def observe_updates(self, obs: Observation) -> list[Alert]:
+        """The update ratios of a step after a sample: recorded too."""
         self._write(obs)
-        return getattr(self.inner, "observe_updates", self.inner.observe)(obs)
+        return self.inner.observe_updates(obs)
 
     def close(self) -> None:
-        """Close the file (``Monitor.close`` calls it, after writing the pending update sample)."""
+        """Close the file: after ``Monitor.close``."""
         self.file.close()
-
-    def __getattr__(self, name: str):  # the rest of the detectors' interface (cfg, wants_attention, ...)
-        if name.startswith("__") or name == "inner":  # copy/pickle look these up before __init__ has run
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-    def state_dict(self) -> dict:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.inner.load_state_dict(state)
 
 
 def load_observations(path: Path) -> list[Observation]:

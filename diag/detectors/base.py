@@ -2,21 +2,24 @@
 
 A detector is a small state machine with no I/O: ``observe(obs) -> list[Alert]`` plus
 ``state_dict()``/``load_state_dict()`` holding plain JSON data, so a resumed run continues
-exactly where it stopped. The container (:class:`diag.detectors.container.Detectors`) fans
-an observation out to every detector. Alerts are sent out by
+exactly where it stopped. The :class:`Detector` base class declares these and the optional
+hooks, with defaults (the closer look's questions, the scalars it computed, the update-ratio
+observation). The container (:class:`diag.detectors.container.Detectors`) fans an observation
+out to every detector; :class:`DetectorWrapper` passes every call on to the detector it wraps,
+for a wrapper that changes one of them. Alerts are sent out by
 :class:`diag.outputs.alert_sink.AlertSink`; no detector imports a sink.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from diag.errors import DiagError
 
-__all__ = ["Alert", "Observation", "Detector", "TrainingHalted", "DOCS", "LEVELS"]
+__all__ = ["Alert", "Observation", "Detector", "DetectorWrapper", "TrainingHalted", "DOCS", "LEVELS"]
 
 DOCS = "docs/alerts.md"  # every message ends with its section: docs/alerts.md#<kind>
 LEVELS = ("info", "warning", "critical")
@@ -67,12 +70,72 @@ class Observation:
     loss_mean: float | None = None
 
 
-@runtime_checkable
-class Detector(Protocol):
-    """One phenomenon. ``state_dict`` keys must be unique across the detectors of a container."""
+class Detector(ABC):
+    """One phenomenon. ``observe``, ``state_dict`` and ``load_state_dict`` are every detector's own (``state_dict``
+    keys must be unique across the detectors of a container); the other hooks answer "nothing" unless a detector
+    has something to say."""
 
+    @abstractmethod
     def observe(self, obs: Observation) -> list[Alert]: ...
 
+    def observe_updates(self, obs: Observation) -> list[Alert]:
+        """The update ratios of a sampled step, measured at the step after it (no loss, only ``update_*``
+        metrics). The same judgement as :meth:`observe`; a wrapper that makes the ranks agree on every
+        observation has nothing to agree on here (the ratios are the same on every rank)."""
+        return self.observe(obs)
+
+    def scalars(self) -> dict[str, dict[str, float]]:
+        """What the detector computed at the last observation, to log beside the signals:
+        ``{metric: {layer label: value}}`` (``collapse_risk``)."""
+        return {}
+
+    def wants_attention(self) -> str | None:
+        """Why attention should be sampled closely now (the Monitor's closer look), or None."""
+        return None
+
+    def confirming(self) -> int:
+        """How many more steps of close attention samples a state being confirmed needs (0: none is)."""
+        return 0
+
+    def watching(self) -> str | None:
+        """Why a layer's attention should be sampled every ``CloserLookConfig.watch_every`` steps (a layer one head
+        short of a collapse), or None."""
+        return None
+
+    @abstractmethod
     def state_dict(self) -> dict: ...
 
+    @abstractmethod
     def load_state_dict(self, state: dict) -> None: ...
+
+
+class DetectorWrapper(Detector):
+    """Passes every call on to ``inner``: the base of a wrapper that changes one of them (records the
+    observations, makes the ranks agree)."""
+
+    def __init__(self, inner: Detector) -> None:
+        self.inner = inner
+
+    def observe(self, obs: Observation) -> list[Alert]:
+        return self.inner.observe(obs)
+
+    def observe_updates(self, obs: Observation) -> list[Alert]:
+        return self.inner.observe_updates(obs)
+
+    def scalars(self) -> dict[str, dict[str, float]]:
+        return self.inner.scalars()
+
+    def wants_attention(self) -> str | None:
+        return self.inner.wants_attention()
+
+    def confirming(self) -> int:
+        return self.inner.confirming()
+
+    def watching(self) -> str | None:
+        return self.inner.watching()
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state)

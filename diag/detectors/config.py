@@ -105,7 +105,7 @@ class RiskConfig(Checked):
 
 @dataclass(frozen=True)
 class EarlyUpdatesConfig(Checked):
-    """The ``large_early_updates`` note (:mod:`diag.detectors.warning`)."""
+    """The ``large_early_updates`` note (:mod:`diag.detectors.early_updates`)."""
 
     note_ratio: Positive = 0.25  # an update a quarter the size of the weights (60x tau = 0.004) ...
     note_horizon: Steps = 50  # ... within the first 50 steps: "no warmup", not a collapse

@@ -18,12 +18,12 @@ import logging
 
 from diag.detectors.base import Alert, Detector, Observation
 from diag.detectors.config import AlertConfig
+from diag.detectors.early_updates import EarlyUpdates
 from diag.detectors.nonfinite import NonFinite
 from diag.detectors.plateau import Plateau
 from diag.detectors.risk import CollapseRisk
 from diag.detectors.spike import LossSpike
 from diag.detectors.states import AttentionStates
-from diag.detectors.warning import EarlyUpdates
 from diag.errors import ConfigError
 
 __all__ = ["Detectors", "STATE_VERSION"]
@@ -32,7 +32,7 @@ STATE_VERSION = 3
 log = logging.getLogger("diag")
 
 
-class Detectors:
+class Detectors(Detector):
     """Fans an observation out to every detector; one detector's state keys never collide with another's."""
 
     def __init__(self, cfg: AlertConfig | None = None, extra: list[Detector] | None = None) -> None:
@@ -45,8 +45,8 @@ class Detectors:
         seen: dict[str, str] = {}
         for detector in self.detectors:
             if not isinstance(detector, Detector):
-                raise ConfigError(f"Detectors(extra=...): {type(detector).__name__} lacks observe/state_dict/"
-                                  "load_state_dict (the Detector protocol in diag.detectors.base)")
+                raise ConfigError(f"Detectors(extra=...): {type(detector).__name__} is not a Detector; subclass "
+                                  "diag.detectors.Detector (the protocol: observe, state_dict, load_state_dict)")
             for key in detector.state_dict():
                 if key in seen:
                     raise ConfigError(f"Detectors: {type(detector).__name__} and {seen[key]} both keep state "
@@ -54,44 +54,31 @@ class Detectors:
                 seen[key] = type(detector).__name__
 
     def observe(self, obs: Observation) -> list[Alert]:
-        alerts: list[Alert] = []
-        for detector in self.detectors:
-            alerts += detector.observe(obs)
-        return alerts
+        return [alert for detector in self.detectors for alert in detector.observe(obs)]
+
+    def observe_updates(self, obs: Observation) -> list[Alert]:
+        return [alert for detector in self.detectors for alert in detector.observe_updates(obs)]
 
     def scalars(self) -> dict[str, dict[str, float]]:
-        """What the detectors computed at the last observation, to log beside the signals:
-        ``{metric: {layer label: value}}`` (``collapse_risk``)."""
         out: dict[str, dict[str, float]] = {}
         for detector in self.detectors:
-            get = getattr(detector, "scalars", None)
-            for metric, values in (get() if get is not None else {}).items():
+            for metric, values in detector.scalars().items():
                 if values:
                     out.setdefault(metric, {}).update(values)
         return out
 
-    def _reason(self, question: str) -> str | None:
-        """The first detector's answer to ``question`` (a method returning a reason or None), or None."""
-        for detector in self.detectors:
-            ask = getattr(detector, question, None)
-            reason = ask() if ask is not None else None
-            if reason:
-                return reason
-        return None
-
     def wants_attention(self) -> str | None:
-        """Why the attention should be sampled closely now (a detector's ``wants_attention``), or None."""
-        return self._reason("wants_attention")
+        """The first detector's reason, or None."""
+        return next((reason for d in self.detectors if (reason := d.wants_attention())), None)
 
     def confirming(self) -> int:
-        """How many more steps of close attention samples a state being confirmed needs (0: none is); the
-        Monitor samples attention every ``CloserLookConfig.confirm_every`` steps meanwhile."""
-        return max((getattr(d, "confirming", lambda: 0)() for d in self.detectors), default=0)
+        """The longest a detector's state being confirmed needs; the Monitor samples attention every
+        ``CloserLookConfig.confirm_every`` steps meanwhile."""
+        return max((d.confirming() for d in self.detectors), default=0)
 
     def watching(self) -> str | None:
-        """Why a layer's attention should be sampled every ``CloserLookConfig.watch_every`` steps (a
-        detector's ``watching``: a layer one head short of a collapse), or None."""
-        return self._reason("watching")
+        """The first detector's reason, or None."""
+        return next((reason for d in self.detectors if (reason := d.watching())), None)
 
     def state_dict(self) -> dict:
         state: dict = {"version": STATE_VERSION}

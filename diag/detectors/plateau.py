@@ -29,7 +29,7 @@ import math
 
 import numpy as np
 
-from diag.detectors.base import Alert, Observation
+from diag.detectors.base import Alert, Detector, Observation
 from diag.detectors.config import PlateauConfig
 
 __all__ = ["Plateau", "fit_trend"]
@@ -135,7 +135,7 @@ def _mean(points: list[list[float]], column: int) -> float:
     return float(np.mean(values)) if values else math.nan
 
 
-class Plateau:
+class Plateau(Detector):
     """The loss history ``losses``: ``[[step, loss, qk_ratio, entropy, ln_sigma1, uniformity], ...]`` over the
     window (``ln_sigma1``: ``{layer: [ln sigma_1 per head]}`` or None, :func:`_log_sigma`); ``recent`` and
     ``below`` keep the first four fields."""

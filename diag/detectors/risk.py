@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from diag.detectors.base import Alert, Observation
+from diag.detectors.base import Alert, Detector, Observation
 from diag.detectors.config import RiskConfig
 from diag.detectors.episodes import Closed, Dwell, Episodes, Recurrence
 from diag.detectors.states import AttentionStates, head_key, layer_needs
@@ -207,7 +207,7 @@ def _trust_text(model: RiskModel, p: float) -> str:
             f"{model.horizon} steps")
 
 
-class CollapseRisk:
+class CollapseRisk(Detector):
     """``collapse_risk`` per layer at every sample that holds spectra and attention; ``collapse_warning`` (an
     episode per layer) once it was at ``warn_risk`` or more at ``warn_samples`` samples of the layer in a row and
     the layer has not collapsed yet."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from diag.detectors.base import Alert, Observation
+from diag.detectors.base import Alert, Detector, Observation
 from diag.detectors.config import SpikeConfig
 from diag.detectors.episodes import Closed, Dwell, Episodes
 
@@ -22,7 +22,7 @@ EMA_STEPS = 10  # the average keeps 90% of its weight per this many steps
 TODO = "inspect the batch; clip gradients; if attn_max_logit climbs too, consider QK-norm or a lower learning rate"
 
 
-class LossSpike:
+class LossSpike(Detector):
     """A spike is an episode: opened by a loss above ``EMA + spike_sigma * std``, closed by the first
     sample back under it."""
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from diag.catalog.tags import head_label
-from diag.detectors.base import Alert, Observation
+from diag.detectors.base import Alert, Detector, Observation
 from diag.detectors.config import StatesConfig
 from diag.detectors.episodes import Closed, Dwell, Episodes, Opened, Recurrence
 
@@ -182,7 +182,7 @@ def episodes_of(observations: Iterable[Observation], cfg: StatesConfig) -> list[
     return sorted(done, key=lambda e: (e.opened, e.where, e.state))
 
 
-class AttentionStates:
+class AttentionStates(Detector):
     """Records of the three states on every head and layer (needs the ``attention`` signal)."""
 
     def __init__(self, cfg: StatesConfig) -> None:

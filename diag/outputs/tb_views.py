@@ -11,21 +11,44 @@
   attention maps of the heads an alert names.
 
 No live model here: the Monitor hands in its record, per-layer arrays, the captured attention
-maps by layer label, and the alerts.
+maps by layer label, and the alerts. :func:`image_options` checks the Monitor's ``images`` and
+``image_every`` and gives their defaults (docs/tensorboard.md).
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from diag.catalog.metrics import metrics_with, update_metric_names
+from diag.errors import ConfigError
 from diag.outputs.images import UpdateRatioHistory, flagged_heads
 from diag.outputs.sinks import FanOut, Record
 from diag.outputs.tb_layout import ALERT_EVENT_TAG, ALERT_LEVELS, alert_run, build_layout
 
-__all__ = ["TensorBoardViews", "constants_table", "alert_events"]
+__all__ = ["TensorBoardViews", "constants_table", "alert_events", "image_options"]
+
+
+def image_options(images: bool | None, image_every: int | None, *, full: int, periods: Mapping[str, int],
+                  every: int | None, logdir: bool) -> tuple[bool, int]:
+    """The Monitor's ``images`` and ``image_every``, checked, with their defaults: images when the run has a
+    ``logdir`` (and Pillow, which encodes them), every ten ``full`` periods (the steps that sample every family:
+    ``periods``, family -> steps between samples; ``every``: the Monitor's uniform period, if it was given)."""
+    if image_every is None:
+        image_every = 10 * full
+    if isinstance(image_every, bool) or not isinstance(image_every, int) or image_every < 1 or image_every % full:
+        period = f"every={full}" if every == full else \
+            f"{full} (the steps that sample every family, cadence {dict(periods)})"
+        raise ConfigError(f"Monitor(image_every={image_every!r}): expected a positive multiple of {period} "
+                          f"(images are drawn at sampled steps), e.g. image_every={10 * full}")
+    if images is not None and not isinstance(images, bool):
+        raise ConfigError(f"Monitor(images={images!r}): expected True, False or None (None: when logdir is set)")
+    pillow = importlib.util.find_spec("PIL") is not None  # SummaryWriter.add_image encodes with Pillow
+    if images and not pillow:
+        raise ConfigError("Monitor(images=True) needs Pillow to encode PNGs: pip install pillow (or images=False)")
+    return (logdir and pillow) if images is None else images, image_every
 
 
 def alert_events(alerts: Sequence) -> dict[str, dict[str, float]]:

@@ -15,7 +15,7 @@ from the model's own ``attention_mask`` (a keyword or positional argument of the
 module's forward, recorded by a pre-hook on it) when it describes the kernel's
 sequence, else from the keys the kernel excludes from every row.
 
-Before a call counts, the capture hands what it saw (:class:`hooks.layout.confirm.Observation`: the
+Before a call counts, the capture hands what it saw (:class:`hooks.layout.confirm.CapturedCall`: the
 call's q, k and logits, the module's inputs, what the key projection read) to the layers' layout book
 (:class:`hooks.layout.book.LayoutBook`), which decides: head count and head size, self- versus
 cross-attention, and, where the kernel's q and k are known (SDPA, MHA, and a softmax whose product was seen),
@@ -52,7 +52,7 @@ from hooks.capture.kernels import (
     read_call,
 )
 from hooks.layout.book import LayoutBook
-from hooks.layout.confirm import Elementwise, Inputs, Observation, module_inputs
+from hooks.layout.confirm import CapturedCall, Elementwise, Inputs, module_inputs
 from hooks.layout.discover import AttentionLayer
 
 __all__ = ["AttentionCapture", "Seen"]
@@ -271,7 +271,7 @@ class AttentionCapture:
                 seen = read_call(func, args, kwargs, self.n_seqs, layer.layout.n_heads, products)
                 if seen is None:
                     return
-                verdict = self.layouts.observe(layer, self._observation(seen), self.n_seqs)
+                verdict = self.layouts.observe(layer, self._captured_call(seen), self.n_seqs)
                 if verdict.problem is not None:
                     self.problems[layer.index] = verdict.problem
                     return
@@ -292,13 +292,13 @@ class AttentionCapture:
         except Exception as err:  # noqa: BLE001 - a fault here must never reach the forward pass
             self.problems[layer.index] = f"capture failed: {err!r}"
 
-    def _observation(self, seen: Seen) -> Observation:
+    def _captured_call(self, seen: Seen) -> CapturedCall:
         """What the capture saw of the call: the call, the module's inputs (batch-first, time-first), what the
         key projection read and the clamps the module made before it."""
         batch_first, time_first = self._inputs or (None, None)
         if self._mode is None:
-            return Observation(seen, batch_first, time_first, [])
-        return Observation(seen, batch_first, time_first, self._mode.key_inputs, self._mode.between)
+            return CapturedCall(seen, batch_first, time_first, [])
+        return CapturedCall(seen, batch_first, time_first, self._mode.key_inputs, self._mode.between)
 
     def _query_rows(self, layer: AttentionLayer, seen: Seen, logits) -> Tensor | None:
         """(n, Q) bool, False on padded query rows; None when every row counts (cross-attention)."""

@@ -1,7 +1,7 @@
 """The one place a layer's layout is decided: confirmed, adopted from the computation, or refused.
 
 :class:`LayoutBook` keeps each layer's :class:`~hooks.layout.record.LayoutRecord` (its layout, W_O, state and
-why). The capture hands it what it saw of an attention call (:class:`~hooks.layout.confirm.Observation`) and
+why). The capture hands it what it saw of an attention call (:class:`~hooks.layout.confirm.CapturedCall`) and
 gets a :class:`~hooks.layout.confirm.Verdict` back; the Monitor asks it which layers are refused; the step
 limit and the weight side read a layer's current layout through the layer, whose record the book holds.
 
@@ -26,7 +26,7 @@ from dataclasses import replace
 from diag.layouts.generic import generic_o, is_provisional
 from diag.layouts.infer import same_split
 from diag.layouts.vocab import QKVLayout, shape_problem
-from hooks.layout.confirm import Comparison, Inputs, Observation, Verdict, compare
+from hooks.layout.confirm import CapturedCall, Comparison, Inputs, Verdict, compare
 from hooks.layout.discover import AttentionLayer, module_view
 from hooks.layout.read import read_layout
 from hooks.layout.refusals import not_this_attention, refuse, unconfirmable, unconfirmed, unpaired
@@ -57,7 +57,7 @@ class LayoutBook:
         """Whether the layer's layout was confirmed against the kernel (or read from it): nothing to check."""
         return layer.record.settled
 
-    def observe(self, layer: AttentionLayer, obs: Observation, n: int) -> Verdict:
+    def observe(self, layer: AttentionLayer, obs: CapturedCall, n: int) -> Verdict:
         """Decide on one attention call of the layer (first ``n`` sequences); the verdict says what was compared
         and, with ``problem`` set, why the call (``call_only``) or the whole layer is not measured."""
         record = layer.record
@@ -74,7 +74,7 @@ class LayoutBook:
         self._settle(layer, verdict)
         return verdict
 
-    def _decide(self, layer: AttentionLayer, obs: Observation, n: int) -> Verdict:
+    def _decide(self, layer: AttentionLayer, obs: CapturedCall, n: int) -> Verdict:
         """The verdict on one call read with the module's inputs batch-first, or time-first where that fits
         better (B == T: either reading fits the shapes)."""
         first, second = compare(layer, obs, n)
@@ -133,7 +133,7 @@ class LayoutBook:
 
     # ------------------------------------------------------------------ the check of one reading
 
-    def _judge(self, layer: AttentionLayer, obs: Observation, found: Comparison, n: int) -> Verdict:
+    def _judge(self, layer: AttentionLayer, obs: CapturedCall, found: Comparison, n: int) -> Verdict:
         """What one reading of the call means for the layout; one that disagrees with the kernel's q and k is
         read from them (adopt: when discovery proposed it; refused with the spec read when a spec gave it)."""
         lay, seen = layer.layout, obs.seen
@@ -165,7 +165,7 @@ class LayoutBook:
             return Verdict(checked=checked)
         return unconfirmed(layer, checked)
 
-    def _from_computation(self, layer: AttentionLayer, problem: str, obs: Observation, inputs: Inputs,
+    def _from_computation(self, layer: AttentionLayer, problem: str, obs: CapturedCall, inputs: Inputs,
                           n: int) -> Verdict:
         seen = obs.seen
         found = read_layout(layer.module, seen.q[:n], seen.k[:n], inputs.x, inputs.kv, layer.layout.cross,

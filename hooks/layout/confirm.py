@@ -41,7 +41,7 @@ from diag.layouts.vocab import QKVLayout, qk_heads
 from hooks.layout.blocks import local_tensor
 from hooks.layout.discover import AttentionLayer
 
-__all__ = ["Inputs", "Elementwise", "Observation", "Verdict", "Comparison", "module_inputs", "with_keys_from",
+__all__ = ["Inputs", "Elementwise", "CapturedCall", "Verdict", "Comparison", "module_inputs", "with_keys_from",
            "readings", "compare", "tolerance", "call_problem", "not_token_attention"]
 
 MATCH_FLOOR = 5e-3  # the least relative deviation a match allows (float32 products of width E, TF32 on GPUs)
@@ -78,7 +78,7 @@ class Elementwise:
 
 
 @dataclass
-class Observation:
+class CapturedCall:
     """What the capture saw of one attention call: the call (``seen``: :class:`hooks.capture.kernels.Seen`)
     and the module's inputs read batch-first and time-first (references, first ``n`` sequences), with what the
     key projection read at each of its calls (``key_inputs``) and the elementwise calls the module made
@@ -202,7 +202,7 @@ class Comparison:
     inputs: Inputs | None = None  # the reading of the module's inputs compared
 
 
-def compare(layer: AttentionLayer, obs: Observation, n: int) -> tuple[Comparison, Comparison | None]:
+def compare(layer: AttentionLayer, obs: CapturedCall, n: int) -> tuple[Comparison, Comparison | None]:
     """The layer's layout against one attention call, with the module's inputs read batch-first (or the one
     reading that fits) and, where the other reading holds the kernel's sequences too, read time-first."""
     first, other = readings(obs, n)
@@ -233,7 +233,7 @@ def _compared(layer: AttentionLayer, seen, inputs: Inputs | None, n: int) -> Com
     return Comparison(checked="heads" if seen.logits is not None and seen.q is None else "shapes", visible=visible)
 
 
-def readings(obs: Observation, n: int) -> tuple[Inputs | None, Inputs | None]:
+def readings(obs: CapturedCall, n: int) -> tuple[Inputs | None, Inputs | None]:
     """The module's inputs as the kernel's source: batch-first, and time-first where that reading holds the
     kernel's sequences too (then both are compared); time-first alone where only it fits."""
     seen = obs.seen

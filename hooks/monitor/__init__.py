@@ -1,6 +1,7 @@
 """Stage 3, the step loop: the Monitor, its cadence, the weight side and the distributed reads.
 
 ``monitor`` is the :class:`Monitor`; ``cadence`` decides which families a step samples;
+``sampling`` measures a sampled step; ``lossmean`` keeps the losses between two loss samples;
 ``weightside`` reads weights and gradients, computes the spectra and snapshots the update ratios;
 ``distributed`` gathers sharded (FSDP2) weights and keeps the detectors in step across ranks.
 """

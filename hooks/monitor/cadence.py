@@ -13,7 +13,7 @@ spectra at the 10-step steps while the detectors ask for them (a head's sigma_1
 grows fast, a collapse is being confirmed, the first updates are large), and
 attention alone at every step (``watch_every``) while a layer is one head short of a collapse.
 
-``Monitor(every=N)`` keeps its old meaning: every family every N steps.
+``Monitor(every=N)`` samples every family every N steps.
 ``Monitor(cadence={"attention": 50})`` changes the named periods only.
 """
 
@@ -24,13 +24,15 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 
+from diag.detectors import Detector
 from diag.errors import ConfigError
 
-__all__ = ["FAMILIES", "DEFAULT_CADENCE", "Cadence", "CloserLook", "resolve_cadence"]
+__all__ = ["SIGNALS", "FAMILIES", "DEFAULT_CADENCE", "Cadence", "CloserLook", "CloserLookConfig", "resolve_cadence"]
 
 _NOTHING: frozenset[str] = frozenset()
 _ATTENTION: frozenset[str] = frozenset({"attention"})
 
+SIGNALS = ("spectra", "attention", "grads", "updates")  # the families a Monitor may leave out
 FAMILIES = ("loss", "grads", "spectra", "attention", "updates")
 
 # Steps between two samples of each family when neither ``every`` nor ``cadence`` names it.
@@ -70,11 +72,14 @@ class Cadence:
 
 
 def resolve_cadence(every: int | None, cadence: Mapping[str, int] | None, signals: Iterable[str]) -> Cadence:
-    """The periods of the families that are on (``signals`` plus the loss).
+    """The periods of the families that are on (``signals``, some of :data:`SIGNALS`, plus the loss).
 
     every: None for :data:`DEFAULT_CADENCE`, else every family every ``every`` steps.
     cadence: periods that override either, e.g. ``{"attention": 50}``.
     """
+    unknown = set(signals) - set(SIGNALS)
+    if unknown:
+        raise ConfigError(f"Monitor(signals=...) has unknown {sorted(unknown)}; choose from {SIGNALS}")
     if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
         raise ConfigError(f"Monitor(every={every!r}): expected an integer >= 1 or None (the default per-family "
                           f"cadence {dict(DEFAULT_CADENCE)}), e.g. every=10")
@@ -103,8 +108,7 @@ class CloserLookConfig:
     established where the attention of every step has no collapse, docs/alerts.md#episodes); and attention alone
     every ``watch_every`` steps while a layer is one established head short of a malignant collapse (its next
     head's entry is seen at most ``watch_every - 1`` steps late, so a layer collapse that stays established that
-    long is counted from where it began: docs/cost.md#watching-closer; every step since issue #31's fourteenth
-    session, every 2 before)."""
+    long is counted from where it began: docs/cost.md#watching-closer)."""
 
     hold: int = 100
     early: int = 30
@@ -194,12 +198,22 @@ class CloserLook:
             self.until = max(self.until, self.confirm_until)
         return started
 
-    def heed(self, step: int, detectors) -> tuple[str | None, str | None]:
+    def heed(self, step: int, detectors: Detector) -> list[str]:
         """:meth:`watch` and :meth:`update` with what ``detectors`` ask for (``watching``, ``wants_attention``
-        and ``confirming``). Returns the reasons of a watch and of a close look that started at this step (None
-        for one that did not start)."""
-        confirming, watching = getattr(detectors, "confirming", None), getattr(detectors, "watching", None)
-        watched = watching() if watching is not None else None
-        reason = detectors.wants_attention()
-        started = self.watch(step, watched), self.update(step, reason, confirming() if confirming is not None else 0)
-        return (watched if started[0] else None), (reason if started[1] else None)
+        and ``confirming``). Returns what started at this step, in words: a watch, a close look (none, one or
+        both)."""
+        if self.period is None:
+            return []
+        watched, reason = detectors.watching(), detectors.wants_attention()
+        started = []
+        if self.watch(step, watched):
+            started.append(f"{watched}: attention sampled every {self.watch_every} steps while it is")
+        if self.update(step, reason, detectors.confirming()):
+            confirming = step <= self.confirm_until
+            dense = self.confirm_until if confirming else self.early - 1
+            every = self.confirm_every if confirming else self.early_every
+            early = step <= dense
+            then = f" up to step {dense}, then every {self.period}" if early else ""
+            started.append(f"{reason}: attention sampled every {every if early else self.period} steps{then} until "
+                           f"at least step {self.until}")
+        return started

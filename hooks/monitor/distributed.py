@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from diag.detectors import Alert, Detectors, Observation
+from diag.detectors import Alert, DetectorWrapper, Detectors, Observation
 from hooks.layout.discover import AttentionLayer
 
 __all__ = ["rank", "world_size", "gather_full", "local_shards", "gather_like", "QKVReader", "SharedDetectors"]
@@ -272,7 +272,7 @@ class QKVReader:
         return out
 
 
-class SharedDetectors:
+class SharedDetectors(DetectorWrapper):
     """Detectors that judge rank 0's observation on every rank (see the module docstring).
 
     Weight, gradient and update metrics are the same on every rank; the loss and the
@@ -283,7 +283,8 @@ class SharedDetectors:
     """
 
     def __init__(self, detectors: Detectors, stop_on_critical: bool) -> None:
-        self.inner, self.stop = detectors, stop_on_critical
+        super().__init__(detectors)
+        self.stop = stop_on_critical
 
     def observe(self, observation: Observation) -> list[Alert]:
         """A sampled step's observation: rank 0's, broadcast (with ``stop_on_critical``). Every rank
@@ -300,14 +301,3 @@ class SharedDetectors:
         if not self.stop:
             return self.inner.observe(observation) if rank() == 0 else []
         return self.inner.observe(observation)
-
-    def state_dict(self) -> dict:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.inner.load_state_dict(state)
-
-    def __getattr__(self, name: str):
-        if name == "inner":  # not yet set (e.g. during unpickling): no recursion
-            raise AttributeError(name)
-        return getattr(self.inner, name)

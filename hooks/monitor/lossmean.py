@@ -2,7 +2,7 @@
 
 At the default cadence the loss is sampled every 10 steps; one batch's loss scatters about sqrt(10) times as much
 as the mean of the ten, and the plateau detector's lines (``eureka_plateau``, ``eureka_moment``) are crossed by that
-scatter (issue #31's thirteenth session, docs/alerts.md#eureka_moment). Every step's loss is kept here until the
+scatter (docs/alerts.md#eureka_moment). Every step's loss is kept here until the
 next loss sample: a tensor as ``detach()`` (a view: no kernel, no host read, no graph kept, nothing of the training
 touched), a number as a number. A non-sampled step issues no other tensor operation. The sampled step sums them
 on their device (one small kernel), and the mean reaches the host in the same transfer as the step's metrics.

@@ -1,4 +1,5 @@
-"""The container: every detector's state across a resume, format 1 states, the protocol checked."""
+"""The container: every detector's state across a resume, format 1 states, the protocol checked and its
+optional hooks answered by default."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import logging
 import numpy as np
 import pytest
 
-from diag.detectors import AlertConfig, Detectors, Observation
+from diag.detectors import AlertConfig, Detector, Detectors, Observation
 from diag.errors import ConfigError
 
 
@@ -60,14 +61,14 @@ def test_format_1_state_loads_what_carries_over(caplog):
     assert "format 1" in caplog.text
     state = det.state_dict()
     assert state["version"] == 3 and state["ema"] == 2.0 and state["first_loss"] == 2.3
-    assert "sigma_prev" not in state and state["losses"] == []  # the collapse risk starts afresh (issue #31)
+    assert "sigma_prev" not in state and state["losses"] == []  # the collapse risk starts afresh
     out = det.observe(Observation(20, 1.0, {}))  # the loss was non-finite before the resume: now it ends
     assert [(a.kind, a.status) for a in out] == [("nonfinite_loss", "resolved")]
     with pytest.raises(ConfigError, match="version 4"):
         Detectors().load_state_dict({"version": 4})
 
 
-class Counter:
+class Counter(Detector):
     def __init__(self, key="seen"):
         self.key, self.n = key, 0
 
@@ -90,3 +91,21 @@ def test_extra_detectors_join_the_fan_out_and_must_not_share_state_keys():
         Detectors(extra=[Counter("losses")])
     with pytest.raises(ConfigError, match="protocol"):
         Detectors(extra=[object()])
+
+
+def test_a_detector_declares_only_what_it_judges_and_the_hooks_it_leaves_out_answer_nothing():
+    counter = Counter()
+    assert counter.scalars() == {} and counter.wants_attention() is None and counter.watching() is None
+    assert counter.confirming() == 0
+    assert counter.observe_updates(Observation(0, None, {})) == [] and counter.n == 1  # judged as any observation
+    det = Detectors(extra=[counter])
+    assert det.wants_attention() is None and det.watching() is None and det.confirming() == 0
+    det.observe_updates(Observation(1, None, {"L00": {"update_ratio_q": np.array([0.01])}}))
+    assert counter.n == 2
+
+    class Forgetful(Detector):  # no state_dict / load_state_dict
+        def observe(self, obs):
+            return []
+
+    with pytest.raises(TypeError, match="state_dict"):
+        Forgetful()

@@ -25,7 +25,7 @@ from diag.catalog.tags import (
 from diag.cli.main import main
 from diag.errors import ConfigError
 from diag.outputs.figures import attention_map_figure, layer_head_figures, update_ratio_figure
-from diag.outputs.tb_views import alert_events, constants_table
+from diag.outputs.tb_views import alert_events, constants_table, image_options
 from diag.reports.run import alert_episodes, read_run, split_advice, write_run_report
 
 
@@ -124,7 +124,7 @@ def test_run_report_is_one_page_with_curves_heatmaps_and_alerts(tmp_path, capsys
 
 
 def test_an_episode_is_shaded_from_its_start_to_its_resolved_record_or_the_end_of_the_run():
-    """Changed with issue #31: each record's step was shaded (a thin band), not the episode."""
+    """The episode is shaded, not a thin band at each of its records' steps."""
     alerts = [{"step": 40, "since": 30, "kind": "malignant_collapse", "level": "critical", "where": "L00"},
               {"step": 90, "since": 30, "kind": "malignant_collapse", "level": "info", "where": "L00",
                "status": "resolved"},
@@ -137,7 +137,7 @@ def test_an_episode_is_shaded_from_its_start_to_its_resolved_record_or_the_end_o
 
 
 def test_the_alert_table_says_what_to_do_once():
-    """Changed with issue #31: the message's own "What to do" was repeated in the next column."""
+    """The message's own "What to do" goes in its own column, not repeated beside it."""
     what, todo = split_advice("collapse risk 0.8: likely. What to do: add warmup")
     assert (what, todo) == ("collapse risk 0.8: likely.", "add warmup")
     assert split_advice("no advice here") == ("no advice here", None)
@@ -157,7 +157,7 @@ def test_run_report_errors_name_the_folder_and_the_fix(tmp_path, capsys):
 
 def test_a_critical_alert_is_drawn_over_the_warnings_at_its_step(monkeypatch):
     """A layer's critical record shares its step (and its row) with its heads' warnings: in the timeline the
-    critical dot is drawn on top (it was drawn first, under them, and the demo's report showed no red dot)."""
+    critical dot is drawn on top, where it stays visible."""
     from diag.reports import run as run_report
 
     drawn = {}
@@ -167,3 +167,18 @@ def test_a_critical_alert_is_drawn_over_the_warnings_at_its_step(monkeypatch):
     run_report._timeline(run_report.Run(Path("."), alerts=alerts))
     order = {c.get_label(): c.get_zorder() for c in drawn["fig"].axes[0].collections}
     assert order["critical"] > order["warning"] > order["info"]
+
+
+def test_image_options_default_to_the_logdir_and_ten_full_periods_and_name_the_fix():
+    periods = {"loss": 10, "grads": 10, "spectra": 20, "attention": 50, "updates": 100}
+    assert image_options(None, None, full=100, periods=periods, every=None, logdir=True) == (True, 1000)
+    assert image_options(None, 200, full=100, periods=periods, every=None, logdir=False) == (False, 200)
+    assert image_options(False, None, full=100, periods=periods, every=None, logdir=True) == (False, 1000)
+    with pytest.raises(ConfigError, match=r"image_every=150.*multiple of 100 \(the steps that sample every family"):
+        image_options(None, 150, full=100, periods=periods, every=None, logdir=True)
+    with pytest.raises(ConfigError, match=r"image_every=15.*multiple of every=10.*image_every=100"):
+        image_options(None, 15, full=10, periods=dict.fromkeys(periods, 10), every=10, logdir=True)
+    with pytest.raises(ConfigError, match="image_every=True"):
+        image_options(None, True, full=1, periods={"loss": 1}, every=1, logdir=True)
+    with pytest.raises(ConfigError, match="images='yes'.*True, False or None"):
+        image_options("yes", None, full=100, periods=periods, every=None, logdir=True)

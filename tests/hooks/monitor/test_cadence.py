@@ -4,7 +4,7 @@
   attention every 50 and update ratios every 100; each family's tags carry exactly its steps.
 * What a family logs at a step it samples equals what the uniform ``every=10``
   Monitor logs there: thinning the cadence loses no accuracy.
-* ``every=N`` keeps its old meaning (every family every N steps); ``cadence=``
+* ``every=N`` samples every family every N steps; ``cadence=``
   overrides single families; bad values name the family and the fix.
 * The capture is armed only before steps that sample attention; the TensorBoard
   layout waits for a step that samples every family (a resumed run).
@@ -20,7 +20,7 @@ import math
 import pytest
 import torch
 
-from diag.detectors import AlertConfig
+from diag.detectors import AlertConfig, DetectorWrapper
 from diag.errors import ConfigError
 from diag.outputs.sinks import MemorySink
 from hooks import Monitor
@@ -263,7 +263,7 @@ def test_closer_look_watches_a_short_layer_with_attention_alone_every_watch_ever
     """While the detectors watch a layer (one head short of a collapse), attention alone (not the spectra) is
     sampled every ``watch_every`` steps, renewed one period at a time at each judged step, over any look the
     detectors asked for; off when ``watch_every`` is not shorter than the look's period. Every step by default,
-    shown here every 2 steps (the default until issue #31's fourteenth session)."""
+    shown here every 2 steps."""
     assert CloserLook(resolve_cadence(None, None, ("spectra", "attention")), hold=30, early=0).watch_every == 1
     assert CloserLookConfig.watch_every == 1
     look = CloserLook(resolve_cadence(None, None, ("spectra", "attention")), hold=30, early=0, watch_every=2)
@@ -287,11 +287,12 @@ def test_closer_look_watches_a_short_layer_with_attention_alone_every_watch_ever
         CloserLookConfig(watch_every=0)
 
 
-class _Watching:
+class _Watching(DetectorWrapper):
     """The Monitor's detectors, watching a layer while the last step they judged is in ``steps``."""
 
     def __init__(self, inner, steps: range) -> None:
-        self.inner, self.steps, self.last = inner, steps, -1
+        super().__init__(inner)
+        self.steps, self.last = steps, -1
 
     def observe(self, obs):
         self.last = obs.step
@@ -299,11 +300,6 @@ class _Watching:
 
     def watching(self):
         return "L00 is one head short of a malignant collapse" if self.last in self.steps else None
-
-    def __getattr__(self, name: str):
-        if name.startswith("__") or name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
 
 
 def test_the_monitor_samples_attention_every_watch_every_steps_while_a_layer_is_watched():
@@ -321,20 +317,16 @@ def test_the_monitor_samples_attention_every_watch_every_steps_while_a_layer_is_
         assert_values_of(sink, reference)
 
 
-class Spy:
-    """The Monitor's detectors, with every observation they are given kept."""
+class Spy(DetectorWrapper):
+    """The Monitor's detectors, with every observation of a sampled step they are given kept."""
 
     def __init__(self, inner) -> None:
-        self.inner, self.seen = inner, []
+        super().__init__(inner)
+        self.seen = []
 
     def observe(self, obs):
         self.seen.append(obs)
         return self.inner.observe(obs)
-
-    def __getattr__(self, name: str):
-        if name.startswith("__") or name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
 
 
 def spied_run(steps: int, give=lambda step, loss: loss) -> tuple[Spy, list[float], MemorySink, Monitor]:

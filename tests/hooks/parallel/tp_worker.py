@@ -8,7 +8,7 @@
     torchrun --standalone --nproc_per_node 4 tests/hooks/parallel/tp_worker.py hsdp OUT
 
 * ``tp``: a Hugging Face LLaMA (GQA 4/2, SDPA) with ``parallelize_module``: ColwiseParallel on q/k/v and the
-  MLP's gate/up, RowwiseParallel on o and down (the issue's user), on a (2,) mesh;
+  MLP's gate/up, RowwiseParallel on o and down, on a (2,) mesh;
 * ``tp-sp``: torchtitan's LLaMA shape with torchtitan's plan (sequence-parallel norms, the embedding rowwise
   to sequence shards, W_O and w2 back to sequence shards: :mod:`tests.support.titan`), on a (2,) mesh;
 * ``tp-fsdp``: the same plan on the ``tp`` dim of a (2, 2) ``("dp", "tp")`` mesh, then ``fully_shard`` of every
@@ -160,7 +160,7 @@ def count_heads(monitor, seen: dict) -> None:
         if layer.block is None:
             seen["work"][layer.label] = list(range(layer.layout.n_heads))
         else:
-            work = monitor._heads.work(layer)
+            work = monitor.sampler._heads.work(layer)
             seen["work"][layer.label] = [layer.block.first_head + h for h in work.q]
 
 

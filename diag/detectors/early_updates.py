@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import math
 
-from diag.detectors.base import Alert, Observation
+from diag.detectors.base import Alert, Detector, Observation
 from diag.detectors.config import EarlyUpdatesConfig
 
 __all__ = ["EarlyUpdates"]
 
 
-class EarlyUpdates:
+class EarlyUpdates(Detector):
     """The info note: large update ratios in the first steps (needs the ``updates`` signal)."""
 
     def __init__(self, cfg: EarlyUpdatesConfig) -> None:
