@@ -46,6 +46,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hooks.monitor.cadence import DEFAULT_CADENCE
+
 BLOCK = 16
 
 
@@ -229,7 +231,7 @@ def report(shapes: list[Shape], rates_for, safety: float) -> None:
             print(f"  {k:>9}: {t * 1e3:9.1f} ms = {fractions[k] * 100:7.2f}% of a step, holds {mem / 2**20:7.0f} MiB, "
                   f"receives {moved / 2**20:8.1f} MiB; every {periods[k]} -> {fractions[k] / periods[k] * 100:.3f}%; "
                   f"alone under 1% (x{safety:g}) from every {alone(fractions[k] * safety)}")
-        default = {"grads": 10, "spectra": 20, "updates": 100, "attention": 100}  # hooks/monitor/cadence.py
+        default = {k: v for k, v in DEFAULT_CADENCE.items() if k != "loss"}
         at_default = sum(f / default[k] for k, f in fractions.items())
         print(f"  at the default cadence {default}: {at_default * 100:.2f}% modelled, "
               f"{at_default * safety * 100:.2f}% with x{safety:g}")

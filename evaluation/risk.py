@@ -158,7 +158,7 @@ def calibrate(runs: list[Run], model: RiskModel) -> int:
     """Recalibrate the layer's probability on the forecasts a Monitor at its default cadence logs on ``runs``
     (the tuning set's): :func:`recalibrate`. The fit samples a closer look's steps; the Monitor forecasts where
     its cadence and its closer look sample, which weighs the samples differently: without the recalibration,
-    forecasts of 0.2-0.8 under-forecast and those of 0.8-1 are over-confident on the first report set, a
+    forecasts of 0.2-0.8 under-forecast and those of 0.8-1 are over-confident on held-out runs, a
     miscalibration no single slope and intercept mends (a Platt fit on the tuning runs moves one bin into its
     interval and the other out). Returns the number of forecasts."""
     model.calibration = []

@@ -25,11 +25,10 @@ The choices, each printed as a table of every value tried (``--only depth``: the
   plateau alert on a healthy run (the design set's: the tuning set has none) that the NormSoftmax twin test does
   not call a real plateau and that does not sit at the corpus's context-free loss (a run stuck there is no
   healthy run); ties go to the value in the middle of the best ones. It is also chosen leaving each
-  healthy family out, to show whether that family's report depends on its own runs. Pooled over the tuning and
-  third to seventh report sets, every value from 0.2 up, off included, flags all 150 plateaus with no healthy
-  alert, because ``plateau_max_growth`` already holds the healthy runs' windows; the middle of that tie is 0.4,
-  and the shipped 0.25 keeps the test as a second line over the largest motion a plateau needed, 0.19
-  (docs/alerts.md#defaults).
+  healthy family out, to show whether that family's report depends on its own runs. On the consulted runs
+  every value from 0.2 up, off included, flags every plateau with no healthy alert, because
+  ``plateau_max_growth`` already holds the healthy runs' windows; the shipped 0.25 keeps the test as a second
+  line over the largest motion a plateau needed, 0.19 (docs/alerts.md#defaults).
 * ``plateau_max_growth``, how much sigma_1(Wq^T Wk) may grow over a plateau's window, ``plateau_min_frac``, how
   high over the first loss a plateau sits, and ``plateau_min_update``, how small the Q/K updates may have become
   against their largest window's: the same score, each with the other fields at their defaults, and each also
@@ -191,7 +190,7 @@ def tune_one(runs: list[Run], name: str, values: tuple[float, ...]) -> tuple[flo
 
 def tune_depth(runs: list[Run]) -> tuple[float, list[str]]:
     """``eureka_depth``: the moments within 2 sampling intervals of the accuracy jump over the softmax Eureka runs
-    at every cadence (the shipped value was chosen on the tuning and third to ninth report sets); every plateau
+    at every cadence (the shipped value was chosen on the consulted runs, docs/evaluation.md); every plateau
     must still be flagged before its jump and no moment be false. The value in the
     middle of the flat top: of those within 2 moments of the best count (less than one run at its five cadences),
     so that the choice does not rest on one moment."""
