@@ -110,10 +110,11 @@ DETECTORS = Rule("the detectors import no sink, output, offline, report, CLI or 
 # The stages of hooks/ as data flows through them: each may import itself and the stages it names, no
 # other stage, and never the package facade ``hooks`` (which imports them all).
 STAGES = {
-    "hooks.layout": (),
+    "hooks.layout": ("hooks.parallel",),
+    "hooks.parallel": ("hooks.layout",),
     "hooks.capture": ("hooks.layout",),
-    "hooks.monitor": ("hooks.layout", "hooks.capture"),
-    "hooks.steplimit": ("hooks.layout",),
+    "hooks.monitor": ("hooks.layout", "hooks.capture", "hooks.parallel"),
+    "hooks.steplimit": ("hooks.layout", "hooks.parallel"),
     "hooks.checkpoint": ("hooks.layout", "hooks.capture"),
     "hooks.integrations": ("hooks.layout", "hooks.capture", "hooks.monitor"),
     "hooks.demo": ("hooks.layout", "hooks.capture", "hooks.monitor", "hooks.steplimit"),

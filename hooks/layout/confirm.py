@@ -38,7 +38,7 @@ from torch import Tensor
 
 from diag.layouts.infer import query_source
 from diag.layouts.vocab import QKVLayout, qk_heads
-from hooks.layout.blocks import local_tensor
+from hooks.parallel.heads import local_tensor
 from hooks.layout.discover import AttentionLayer
 
 __all__ = ["Inputs", "Elementwise", "Observation", "Verdict", "Comparison", "module_inputs", "with_keys_from",

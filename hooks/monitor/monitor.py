@@ -45,10 +45,11 @@ from hooks.capture.compiled import EagerCapture
 from hooks.layout.book import LayoutBook
 from hooks.layout.discover import AttentionLayer, discover
 from hooks.monitor.cadence import CloserLook, CloserLookConfig, resolve_cadence
-from hooks.monitor.distributed import SharedDetectors, rank, world_size
 from hooks.monitor.lossmean import LossMean
-from hooks.monitor.tensorparallel import HeadGather
 from hooks.monitor.weightside import WeightSide
+from hooks.parallel.detectors import SharedDetectors
+from hooks.parallel.headgather import HeadGather
+from hooks.parallel.ranks import rank, world_size
 
 __all__ = ["Monitor", "SIGNALS"]
 
@@ -178,7 +179,7 @@ class Monitor:
         self._weights = WeightSide(self.layers, self.signals, sec_top, self._warn_once,
                                    heads=self._heads)
         # the layers' layouts, decided in one place: only a captured forward confirms a layout proposed from names;
-        # under tensor parallelism each rank's kernel computes its own block of heads (hooks/layout/blocks.py),
+        # under tensor parallelism each rank's kernel computes its own block of heads (hooks/parallel/heads.py),
         # which the book checks
         local = [layer.on_this_rank() for layer in self.layers]
         self.layouts = LayoutBook(local, watching="attention" in self.signals)

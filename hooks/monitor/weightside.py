@@ -1,6 +1,6 @@
 """The weight-side families of a sampled step: gradient norms, spectra, update ratios.
 
-The layers are read in the groups of :meth:`hooks.monitor.distributed.QKVReader.groups`:
+The layers are read in the groups of :meth:`hooks.monitor.reader.QKVReader.groups`:
 all layers at once for plain parameters (read in place, nothing copied), one
 layer at a time for FSDP2 DTensors, whose gathered weights are dropped before the
 next layer is gathered. Within a group the spectra are batched across layers of
@@ -28,8 +28,9 @@ from diag.math.metrics import grad_metrics, layer_spectra
 from diag.math.norms import frobenius
 from diag.math.updates import UpdateTracker
 from hooks.layout.discover import AttentionLayer
-from hooks.monitor.distributed import QKVReader, gather_like, local_shards
-from hooks.monitor.tensorparallel import HeadGather, grad_squares, tp_reduce
+from hooks.monitor.reader import QKVReader
+from hooks.parallel.gather import gather_like, local_shards
+from hooks.parallel.headgather import HeadGather, grad_squares, tp_reduce
 
 __all__ = ["WeightSide", "ShardSnapshot", "PendingUpdate", "AppliedUpdate", "nan_spectra"]
 

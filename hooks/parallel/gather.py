@@ -1,50 +1,27 @@
-"""The Monitor beyond one eager process: ranks, sharded parameters, agreed alerts.
+"""Whole tensors from sharded ones: the Q/K/V weights (and gradients) of the monitored layers, and W_O, in float32
+or better.
 
-* :func:`rank`, :func:`world_size`: 0 and 1 unless ``torch.distributed`` is
-  initialised. Only rank 0 writes files (the Monitor's ``logdir`` sinks and
-  ``alerts.jsonl``).
-* :class:`QKVReader`: the Q/K/V weights (and gradients) of the monitored layers,
-  and the W_O weight where the layout names one (for the update ratio), as whole
-  tensors in float32 or better. Plain parameters (one process, DDP) are read in
-  place, with no collective. FSDP2 parameters are DTensors sharded on one dim: they
-  are read one layer at a time, the local shards of that layer's weights (and of
-  its Q/K/V gradients when the step samples them) packed into one flat buffer and
-  one ``all_gather_into_tensor``, so at most one layer's gathered weights exist at
-  a time. Only the parameters a layout names are gathered, and only when the
-  Monitor reads them: on steps that sample gradients, spectra or update ratios,
-  and at the call after an update-ratio sample.
-* :class:`SharedDetectors`: with ``stop_on_critical`` in a multi-rank job, every
-  rank judges rank 0's observation (one broadcast per sampled step), so every rank
-  raises :class:`~diag.detectors.base.TrainingHalted` at the same step and none is left
-  waiting in a collective.
+FSDP2 parameters are DTensors sharded on one dim: they are read one layer at a time, the local shards of that
+layer's weights (and of its Q/K/V gradients when the step samples them) packed into one flat buffer and one
+``all_gather_into_tensor``, so at most one layer's gathered weights exist at a time.
 """
 
 from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from diag.detectors import Alert, Detectors, Observation
 from hooks.layout.discover import AttentionLayer
 
-__all__ = ["rank", "world_size", "gather_full", "local_shards", "gather_like", "QKVReader", "SharedDetectors"]
+__all__ = ["gather_full", "local_shards", "gather_like", "gathers_rows"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
-
-
-def world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
 
 def _dtensor_type() -> type | None:
     """DTensor, if anything imported it (otherwise no tensor can be one): never imported just to check."""
@@ -217,97 +194,3 @@ def gathers_rows(layer: AttentionLayer) -> bool:
     dtensor = _dtensor_type()
     return dtensor is not None and any(isinstance(p, dtensor) and _plan(p.detach(), _keep(layer)).kind == "gather"
                                        for p in layer.params().values())
-
-
-class QKVReader:
-    """Reads the Q/K/V weights (and gradients) of the monitored layers, a group of layers at a time.
-
-    :meth:`groups`: plain parameters (one process, DDP) make one group of every layer: they are
-    read in place, nothing is gathered or copied. Sharded ones (FSDP2 DTensors) make one group
-    per layer, so the Monitor never holds more than one layer's gathered weights at a time
-    (docs/cost.md). :meth:`read` returns a group's whole tensors in float32 or better, gathered
-    in one collective per group; every rank reads the same groups in the same order.
-    output: read W_O too (under ``layout.o``; its weight only, never its gradient).
-    """
-
-    def __init__(self, layers: Sequence[AttentionLayer], grads: bool = True, output: bool = True,
-                 gathered_grads: Callable[[AttentionLayer], bool] | None = None) -> None:
-        self.layers, self.grads, self.output = list(layers), grads, output
-        self.gathered_grads = gathered_grads or (lambda layer: True)  # False: its gradients are read elsewhere
-
-    def groups(self) -> list[list[AttentionLayer]]:
-        """The layers in reading order: one group of all (plain, or tensor parallelism alone: each rank's blocks
-        are read in place), or one layer per group (anything to gather)."""
-        return [[layer] for layer in self.layers] if self.gathers() else [list(self.layers)]
-
-    def gathers(self) -> bool:
-        """Whether reading a layer gathers anything (FSDP2, HSDP; not tensor parallelism alone); checked at each
-        call: a model may be sharded after attaching."""
-        dtensor = _dtensor_type()
-        return dtensor is not None and any(
-            isinstance(p, dtensor) and _plan(p.detach(), _keep(layer)).kind != "local"
-            for layer in self.layers for p in layer.weights().values())
-
-    def read(
-        self, group: Sequence[AttentionLayer], weights: bool = True, grads: bool = False
-    ) -> list[tuple[dict[str, Tensor] | None, dict[str, Tensor] | None]]:
-        """(weights, grads) of each layer of ``group``: weights None when not asked, grads None when
-        not asked or when a Q/K/V parameter has no ``.grad``."""
-        tensors: list[Tensor] = []
-        keep: list[int | None] = []
-        plan = []
-        for layer in group:
-            named = layer.params()
-            wanted = (layer.weights() if self.output else named) if weights else {}
-            with_grads = (grads and self.grads and self.gathered_grads(layer)
-                          and all(p.grad is not None for p in named.values()))
-            tensors += list(wanted.values()) + ([p.grad for p in named.values()] if with_grads else [])
-            plan.append((list(wanted), list(named) if with_grads else None))
-            keep += [_keep(layer)] * (len(tensors) - len(keep))
-        full = iter(gather_full(tensors, keep))  # one collective for the group (none under tensor parallelism alone)
-        out = []
-        for names, grad_names in plan:
-            read = {n: next(full) for n in names} if weights else None
-            out.append((read, None if grad_names is None else {n: next(full) for n in grad_names}))
-        return out
-
-
-class SharedDetectors:
-    """Detectors that judge rank 0's observation on every rank (see the module docstring).
-
-    Weight, gradient and update metrics are the same on every rank; the loss and the
-    attention statistics are each rank's own. Without ``stop_on_critical`` only rank
-    0 judges (it alone writes alerts) and no collective is issued; with it, an
-    observation that holds a loss or any metric other than an update ratio is
-    broadcast from rank 0 first, so all ranks raise together.
-    """
-
-    def __init__(self, detectors: Detectors, stop_on_critical: bool) -> None:
-        self.inner, self.stop = detectors, stop_on_critical
-
-    def observe(self, observation: Observation) -> list[Alert]:
-        """A sampled step's observation: rank 0's, broadcast (with ``stop_on_critical``). Every rank
-        calls this at every sampled step, whatever the observation holds, so the broadcast always pairs."""
-        if not self.stop:
-            return self.inner.observe(observation) if rank() == 0 else []
-        box = [observation]
-        dist.broadcast_object_list(box, src=0)
-        return self.inner.observe(box[0])
-
-    def observe_updates(self, observation: Observation) -> list[Alert]:
-        """The update ratios of the step before: computed from the (gathered) weights, the same on
-        every rank, so no collective."""
-        if not self.stop:
-            return self.inner.observe(observation) if rank() == 0 else []
-        return self.inner.observe(observation)
-
-    def state_dict(self) -> dict:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.inner.load_state_dict(state)
-
-    def __getattr__(self, name: str):
-        if name == "inner":  # not yet set (e.g. during unpickling): no recursion
-            raise AttributeError(name)
-        return getattr(self.inner, name)
