@@ -272,7 +272,7 @@ class Monitor:
                 capture.disarm()
 
     @property
-    def refused(self) -> dict[int, str]:
+    def refused(self) -> Mapping[int, str]:
         """Layers whose layout the computation refused (or nothing could confirm): every metric of theirs is
         suspect (the head split may be wrong), so none is logged from then on. Asked of :attr:`layouts`."""
         return self.layouts.refused
@@ -403,8 +403,8 @@ class Monitor:
         for layer in self._heads.layers:
             by_index[layer.index] = whole[layer.index]
             if layer.index in refused_any and layer.index not in self.refused:
-                self.refused[layer.index] = (f"{layer.name}: another tensor-parallel rank found its heads disagree "
-                                             "with the layout (its warning says how)")
+                self.layouts.refuse(layer, f"{layer.name}: another tensor-parallel rank found its heads disagree "
+                                    "with the layout (its warning says how)")
         return failed
 
     def _record(

@@ -236,3 +236,15 @@ def _same_weights(single: Path, rank0: dict) -> None:
 
 def _flat(x) -> list[float]:
     return [v for item in x for v in (_flat(item) if isinstance(item, list) else [item])]
+
+
+def test_a_layer_one_rank_refuses_is_refused_on_every_rank(tmp_path):
+    """Rank 1's kernel computes its two query heads of L00 in swapped order, so rank 1 refuses L00's layout; rank 0's
+    own heads agree with it. The head gather tells rank 0, whose book refuses L00 too: rank 0 (the only writer) logs
+    nothing of L00 from then on, update ratios included, and L01 as usual."""
+    ranks = _run("tp", tmp_path, 2, "--swap-heads", "1")
+    tags = {tag for _, tag in _metrics(tmp_path)}
+    assert not [tag for tag in tags if "/L00" in tag], sorted(tag for tag in tags if "/L00" in tag)
+    assert {"qk_sigma1/L01/H00", "update_ratio_q/L01", "attn_entropy/L01/H03"} <= tags
+    assert list(ranks[1]["refused"]) == ["0"] and "n_heads=2" in ranks[1]["refused"]["0"]  # its own heads' layout
+    assert list(ranks[0]["refused"]) == ["0"] and "another tensor-parallel rank" in ranks[0]["refused"]["0"]
