@@ -15,7 +15,8 @@ from diag.layouts.patterns import first_match, generalise, matches, patterns_for
 from diag.layouts.vocab import QKVLayout, shape_problem
 from hooks.layout.record import LayoutRecord
 from hooks.layout.suspects import computation_candidates, suspects_text
-from hooks.parallel.heads import HeadBlock, fsdp_managed, head_block, local_tensor
+from hooks.parallel.dtensors import fsdp_managed, local_tensor
+from hooks.parallel.heads import HeadBlock, head_block
 
 __all__ = ["AttentionLayer", "discover", "module_view"]
 

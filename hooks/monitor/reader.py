@@ -1,10 +1,11 @@
 """The Q/K/V weights (and gradients) of the monitored layers, and the W_O weight where the layout names one (for
 the update ratio), as whole tensors in float32 or better.
 
-Plain parameters (one process, DDP) are read in place, with no collective. Sharded ones (FSDP2) are gathered
-(:mod:`hooks.parallel.gather`) one layer at a time. Only the parameters a layout names are gathered, and only
-when the Monitor reads them: on steps that sample gradients, spectra or update ratios, and at the call after an
-update-ratio sample.
+Plain parameters (one process, DDP) are read in place: nothing is gathered or copied. Only DTensors go to
+:mod:`hooks.parallel.gather`: FSDP2's are gathered one layer at a time, so at most one layer's gathered weights
+exist at a time; under tensor parallelism each rank reads its own block of heads. Only the parameters a layout
+names are read, and only when the Monitor asks: on steps that sample gradients, spectra or update ratios, and at
+the call after an update-ratio sample.
 """
 
 from __future__ import annotations
@@ -14,9 +15,15 @@ from collections.abc import Callable, Sequence
 from torch import Tensor
 
 from hooks.layout.discover import AttentionLayer
-from hooks.parallel.gather import _dtensor_type, _keep, _plan, gather_full
+from hooks.parallel.dtensors import is_dtensor
+from hooks.parallel.gather import gather_full, gathers, widened
 
-__all__ = ["QKVReader"]
+__all__ = ["QKVReader", "kept_dim"]
+
+
+def kept_dim(layer: AttentionLayer) -> int | None:
+    """Under tensor parallelism, the mesh dim whose shard of the layer (its block of heads) this rank keeps."""
+    return None if layer.block is None else layer.block.dim
 
 
 class QKVReader:
@@ -43,10 +50,7 @@ class QKVReader:
     def gathers(self) -> bool:
         """Whether reading a layer gathers anything (FSDP2, HSDP; not tensor parallelism alone); checked at each
         call: a model may be sharded after attaching."""
-        dtensor = _dtensor_type()
-        return dtensor is not None and any(
-            isinstance(p, dtensor) and _plan(p.detach(), _keep(layer)).kind != "local"
-            for layer in self.layers for p in layer.weights().values())
+        return any(gathers(layer.weights().values(), kept_dim(layer)) for layer in self.layers)
 
     def read(
         self, group: Sequence[AttentionLayer], weights: bool = True, grads: bool = False
@@ -63,10 +67,19 @@ class QKVReader:
                           and all(p.grad is not None for p in named.values()))
             tensors += list(wanted.values()) + ([p.grad for p in named.values()] if with_grads else [])
             plan.append((list(wanted), list(named) if with_grads else None))
-            keep += [_keep(layer)] * (len(tensors) - len(keep))
-        full = iter(gather_full(tensors, keep))  # one collective for the group (none under tensor parallelism alone)
+            keep += [kept_dim(layer)] * (len(tensors) - len(keep))
+        full = iter(_whole(tensors, keep))
         out = []
         for names, grad_names in plan:
             read = {n: next(full) for n in names} if weights else None
             out.append((read, None if grad_names is None else {n: next(full) for n in grad_names}))
         return out
+
+
+def _whole(tensors: list[Tensor], keep: list[int | None]) -> list[Tensor]:
+    """Plain tensors as they are (float32 or better, no copy otherwise); DTensors through
+    :func:`hooks.parallel.gather.gather_full` (one collective for the group, none under tensor parallelism
+    alone)."""
+    if any(is_dtensor(t) for t in tensors):
+        return gather_full(tensors, keep)
+    return [widened(t.detach()) for t in tensors]

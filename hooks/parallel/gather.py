@@ -1,35 +1,29 @@
-"""Whole tensors from sharded ones: the Q/K/V weights (and gradients) of the monitored layers, and W_O, in float32
-or better.
+"""Whole tensors from sharded ones, in float32 or better: what the Monitor reads of DTensor weights and gradients.
 
-FSDP2 parameters are DTensors sharded on one dim: they are read one layer at a time, the local shards of that
-layer's weights (and of its Q/K/V gradients when the step samples them) packed into one flat buffer and one
-``all_gather_into_tensor``, so at most one layer's gathered weights exist at a time.
+FSDP2 parameters are DTensors sharded on one dim; the local shards of a layer's weights (and of its Q/K/V
+gradients when the step samples them) are packed into one flat buffer and one ``all_gather_into_tensor``.
+Under tensor parallelism each rank keeps its own block of heads (``keep``: the mesh dim it is split on), and
+only the other mesh dims are gathered.
 """
 
 from __future__ import annotations
 
 import math
-import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from hooks.layout.discover import AttentionLayer
+from hooks.parallel.dtensors import is_dtensor
 
-__all__ = ["gather_full", "local_shards", "gather_like", "gathers_rows"]
+__all__ = ["widened", "gather_kind", "gathers", "gather_full", "local_shards", "gather_like", "all_gather_rows"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
-def _dtensor_type() -> type | None:
-    """DTensor, if anything imported it (otherwise no tensor can be one): never imported just to check."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return getattr(module, "DTensor", None)
 
-
-def _float(t: Tensor) -> Tensor:
+def widened(t: Tensor) -> Tensor:
     """Metrics are computed in float32 or better: half and bfloat16 tensors are widened."""
     return t.float() if t.dtype in _LOW_PRECISION else t
 
@@ -78,6 +72,18 @@ def _plan(t: Tensor, keep: int | None) -> _Plan:
     return _Plan("gather", mesh, mesh_dim, dim, total)
 
 
+def gather_kind(t: Tensor, keep: int | None = None) -> str:
+    """How reading ``t`` (this rank's block of it, with ``keep``) makes it whole: ``plain`` (not a DTensor: read in
+    place), ``local`` (its local shard is the block: tensor parallelism alone), ``gather`` (one all-gather over
+    one mesh dim: FSDP2, HSDP) or ``full`` (``full_tensor()``)."""
+    return _plan(t.detach(), keep).kind if is_dtensor(t) else "plain"
+
+
+def gathers(tensors: Iterable[Tensor], keep: int | None = None) -> bool:
+    """Whether reading any of ``tensors`` issues a collective (FSDP2, HSDP; not tensor parallelism alone)."""
+    return any(gather_kind(t, keep) in ("gather", "full") for t in tensors)
+
+
 def gather_full(tensors: Sequence[Tensor], keep: Sequence[int | None] | None = None) -> list[Tensor]:
     """Whole tensors (or, under tensor parallelism, this rank's whole blocks), in float32 or better, for plain
     tensors and DTensors alike.
@@ -90,20 +96,19 @@ def gather_full(tensors: Sequence[Tensor], keep: Sequence[int | None] | None = N
     sharded dims) fall back to ``full_tensor()``, one collective each. Every rank of a mesh dim's group must call
     this with the same tensors in the same order.
     """
-    dtensor = _dtensor_type()
     keep = list(keep) if keep is not None else [None] * len(tensors)
     out: list[Tensor | None] = [None] * len(tensors)
     by_group: dict[tuple, list[tuple[int, _Plan]]] = {}
     for i, t in enumerate(tensors):
         t = t.detach()
-        if dtensor is None or not isinstance(t, dtensor):
-            out[i] = _float(t)
+        if not is_dtensor(t):
+            out[i] = widened(t)
             continue
         plan = _plan(t, keep[i])
         if plan.kind == "local":
-            out[i] = _float(t.to_local())
+            out[i] = widened(t.to_local())
         elif plan.kind == "full":
-            out[i] = _float(t.full_tensor())
+            out[i] = widened(t.full_tensor())
         else:
             by_group.setdefault((plan.mesh, plan.mesh_dim), []).append((i, plan))
     for members in by_group.values():
@@ -118,12 +123,9 @@ def local_shards(tensors: dict[str, Tensor], keep: int | None = None) -> dict[st
     packs (one mesh dim besides ``keep`` shards it); else None. No collective: what the update-ratio snapshot
     keeps under FSDP2 (1/world of a layer's weights per rank, not the gathered whole; beside tensor parallelism,
     1/(FSDP2 ranks) of this rank's block)."""
-    dtensor = _dtensor_type()
-    if dtensor is None or not tensors or not all(isinstance(t, dtensor) for t in tensors.values()):
+    if not tensors or any(gather_kind(t, keep) != "gather" for t in tensors.values()):
         return None
-    if any(_plan(t, keep).kind != "gather" for t in tensors.values()):
-        return None
-    return {name: _float(t.detach().to_local()).clone() for name, t in tensors.items()}
+    return {name: widened(t.detach().to_local()).clone() for name, t in tensors.items()}
 
 
 def gather_like(like: dict[str, Tensor], locals_: dict[str, Tensor], keep: int | None = None) -> dict[str, Tensor]:
@@ -163,8 +165,7 @@ def _gather_sharded(shards: list[Tensor], plans: list[_Plan]) -> list[Tensor]:
             buf[offset : offset + flat.numel()] = flat.to(dtype)
         offset += slot
     gathered = torch.empty(size * buf.numel(), dtype=dtype, device=buf.device)
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-    all_gather(gathered, buf, group=mesh.get_group(mesh_dim))
+    all_gather_rows(gathered, buf, group=mesh.get_group(mesh_dim))
     rows = gathered.view(size, -1)
     rows = rows[rows[:, 0].long().argsort()]  # mesh coordinate order = shard order
     full, offset = [], header
@@ -183,14 +184,8 @@ def _gather_sharded(shards: list[Tensor], plans: list[_Plan]) -> list[Tensor]:
     return full
 
 
-def _keep(layer: AttentionLayer) -> int | None:
-    """Under tensor parallelism, the mesh dim whose shard of the layer (its block of heads) this rank keeps."""
-    return None if layer.block is None else layer.block.dim
-
-
-def gathers_rows(layer: AttentionLayer) -> bool:
-    """Whether reading the layer's Q/K/V weights gathers them over a mesh dim (FSDP2, HSDP; beside tensor
-    parallelism, FSDP2's rows of this rank's block)."""
-    dtensor = _dtensor_type()
-    return dtensor is not None and any(isinstance(p, dtensor) and _plan(p.detach(), _keep(layer)).kind == "gather"
-                                       for p in layer.params().values())
+def all_gather_rows(out: Tensor, buf: Tensor, group: object = None) -> None:
+    """Every rank's ``buf`` into ``out`` (``world * buf.numel()`` values, rank order) in one collective:
+    ``all_gather_into_tensor``, named ``all_gather_single`` from torch 2.13 on."""
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    all_gather(out, buf, group=group)

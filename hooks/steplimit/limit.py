@@ -34,7 +34,7 @@ from diag.errors import ConfigError, WarnOnce
 from diag.layouts.packings import packing_of
 from diag.math.norms import power_sigma1
 from diag.math.updates import Stack, stack_by_shape, update_of, work_dtype
-from hooks.parallel.heads import local_tensor
+from hooks.parallel.dtensors import local_tensor
 from hooks.parallel.splits import Split, split_largest_row, split_of
 
 __all__ = ["SpectralStepLimit", "LimitedMatrix", "StepReporter", "STATE_KEY"]

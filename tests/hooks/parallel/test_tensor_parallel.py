@@ -114,9 +114,8 @@ def _check_heads(ranks: dict[int, dict], per_rank: int, samples: int = len(SAMPL
 
 
 def test_tensor_parallel_hugging_face_llama_is_monitored_exactly(singles, tmp_path):
-    """The issue's user: Hugging Face LLaMA (GQA 4/2, SDPA), ColwiseParallel on q/k/v and gate/up, RowwiseParallel on
-    o and down, on 2 ranks. Before, every layer was refused ("the attention call computes 2 heads, the layout says
-    n_heads=4") and only the loss was logged."""
+    """Hugging Face LLaMA (GQA 4/2, SDPA), ColwiseParallel on q/k/v and gate/up, RowwiseParallel on o and down, on 2
+    ranks: each rank's kernel computes 2 of the 4 heads, which the layout of its block says (not n_heads=4)."""
     ranks = _run("tp", tmp_path, 2)
     ref, got = _metrics(singles["llama"]), _metrics(tmp_path)
     assert {"qk_sigma1", "grad_norm_k", "grad_ratio_qk_v", "update_ratio_q", "update_ratio_o",
@@ -179,7 +178,7 @@ def test_tensor_parallel_beside_fsdp2(singles, tmp_path):
 
 def test_hsdp(singles, tmp_path):
     """HSDP on a ("replicate", "shard") mesh with SpectralStepLimit: one all-gather per layer over the shard dim
-    (it was one full_tensor() per tensor), the same numbers as one process."""
+    (not one full_tensor() per tensor), the same numbers as one process."""
     ranks = _run("hsdp", tmp_path, 4, "--step-limit", "0.01", *SLOW)
     _same(_metrics(singles["titan-limit"]), _metrics(tmp_path), skip=("loss",))
     for r in ranks:
@@ -203,8 +202,7 @@ def test_step_limit_under_tensor_parallelism_is_the_one_process_limit(singles, t
     row_split, col_split = {"L00/q", "L00/k", "L00/mlp.up_proj"}, {"L00/self_attn.o_proj", "L00/mlp.down_proj"}
     assert {t.split("/", 1)[1] for _, t in limited} >= row_split | col_split | {"lm_head"}  # lm_head: not split
     # six steps of float32 training, each limited by a power iteration summed over the ranks in another order:
-    # measured on one 2-core machine (and at this test's commit before issue #31's fourth session), gradient norms
-    # at step 6 differ from one process's by up to 1.3e-5 relative, so 1e-5 failed there; CI's machine passed it
+    # on a 2-core machine the gradient norms at step 6 differ from one process's by up to 1.3e-5 relative
     _same(ref, got, rtol=5e-5)
     _same_weights(singles["llama-limit"], ranks[0])
 

@@ -8,7 +8,7 @@
     torchrun --standalone --nproc_per_node 4 tests/hooks/parallel/tp_worker.py hsdp OUT
 
 * ``tp``: a Hugging Face LLaMA (GQA 4/2, SDPA) with ``parallelize_module``: ColwiseParallel on q/k/v and the
-  MLP's gate/up, RowwiseParallel on o and down (the issue's user), on a (2,) mesh;
+  MLP's gate/up, RowwiseParallel on o and down, on a (2,) mesh;
 * ``tp-sp``: torchtitan's LLaMA shape with torchtitan's plan (sequence-parallel norms, the embedding rowwise
   to sequence shards, W_O and w2 back to sequence shards: :mod:`tests.support.titan`), on a (2,) mesh;
 * ``tp-fsdp``: the same plan on the ``tp`` dim of a (2, 2) ``("dp", "tp")`` mesh, then ``fully_shard`` of every
@@ -27,7 +27,8 @@ Writes: ``OUT/logs`` (rank 0's Monitor logdir), per rank ``OUT/rank{r}.json``: i
 histograms of its records (``qk_spectrum``: every head's singular values),
 the collectives issued inside each ``monitor.step`` (c10d name and bytes of the largest tensor it moved), the
 heads whose spectra it computed per sampled step (global numbers, per layer), the snapshot bytes it held
-for the update ratios of step 0, the layers its Monitor refuses (index: why), and its final weights' checksum under ``SpectralStepLimit`` (``--step-limit``).
+for the update ratios of step 0, the layers its Monitor refuses (index: why), and its final weights' checksum
+under ``SpectralStepLimit`` (``--step-limit``).
 Not a test module (no ``test_`` prefix): pytest does not collect it.
 """
 
