@@ -1,6 +1,10 @@
-"""The detectors across ranks: with ``stop_on_critical`` in a multi-rank job, every rank judges rank 0's
-observation (one broadcast per sampled step), so every rank raises :class:`~diag.detectors.base.TrainingHalted`
-at the same step and none is left waiting in a collective."""
+"""The detectors across ranks, the one way a multi-rank job stops on a critical alert.
+
+With ``stop_on_critical`` in a multi-rank job, every rank judges rank 0's observation (one broadcast per sampled
+step), so every rank raises :class:`~diag.detectors.base.TrainingHalted` at the same step and none is left waiting
+in a collective. The Monitor wraps its detectors in :class:`SharedDetectors` whenever the job has more than one
+rank; the trainer callbacks (:mod:`hooks.integrations`) pass ``stop_on_critical`` on to it.
+"""
 
 from __future__ import annotations
 
