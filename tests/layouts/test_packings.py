@@ -49,6 +49,16 @@ def test_what_each_packing_answers():
         "QKVLayout(n_heads=4, head_dim=8, q='q', k='k', v='v', n_kv_heads=2)"]
 
 
+def test_what_tensor_parallelism_asks_of_each_packing():
+    """Whether contiguous row blocks are whole heads (ColwiseParallel then gives each rank whole heads), and which
+    dim of a weight stacks the heads (the rows, the columns of a transposed weight, dim 0 of a 3-D one)."""
+    whole = [name for name, packing in PACKINGS.items() if packing.row_blocks_are_heads]
+    assert whole == ["separate", "fused_per_head", "fused_per_group", "heads_3d"]
+    sep, conv = QKVLayout(H, D, "q", "k", "v"), QKVLayout(H, D, "qkv", packing="fused", transposed=True)
+    heads_3d = QKVLayout(H, D, "q", "k", "v", packing="heads_3d", transposed=True)
+    assert [packing_of(x).heads_dim(x) for x in (sep, conv, heads_3d)] == [0, 1, 0]
+
+
 class FusedKVQ(Fused):
     """A packing the vocabulary did not have: one weight whose rows are [all K | all V | all Q]."""
 
