@@ -2,8 +2,9 @@
 
 Every import statement of every module is checked, function-level imports included, by parsing the source
 with ``ast`` (nothing is imported to check it). Each rule names the packages it restricts, what they may
-not import and the targets it allows; no rule excuses one place (no whitelist, no shim). The stages of
-``hooks/`` import in the order data flows through them (:data:`STAGES`).
+not import and the targets it allows; no rule excuses one place (no whitelist, no shim). The command line
+(``diag.cli``) is the whole product's: it stands above ``diag`` and ``hooks`` and may import both; nothing else
+in ``diag`` imports ``hooks``. The stages of ``hooks/`` import only stages listed before them (:data:`STAGES`).
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ RULES = [
     Rule("the tensor math needs no layout, judgement, output, offline, report, CLI or live code", ("diag.math",),
          ("diag.layouts", "diag.detectors", "diag.outputs", "diag.offline", "diag.reports", "diag.cli", "hooks",
           "torch.nn"), allowed=("torch.nn.functional",)),
-    Rule("diag never imports hooks, except the CLI", ("diag",), ("hooks",), exempt=("diag.cli",)),
+    Rule("diag's command line stands above diag and hooks; nothing else in diag imports hooks", ("diag",),
+         ("hooks",), exempt=("diag.cli",)),
     Rule("the layouts import no judgement, output, offline, report or CLI code", ("diag.layouts",),
          ("diag.detectors", "diag.outputs", "diag.offline", "diag.reports", "diag.cli")),
     Rule("the outputs import no offline, report, CLI or live code", ("diag.outputs",),
@@ -107,13 +109,15 @@ RULES = [
 DETECTORS = Rule("the detectors import no sink, output, offline, report, CLI or live code", ("diag.detectors",),
                  ("diag.outputs", "diag.offline", "diag.reports", "diag.cli", "hooks"))
 
-# The stages of hooks/ as data flows through them: each may import itself and the stages it names, no
-# other stage, and never the package facade ``hooks`` (which imports them all).
+# The stages of hooks/, bottom first: each may import itself and the stages it names, all listed before it (no
+# cycle), no other stage, and never the package facade ``hooks`` (which imports them all). Parallelism is the
+# bottom stage: what a rank holds of a tensor or a layer's heads, asked by every stage above it.
 STAGES = {
-    "hooks.layout": (),
+    "hooks.parallel": (),
+    "hooks.layout": ("hooks.parallel",),
     "hooks.capture": ("hooks.layout",),
-    "hooks.monitor": ("hooks.layout", "hooks.capture"),
-    "hooks.steplimit": ("hooks.layout",),
+    "hooks.monitor": ("hooks.parallel", "hooks.layout", "hooks.capture"),
+    "hooks.steplimit": ("hooks.parallel", "hooks.layout"),
     "hooks.checkpoint": ("hooks.layout", "hooks.capture"),
     "hooks.integrations": ("hooks.layout", "hooks.capture", "hooks.monitor"),
     "hooks.demo": ("hooks.layout", "hooks.capture", "hooks.monitor", "hooks.steplimit"),
@@ -138,13 +142,21 @@ def test_import_directions(rule):
     _check(rule)
 
 
-def test_detectors_import_no_sink():  # (was xfail until issue 17 moved AlertSink to diag/outputs/alert_sink.py)
+def test_detectors_import_no_sink():
     _check(DETECTORS)
 
 
 @pytest.mark.parametrize("rule", STAGE_RULES, ids=lambda r: r.name)
 def test_the_stages_of_hooks_import_in_order(rule):
     _check(rule)
+
+
+def test_each_stage_uses_only_stages_below_it():
+    """The order of :data:`STAGES` is the import order: no stage may name one listed after it, so no two stages
+    can import each other."""
+    order = list(STAGES)
+    above = {stage: [u for u in uses if order.index(u) >= order.index(stage)] for stage, uses in STAGES.items()}
+    assert all(not names for names in above.values()), above
 
 
 def _stage_of(module: str) -> str | None:
@@ -184,17 +196,17 @@ def test_the_checker_sees_every_kind_of_forbidden_import():
         assert any(f"imports {target}" in v for v in found), (source, found)
     assert not math.violations(imports_of("import torch.nn.functional as F\n", "diag.math.x"))
     no_hooks = next(r for r in RULES if r.forbidden == ("hooks",))
-    lazy = "def __getattr__(name):\n    from hooks.steplimit import SpectralStepLimit\n"  # the shim that went
+    lazy = "def __getattr__(name):\n    from hooks.steplimit import SpectralStepLimit\n"  # a lazy import is one too
     assert no_hooks.violations(imports_of(lazy, "diag", is_package=True))
     assert no_hooks.violations(imports_of("import hooks.demo\n", "diag.offline.series"))
     assert not no_hooks.violations(imports_of("import hooks.demo\n", "diag.cli.demo"))
     assert DETECTORS.violations(imports_of("from diag.outputs.sinks import FanOut\n", "diag.detectors.x"))
-    old_tags = "from diag.outputs.tags import head_label\n"  # the whitelisted import that went
-    assert DETECTORS.violations(imports_of(old_tags, "diag.detectors.x"))
+    outputs_tags = "from diag.outputs.tags import head_label\n"  # a detector importing from the outputs
+    assert DETECTORS.violations(imports_of(outputs_tags, "diag.detectors.x"))
     assert not DETECTORS.violations(imports_of("from diag.catalog.tags import head_label\n", "diag.detectors.x"))
     layouts = next(r for r in RULES if r.packages == ("diag.layouts",))
     assert layouts.violations(imports_of("from diag.detectors import Alert\n", "diag.layouts.vocab"))
-    assert layouts.violations(imports_of(old_tags, "diag.layouts.statedict"))
+    assert layouts.violations(imports_of(outputs_tags, "diag.layouts.statedict"))
     catalog = RULES[0]
     assert catalog.violations(imports_of("from diag.math.spectral import stable_rank\n", "diag.catalog.metrics"))
     assert catalog.violations(imports_of("from ..outputs import sinks\n", "diag.catalog.tags"))
@@ -203,6 +215,8 @@ def test_the_checker_sees_every_kind_of_forbidden_import():
     capture = next(r for r in STAGE_RULES if r.packages == ("hooks.capture",))
     assert capture.violations(imports_of("from hooks.monitor.cadence import Cadence\n", "hooks.capture.capture"))
     assert not capture.violations(imports_of("from hooks.layout.confirm import check_call\n", "hooks.capture.x"))
+    parallel = next(r for r in STAGE_RULES if r.packages == ("hooks.parallel",))
+    assert parallel.violations(imports_of("from hooks.layout.discover import AttentionLayer\n", "hooks.parallel.x"))
     layout = next(r for r in STAGE_RULES if r.packages == ("hooks.layout",))
     assert layout.violations(imports_of("def f():\n    from ..capture import kernels\n", "hooks.layout.read"))
 

@@ -8,8 +8,13 @@ weight has (:meth:`~Packing.rows`, :meth:`~Packing.shape_problem`), how weights 
 (:meth:`~Packing.roles`, :meth:`~Packing.role_views`: the step limit), which weight is the key projection's
 own (:meth:`~Packing.key_weight`: the capture), what the weights alone cannot tell (:meth:`~Packing.assumed`:
 the checkpoint analysis) and which layouts a module's weight shapes allow (:meth:`~Packing.implied`: the
-refusal when no attention layer is recognised). The vocabulary, the step limit, the offline layers and the
-suspects dispatch here; none of them branches on a packing's name.
+refusal when no attention layer is recognised), and what tensor parallelism asks: whether contiguous row blocks
+are whole heads (:attr:`~Packing.row_blocks_are_heads`) and which dim of a weight stacks its heads
+(:meth:`~Packing.heads_dim`). The vocabulary, the step limit, the offline layers, the suspects and the
+tensor-parallel code dispatch here; none of them branches on a packing's name.
+
+A packing reads a layout through :class:`Layout` (what :class:`~diag.layouts.vocab.QKVLayout` holds) and
+answers :meth:`~Packing.implied` with the layouts' arguments, so this module needs nothing of the vocabulary.
 
 A new packing is one subclass registered with :func:`register_packing` (and a zoo model that stores its
 weights that way, with exactness tests): ``PACKINGS`` keeps the registration order, the one
@@ -19,20 +24,41 @@ weights that way, with exactness tests): ``PACKINGS`` keeps the registration ord
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from torch import Tensor
 
 from diag.errors import SpecError
+from diag.layouts.biases import bias_names
 
-if TYPE_CHECKING:
-    from diag.layouts.vocab import QKVLayout
-
-__all__ = ["Packing", "PACKINGS", "register_packing", "packing_of", "FUSED_ORDER"]
+__all__ = ["Layout", "Packing", "PACKINGS", "register_packing", "packing_of", "rows_of", "FUSED_ORDER"]
 
 Views = tuple[Tensor, Tensor, Tensor]
+Arguments = dict[str, Any]  # the keyword arguments of one QKVLayout
 FUSED_ORDER = ("the fused weight's rows are [all Q | all K | all V], heads in contiguous blocks of {d} rows (not "
                "interleaved per head)")
+
+
+class Layout(Protocol):
+    """What a packing reads of a layout (:class:`diag.layouts.vocab.QKVLayout` has it)."""
+
+    n_heads: int
+    head_dim: int
+    q: str
+    k: str | None
+    v: str | None
+    packing: str
+    transposed: bool
+    groups: int | None
+    order: str
+
+    @property
+    def kv_heads(self) -> int: ...
+
+    @property
+    def param_names(self) -> tuple[str, ...]: ...
+
+    def describe(self) -> str: ...
 
 
 def rows_of(w: Tensor, transposed: bool) -> Tensor:
@@ -50,23 +76,26 @@ class Packing:
 
     name: ClassVar[str] = ""
     doc: ClassVar[str] = ""  # one line: what the rows hold (messages, docs)
+    # whether each contiguous block of a weight's rows (along :meth:`heads_dim`) holds whole heads (with grouped
+    # heads, whole key/value groups): what tensor parallelism's ColwiseParallel needs to give each rank whole heads
+    row_blocks_are_heads: ClassVar[bool] = False
 
-    def names(self, layout: QKVLayout) -> tuple[str | None, ...]:
+    def names(self, layout: Layout) -> tuple[str | None, ...]:
         """The parameters the layout names, in role order (None where the layout leaves one unnamed)."""
         return (layout.q,)
 
-    def check(self, layout: QKVLayout) -> str | None:
+    def check(self, layout: Layout) -> str | None:
         """Why the layout is not well formed for this packing, or None."""
         if layout.groups is not None or layout.order != "qkv":
             return (f"QKVLayout(groups={layout.groups!r}, order={layout.order!r}) describes the rows of "
                     f"packing='fused_per_group', not packing={self.name!r}; pass packing='fused_per_group'")
         return None
 
-    def rows(self, layout: QKVLayout) -> dict[str, int]:
+    def rows(self, layout: Layout) -> dict[str, int]:
         """Rows each named 2-D weight must have (in its rows orientation)."""
         return {}
 
-    def shape_problem(self, layout: QKVLayout, shapes: Mapping[str, tuple[int, ...]]) -> str | None:
+    def shape_problem(self, layout: Layout, shapes: Mapping[str, tuple[int, ...]]) -> str | None:
         """Why the named weights cannot hold the layout's heads, or None (W_O is checked by the vocabulary)."""
         need = self.rows(layout)
         for name in layout.param_names:
@@ -80,38 +109,44 @@ class Packing:
                         f"(n_heads={layout.n_heads}, n_kv_heads={layout.kv_heads}, head_dim={layout.head_dim})")
         return None
 
-    def split(self, tensors: Mapping[str, Tensor], layout: QKVLayout) -> Views:
+    def split(self, tensors: Mapping[str, Tensor], layout: Layout) -> Views:
         """Q (H, D, E), K (G, D, E), V (G, Dv, E), unpaired, as views where the rows allow."""
         raise NotImplementedError
 
-    def views(self, tensors: Mapping[str, Tensor], layout: QKVLayout) -> Views:
+    def views(self, tensors: Mapping[str, Tensor], layout: Layout) -> Views:
         """Q, K, V as views sharing the tensors' storage (what :func:`diag.layouts.vocab.qkv_views` returns)."""
         return self.split(tensors, layout)
 
-    def bias(self, biases: Mapping[str, Tensor], layout: QKVLayout) -> tuple[Tensor | None, Tensor | None]:
+    def bias(self, biases: Mapping[str, Tensor], layout: Layout) -> tuple[Tensor | None, Tensor | None]:
         """Per-head query and key biases (H, D), (G, D) from the biases by their weight's name; None where absent."""
         raise NotImplementedError
 
-    def roles(self, layout: QKVLayout) -> dict[str, tuple[str, ...]]:
+    def roles(self, layout: Layout) -> dict[str, tuple[str, ...]]:
         """Which of "q", "k", "v" each named parameter holds, in row order."""
         return {layout.q: ("q", "k", "v")}
 
-    def role_views(self, t: Tensor, name: str, layout: QKVLayout) -> dict[str, Tensor]:
+    def role_views(self, t: Tensor, name: str, layout: Layout) -> dict[str, Tensor]:
         """Writable views of the roles parameter ``name`` holds in a tensor ``t`` of its shape."""
         return dict(zip("qkv", self.views({name: t}, layout)))
 
-    def key_weight(self, layout: QKVLayout) -> str | None:
+    def key_weight(self, layout: Layout) -> str | None:
         """The key projection's own weight, where it is a parameter of its own applied by ``F.linear``."""
         return None
 
-    def assumed(self, layout: QKVLayout) -> str | None:
+    def heads_dim(self, layout: Layout) -> int:
+        """The dim of each Q/K/V weight along which its heads are stacked: its rows (the columns of a weight
+        stored transposed)."""
+        return 1 if layout.transposed else 0
+
+    def assumed(self, layout: Layout) -> str | None:
         """What the weights' names and shapes cannot confirm about this packing's rows, or None."""
         return None
 
-    def implied(self, params: Mapping[str, tuple[int, ...]], heads: int | None) -> list[QKVLayout]:
-        """Layouts of this packing that a module's weights (name -> shape, in registration order) imply, with
-        ``heads`` query heads where the shapes do not say; [] where they cannot tell. What a refusal offers,
-        and the first proposal for a module only the computation found."""
+    def implied(self, params: Mapping[str, tuple[int, ...]], heads: int | None) -> list[Arguments]:
+        """The layouts of this packing (their ``QKVLayout`` arguments) that a module's weights (name -> shape, in
+        registration order) imply, with ``heads`` query heads where the shapes do not say; [] where they cannot
+        tell. What a refusal offers, and the first proposal for a module only the computation found
+        (:func:`diag.layouts.vocab.implied_layouts`)."""
         return []
 
 
@@ -129,12 +164,14 @@ def register_packing(packing: Packing) -> Packing:
     return packing
 
 
-def packing_of(layout: QKVLayout) -> Packing:
+def packing_of(layout: Layout) -> Packing:
     return PACKINGS[layout.packing]
 
 
 class _Three(Packing):
-    """Three parameters, one role each."""
+    """Three parameters, one role each, heads as contiguous blocks."""
+
+    row_blocks_are_heads = True
 
     def names(self, layout):
         return (layout.q, layout.k, layout.v)
@@ -156,7 +193,7 @@ class _Three(Packing):
         return _separate_bias(biases, layout)
 
 
-def _separate_bias(biases: Mapping[str, Tensor], layout: QKVLayout) -> tuple[Tensor | None, Tensor | None]:
+def _separate_bias(biases: Mapping[str, Tensor], layout: Layout) -> tuple[Tensor | None, Tensor | None]:
     h, g, d = layout.n_heads, layout.kv_heads, layout.head_dim
     bq, bk = biases.get(layout.q), biases.get(layout.k)
     bq = None if bq is None else bq.reshape(h, d)
@@ -180,8 +217,6 @@ class Separate(_Three):
 
     def implied(self, params, heads):
         """The first three weights (rows, E) of one width whose rows hold H, G, G heads of one size."""
-        from diag.layouts.vocab import QKVLayout, bias_names
-
         biases = {b for name in params for b in bias_names(name)}  # a (heads, D) bias is no projection
         by_width: dict[int, list[str]] = {}
         for name, shape in params.items():
@@ -193,7 +228,7 @@ class Separate(_Three):
             (rq, _), (rk, _), (rv, _) = (params[n] for n in names[:3])
             d = rq // heads
             if rq % heads == 0 and rk == rv and rk % d == 0 and heads % (rk // d) == 0:
-                return [QKVLayout(heads, d, *names[:3], n_kv_heads=rk // d)]
+                return [_arguments(heads, d, *names[:3], n_kv_heads=rk // d)]
         return []
 
 
@@ -214,8 +249,6 @@ class Heads3D(_Three):
     def implied(self, params, heads):
         """The first three 3-D weights of one shape (H, a, b), (G, a, b), (G, a, b), H a multiple of G: per head
         (heads, D, E), or (heads, E, D) where a > b (a head is narrower than the model); both where a == b."""
-        from diag.layouts.vocab import QKVLayout
-
         by_tail: dict[tuple[int, ...], list[str]] = {}
         for name, shape in params.items():
             if len(shape) == 3:
@@ -226,7 +259,7 @@ class Heads3D(_Three):
             names = names[:3]
             h, g, g2 = (params[n][0] for n in names)
             if g == g2 and h % g == 0:
-                return [QKVLayout(h, b if t else a, *names, packing=self.name, n_kv_heads=g, transposed=t)
+                return [_arguments(h, b if t else a, *names, packing=self.name, n_kv_heads=g, transposed=t)
                         for t in ((True,) if a > b else (False,) if a < b else (False, True))]
         return []
 
@@ -234,6 +267,9 @@ class Heads3D(_Three):
         parts = [_heads_3d(tensors[n], layout.transposed) for n in (layout.q, layout.k, layout.v)]
         h, g = layout.n_heads, layout.kv_heads
         return tuple(p.reshape(n, -1, p.shape[-1]) for p, n in zip(parts, (h, g, g)))
+
+    def heads_dim(self, layout):
+        return 0  # (heads, D, E), or (heads, E, D) transposed
 
 
 class QKV(Packing):
@@ -295,18 +331,16 @@ class _OneWeight(Packing):
         h, g, d = layout.n_heads, layout.kv_heads, layout.head_dim
         return q.reshape(h, d, 1)[..., 0], k.reshape(g, d, 1)[..., 0]
 
-    def _parts(self, fused: Tensor, layout: QKVLayout) -> Views:
+    def _parts(self, fused: Tensor, layout: Layout) -> Views:
         """Q, K, V rows of one weight given as rows (R, E), in any shape that reshapes to heads."""
         raise NotImplementedError
 
     def implied(self, params, heads):
         """The first weight (3E, E) or (E, 3E) whose width the head count divides."""
-        from diag.layouts.vocab import QKVLayout
-
         for name, shape in params.items():
             if len(shape) == 2 and 3 * min(shape) == max(shape) and heads and min(shape) % heads == 0:
-                return [QKVLayout(heads, min(shape) // heads, q=name, packing=self.name,
-                                  transposed=shape[0] < shape[1])]
+                return [_arguments(heads, min(shape) // heads, q=name, packing=self.name,
+                                   transposed=shape[0] < shape[1])]
         return []
 
 
@@ -324,6 +358,7 @@ class Fused(_OneWeight):
 class FusedPerGroup(_OneWeight):
     name, doc = "fused_per_group", ("q: one weight, per key/value group [Q_1 .. Q_r | K | V] (groups=, order= "
                                     "make it general)")
+    row_blocks_are_heads = True  # a block of whole groups holds whole heads
 
     def check(self, layout):
         if not isinstance(layout.order, str) or sorted(layout.order) != ["k", "q", "v"]:
@@ -379,6 +414,12 @@ class FusedPerHead(FusedPerGroup):
 
     def implied(self, params, heads):
         return _OneWeight.implied(self, params, heads)
+
+
+def _arguments(n_heads: int, head_dim: int, q: str, k: str | None = None, v: str | None = None,
+               **options: Any) -> Arguments:
+    """The keyword arguments of ``QKVLayout(n_heads, head_dim, q, k, v, **options)``."""
+    return {"n_heads": n_heads, "head_dim": head_dim, "q": q, "k": k, "v": v, **options}
 
 
 for _packing in (Separate(), Fused(), FusedPerHead(), FusedPerGroup(), QKV(), Heads3D()):

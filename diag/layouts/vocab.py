@@ -12,13 +12,14 @@ gives W_O, whose update ratio is measured with those of Q, K and V.
 from __future__ import annotations
 
 import numbers
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
 from torch import Tensor
 
 from diag.errors import SpecError
+from diag.layouts.biases import biases_of
 from diag.layouts.packings import PACKINGS, packing_of, rows_of
 
 __all__ = [
@@ -29,10 +30,9 @@ __all__ = [
     "split_o",
     "split_projections",
     "split_qkv_bias",
-    "bias_names",
-    "biases_of",
     "qk_heads",
     "shape_problem",
+    "implied_layouts",
 ]
 
 
@@ -188,7 +188,7 @@ class QKVLayout:
         """The layout as the ``QKVLayout(...)`` call that builds it (for messages)."""
         args = [f"n_heads={self.n_heads}", f"head_dim={self.head_dim}", f"q={self.q!r}"]
         args += [f"{n}={getattr(self, n)!r}" for n in ("k", "v") if getattr(self, n) is not None]
-        if self.packing != "separate":
+        if self.packing != _DEFAULT_PACKING:
             args.append(f"packing={self.packing!r}")
         if self.n_kv_heads not in (None, self.n_heads):
             args.append(f"n_kv_heads={self.n_kv_heads}")
@@ -206,6 +206,9 @@ class QKVLayout:
         if not self.verify:
             args.append("verify=False")
         return f"QKVLayout({', '.join(args)})"
+
+
+_DEFAULT_PACKING = next(f.default for f in fields(QKVLayout) if f.name == "packing")  # describe() leaves it out
 
 
 def split_qkv(
@@ -271,19 +274,6 @@ def shape_problem(layout: QKVLayout, shapes: Mapping[str, tuple[int, ...]]) -> s
     return None
 
 
-def bias_names(weight: str) -> tuple[str, ...]:
-    """Names the bias of a weight may have, most likely first.
-
-    ``q_proj.weight`` -> ``q_proj.bias``; ``in_proj_weight`` -> ``in_proj_bias``; ``qkv`` -> ``qkv_bias``; a raw
-    parameter named ``W...`` -> ``b...`` (``W_Q`` -> ``b_Q``, ``attn.Wq`` -> ``attn.bq``).
-    """
-    if weight.endswith("weight"):
-        return (weight.removesuffix("weight") + "bias",)
-    path, _, stem = weight.rpartition(".")
-    named = (f"{path}.b{stem[1:]}" if path else f"b{stem[1:]}",) if stem[:1] in ("W", "w") and len(stem) > 1 else ()
-    return (weight + "_bias", weight + ".bias") + named
-
-
 def split_qkv_bias(biases: Mapping[str, Tensor], layout: QKVLayout) -> tuple[Tensor | None, Tensor | None]:
     """Per-head query and key biases (H, D), (G, D), sliced like :func:`split_qkv`; None where absent.
 
@@ -292,20 +282,16 @@ def split_qkv_bias(biases: Mapping[str, Tensor], layout: QKVLayout) -> tuple[Ten
     return packing_of(layout).bias(biases, layout)
 
 
-def biases_of(params: Mapping[str, Tensor], names: Iterable[str]) -> dict[str, Tensor]:
-    """The bias of each weight in ``names`` that ``params`` holds (named as :func:`bias_names` says), by the
-    weight's name."""
-    out = {}
-    for name in names:
-        found = next((b for b in bias_names(name) if b in params), None)
-        if found is not None:
-            out[name] = params[found]
-    return out
-
-
 def qk_heads(params: Mapping[str, Tensor], layout: QKVLayout) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
     """Per-head query and key weights (H, D, E), (G, D, E) (unpaired) and their biases (H, D), (G, D) or None,
     from a module's parameters by name (weights and biases alike)."""
     wq, wk, _ = split_qkv(params, layout)
     bq, bk = split_qkv_bias(biases_of(params, layout.param_names), layout)
     return wq, wk, bq, bk
+
+
+def implied_layouts(params: Mapping[str, tuple[int, ...]], heads: int | None) -> list[QKVLayout]:
+    """The layouts a module's weights (name -> shape, in registration order) imply, every registered packing's
+    in registration order (:meth:`diag.layouts.packings.Packing.implied`), with ``heads`` query heads where the
+    shapes do not say."""
+    return [QKVLayout(**arguments) for packing in PACKINGS.values() for arguments in packing.implied(params, heads)]

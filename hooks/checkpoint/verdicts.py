@@ -20,14 +20,15 @@ import torch
 from torch import Tensor, nn
 
 from diag.errors import DiagError
-from diag.layouts.vocab import QKVLayout, bias_names, qkv_views, split_qkv, split_qkv_bias
+from diag.layouts.biases import bias_names
+from diag.layouts.vocab import QKVLayout, qkv_views, split_qkv, split_qkv_bias
 
 __all__ = ["verdicts"]
 
 # Relative change of a module's output (float64): unchanged below SAME; when scaling q alone moves it less
 # than BLIND, q's scale does not reach the output (QK-norm) and the test cannot tell. SAME allows float32
 # rounding: CodeGen computes its logits in float32 even in a float64 twin (the right layout there changes the
-# output by 3-4e-8; a wrong one by 0.1 and more), so a SAME of 1e-9 would refuse its right layout.
+# output by 3-4e-8; a wrong one by 0.1 and more), so a tolerance of 1e-9 would refuse its right layout.
 SAME, BLIND = 1e-6, 1e-3
 
 

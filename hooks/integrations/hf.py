@@ -31,7 +31,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from diag.detectors import TrainingHalted
-from hooks.integrations import any_rank, callback_options
+from hooks.integrations import callback_options
 from hooks.monitor.monitor import Monitor
 
 __all__ = ["MonitorCallback", "STATE_FILE", "default_logdir"]
@@ -66,8 +66,9 @@ class MonitorCallback(TrainerCallback):
             ``on_alert``, ``stop_on_critical``, ``sinks``, ...).
 
     Only the main process (``state.is_world_process_zero``) writes (logdir, ``sinks``, the state
-    file); every process steps a Monitor of its own, and with ``stop_on_critical`` all of them raise
-    ``TrainingHalted`` when any of them sees a critical alert. The detectors' state is saved as
+    file); every process steps a Monitor of its own, and with ``stop_on_critical`` every process judges the main
+    process's observation, so all of them raise ``TrainingHalted`` at the same step
+    (:class:`hooks.parallel.detectors.SharedDetectors`). The detectors' state is saved as
     ``checkpoint-N/attnscope_state.json`` and loaded when training resumes from
     ``<output_dir>/checkpoint-N``.
     """
@@ -75,19 +76,16 @@ class MonitorCallback(TrainerCallback):
     def __init__(
         self, logdir: str | os.PathLike | None = None, every: int | None = None, **monitor_kwargs: Any
     ) -> None:
-        self.monitor_kwargs, self._stop = callback_options(every, monitor_kwargs)
-        self.logdir, self.every = logdir, every
+        self.logdir, self.every, self.monitor_kwargs = logdir, every, callback_options(every, monitor_kwargs)
         self.monitor: Monitor | None = None
         self._loss_hook: torch.utils.hooks.RemovableHandle | None = None
         self._losses: list[tuple[Tensor, bool]] = []  # (micro-batch loss, normalised by the step's token count)
         self._loss_factor = 1.0
-        self._device: torch.device | str | None = None
 
     # ------------------------------------------------------------------ events
 
     def on_train_begin(self, args, state, control, model: nn.Module | None = None, **kwargs) -> None:
         self.close()  # a second train() on the same callback starts afresh
-        self._stop.critical = None  # ... without the last run's critical alert
         if model is None:
             raise RuntimeError("MonitorCallback: the Trainer passed no model to on_train_begin; create the Trainer "
                                "with model=... (or call the callback's on_train_begin with model=your_model)")
@@ -96,12 +94,10 @@ class MonitorCallback(TrainerCallback):
         if not main:
             kwargs_here["sinks"] = ()
         logdir = (self.logdir or default_logdir(args)) if main else None
-        self.monitor = Monitor(model, logdir, self.every, on_alert=self._stop, stop_on_critical=False,
-                               purge_step=state.global_step or None, **kwargs_here)
+        self.monitor = Monitor(model, logdir, self.every, purge_step=state.global_step or None, **kwargs_here)
         if state.global_step > 0:
             self._load_state(Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}" / STATE_FILE)
         self._loss_factor = args.world_size if getattr(args, "average_tokens_across_devices", False) else 1
-        self._device = args.device
         self._loss_hook = model.register_forward_hook(self._record_loss, with_kwargs=True)
 
     def on_step_begin(self, args, state, control, **kwargs) -> None:
@@ -116,7 +112,6 @@ class MonitorCallback(TrainerCallback):
         self._losses.clear()
         try:
             self.monitor.step(step, loss=loss)
-            self._stop.check(self.monitor, step, lambda flag: any_rank(flag, self._device))
         except BaseException as err:
             # The Trainer has no exception event: leave no hook behind. A halt is raised on every rank
             # together; any other error may be this rank's alone, so no collective on the way out.

@@ -43,15 +43,15 @@ class MonitorCallback(pl.Callback):
             ``on_alert``, ``stop_on_critical``, ``sinks``, ...).
 
     Only global rank 0 writes (logdir and ``sinks``); every rank steps a Monitor of its own, and with
-    ``stop_on_critical`` all ranks raise ``TrainingHalted`` when any of them sees a critical alert.
+    ``stop_on_critical`` every rank judges rank 0's observation, so all of them raise ``TrainingHalted`` at the
+    same step (:class:`hooks.parallel.detectors.SharedDetectors`).
     ``state_dict``/``load_state_dict`` carry the detectors' state in Lightning checkpoints.
     """
 
     def __init__(
         self, logdir: str | os.PathLike | None = None, every: int | None = None, **monitor_kwargs: Any
     ) -> None:
-        self.monitor_kwargs, self._stop = callback_options(every, monitor_kwargs)
-        self.logdir, self.every = logdir, every
+        self.logdir, self.every, self.monitor_kwargs = logdir, every, callback_options(every, monitor_kwargs)
         self.monitor: Monitor | None = None
         self._pending_state: dict | None = None  # restored from a checkpoint before the Monitor exists
         self._loss: Tensor | None = None
@@ -60,15 +60,14 @@ class MonitorCallback(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.close()
-        self._stop.critical = None  # a new fit() does not inherit the last one's critical alert
         # trainer.log_dir broadcasts from rank 0: every rank must ask
         logdir = Path(self.logdir) if self.logdir is not None else Path(trainer.log_dir) / "attnscope"
         main = trainer.is_global_zero
         kwargs = dict(self.monitor_kwargs)
         if not main:
             kwargs["sinks"] = ()
-        self.monitor = Monitor(pl_module, logdir if main else None, self.every, on_alert=self._stop,
-                               stop_on_critical=False, purge_step=trainer.global_step or None, **kwargs)
+        self.monitor = Monitor(pl_module, logdir if main else None, self.every,
+                               purge_step=trainer.global_step or None, **kwargs)
         if self._pending_state:
             self.monitor.load_state_dict(self._pending_state)
         self._pending_state = None
@@ -89,7 +88,6 @@ class MonitorCallback(pl.Callback):
         step, loss = trainer.global_step, self._loss
         self._loss = None
         self.monitor.step(step, loss=loss)
-        self._stop.check(self.monitor, step, lambda flag: trainer.strategy.reduce_boolean_decision(flag, all=False))
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.close()

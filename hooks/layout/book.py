@@ -20,8 +20,9 @@ A layout confirmed against the kernel's q and k is settled for good: later sampl
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from types import MappingProxyType
 
 from diag.layouts.generic import generic_o, is_provisional
 from diag.layouts.infer import same_split
@@ -44,14 +45,25 @@ class LayoutBook:
 
     def __init__(self, layers: Sequence[AttentionLayer], watching: bool = True) -> None:
         self.layers = list(layers)
+        self._by_index = {layer.index: layer for layer in self.layers}
         if not watching:
             for index, why in unconfirmable(self.layers).items():
-                self._refuse(self.layers[index], why)
+                self.refuse(self.layers[index], why)
 
     @property
-    def refused(self) -> dict[int, str]:
-        """Layer index -> why its layout is refused: none of that layer's metrics is logged."""
-        return {layer.index: layer.record.why for layer in self.layers if layer.record.state == "refused"}
+    def refused(self) -> Mapping[int, str]:
+        """Layer index -> why its layout is refused: none of that layer's metrics is logged. A read-only view:
+        :meth:`refuse` refuses a layer."""
+        return MappingProxyType({layer.index: layer.record.why for layer in self.layers
+                                 if layer.record.state == "refused"})
+
+    def refuse(self, layer: AttentionLayer, why: str) -> None:
+        """Refuse the layout of the book's layer of ``layer.index`` for good (``why``: the message, with what to
+        pass): none of its metrics is logged from then on. Under tensor parallelism the book holds each layer as
+        this rank computes it (:meth:`AttentionLayer.on_this_rank`), so a layer another rank refused is refused
+        here by its index."""
+        record = self._by_index[layer.index].record
+        record.state, record.why = "refused", why
 
     def settled(self, layer: AttentionLayer) -> bool:
         """Whether the layer's layout was confirmed against the kernel (or read from it): nothing to check."""
@@ -90,8 +102,8 @@ class LayoutBook:
         does not read, or none at all): a proposal from names or shapes is refused, with it offered as a spec
         (nothing can confirm it); any other layout stands."""
         if layer.record.state == "proposed":
-            self._refuse(layer, unconfirmed(layer, "shapes", why=f"{why}, so the computation cannot confirm a "
-                                            "split").problem)
+            self.refuse(layer, unconfirmed(layer, "shapes", why=f"{why}, so the computation cannot confirm a "
+                                           "split").problem)
 
     # ------------------------------------------------------------------ decisions
 
@@ -101,7 +113,7 @@ class LayoutBook:
             self._adopt(layer, verdict.adopt, verdict.observed)
         elif verdict.problem is not None:
             if not verdict.call_only:  # the layout itself is suspect: every metric of the layer is dropped
-                self._refuse(layer, verdict.problem)
+                self.refuse(layer, verdict.problem)
             return
         if _settles(verdict):
             record.checked, record.between = verdict.checked, verdict.between
@@ -110,9 +122,6 @@ class LayoutBook:
                 log.info("diag: %s: between its projections and the attention kernel the module applies %s; the "
                          "weight-side signals are read from the weights, the attention statistics from what the "
                          "kernel received", layer.name, verdict.between)
-
-    def _refuse(self, layer: AttentionLayer, why: str) -> None:
-        layer.record.state, layer.record.why = "refused", why
 
     def _adopt(self, layer: AttentionLayer, inferred: QKVLayout, observed: str) -> None:
         """Install the inferred layout, keeping the layer's W_O where it still fits (else one named like an

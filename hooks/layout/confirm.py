@@ -38,8 +38,8 @@ from torch import Tensor
 
 from diag.layouts.infer import query_source
 from diag.layouts.vocab import QKVLayout, qk_heads
-from hooks.layout.blocks import local_tensor
 from hooks.layout.discover import AttentionLayer
+from hooks.parallel.dtensors import local_tensor
 
 __all__ = ["Inputs", "Elementwise", "CapturedCall", "Verdict", "Comparison", "module_inputs", "with_keys_from",
            "readings", "compare", "tolerance", "call_problem", "not_token_attention"]

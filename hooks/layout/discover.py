@@ -13,9 +13,10 @@ from diag.layouts.adapters import ADAPTERS, HEAD_ATTRS, ModuleView, find_layout,
 from diag.layouts.generic import generic_o, head_count, is_provisional
 from diag.layouts.patterns import first_match, generalise, matches, patterns_for
 from diag.layouts.vocab import QKVLayout, shape_problem
-from hooks.layout.blocks import HeadBlock, fsdp_managed, head_block, local_tensor
 from hooks.layout.record import LayoutRecord
 from hooks.layout.suspects import computation_candidates, suspects_text
+from hooks.parallel.dtensors import fsdp_managed, local_tensor
+from hooks.parallel.heads import HeadBlock, head_block
 
 __all__ = ["AttentionLayer", "discover", "module_view"]
 
@@ -43,7 +44,7 @@ class AttentionLayer:
     # spec patterns that select this module and its like (its siblings in other blocks) and no other
     # module: one pattern, or the exact names when ``*`` would also take feed-forward children (messages)
     patterns: tuple[str, ...] = ()
-    # under tensor parallelism: the contiguous block of heads this rank holds (hooks/layout/blocks.py)
+    # under tensor parallelism: the contiguous block of heads this rank holds (hooks/parallel/heads.py)
     block: HeadBlock | None = None
 
     def __post_init__(self) -> None:

@@ -18,8 +18,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
+from diag.layouts.biases import bias_names
 from diag.layouts.infer import Block, layout_from_blocks, match_heads, profiles, query_source
-from diag.layouts.vocab import QKVLayout, bias_names
+from diag.layouts.vocab import QKVLayout
 from hooks.layout.confirm import Elementwise, tolerance
 
 __all__ = ["Reading", "read_layout"]

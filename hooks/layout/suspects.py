@@ -21,7 +21,7 @@ from torch import nn
 from diag.layouts.generic import ModuleView, head_count
 from diag.layouts.packings import PACKINGS
 from diag.layouts.patterns import generalise, patterns_for, spec_text
-from diag.layouts.vocab import QKVLayout
+from diag.layouts.vocab import QKVLayout, implied_layouts
 
 __all__ = ["calls_attention", "suspects_text", "implied_specs", "computation_candidates"]
 
@@ -52,8 +52,7 @@ def implied_specs(view: ModuleView) -> list[QKVLayout]:
     """The layouts the module's weight shapes imply, one per packing that reads them (with its head count
     attribute where the shapes do not give it): a fused weight as [all Q | all K | all V] or per head, three
     weights, three 3-D per-head weights."""
-    heads = head_count(view)
-    return [layout for packing in PACKINGS.values() for layout in packing.implied(view.params, heads)]
+    return implied_layouts(view.params, head_count(view))
 
 
 def computation_candidates(model: nn.Module, view_of: Callable[[str, nn.Module], ModuleView]
@@ -70,7 +69,7 @@ def computation_candidates(model: nn.Module, view_of: Callable[[str, nn.Module],
         if any(other.startswith(name + ".") for other, _ in found):
             continue  # an attention module further down holds the computation
         view = view_of(name, module)
-        layouts = implied_specs(view) or [lay for p in PACKINGS.values() for lay in p.implied(view.params, 1)]
+        layouts = implied_specs(view) or implied_layouts(view.params, 1)
         if layouts:
             out.append((name, module, replace(layouts[0], adapter="computation")))
     return out

@@ -1,4 +1,4 @@
-"""Stage 3, the step loop: the Monitor, its cadence, the weight side and the distributed reads.
+"""Stage 3, the step loop: the Monitor, its cadence and the weight side.
 
 ``monitor`` is the :class:`Monitor`; ``cadence`` decides which families a step samples;
 ``sampling`` measures a sampled step; ``lossmean`` keeps the losses between two loss samples;

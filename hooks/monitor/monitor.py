@@ -42,8 +42,9 @@ from diag.outputs.sinks import FanOut, JsonlSink, Record, Sink, TensorBoardSink,
 from diag.outputs.tb_views import TensorBoardViews, image_options
 from hooks.layout.discover import AttentionLayer, discover
 from hooks.monitor.cadence import SIGNALS, CloserLook, CloserLookConfig, resolve_cadence
-from hooks.monitor.distributed import SharedDetectors, rank, world_size
 from hooks.monitor.sampling import Sampler
+from hooks.parallel.detectors import SharedDetectors
+from hooks.parallel.ranks import rank, world_size
 
 __all__ = ["Monitor", "SIGNALS"]
 
@@ -232,7 +233,7 @@ class Monitor:
                 capture.disarm()
 
     @property
-    def refused(self) -> dict[int, str]:
+    def refused(self) -> Mapping[int, str]:
         """Layers whose layout the computation refused (or nothing could confirm): every metric of theirs is
         suspect (the head split may be wrong), so none is logged from then on. Asked of :attr:`layouts`."""
         return self.layouts.refused

@@ -11,7 +11,7 @@ gradient overflow is, :mod:`diag.detectors.nonfinite` decides.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,8 +30,8 @@ from hooks.capture.compiled import EagerCapture
 from hooks.layout.book import LayoutBook
 from hooks.layout.discover import AttentionLayer
 from hooks.monitor.lossmean import LossMean
-from hooks.monitor.tensorparallel import HeadGather
 from hooks.monitor.weightside import WeightSide
+from hooks.parallel.headgather import HeadGather
 
 __all__ = ["Sample", "Sampler"]
 
@@ -83,7 +83,7 @@ class Sampler:
         self.loss_mean = LossMean()  # every step's loss, for the mean of those between two loss samples
 
     @property
-    def refused(self) -> dict[int, str]:
+    def refused(self) -> Mapping[int, str]:
         """Layers whose layout the computation refused: none of their metrics is measured."""
         return self.layouts.refused
 
@@ -174,8 +174,8 @@ class Sampler:
         for layer in self._heads.layers:
             by_index[layer.index] = whole[layer.index]
             if layer.index in refused_any and layer.index not in self.refused:
-                self.refused[layer.index] = (f"{layer.name}: another tensor-parallel rank found its heads disagree "
-                                             "with the layout (its warning says how)")
+                self.layouts.refuse(layer, f"{layer.name}: another tensor-parallel rank found its heads disagree "
+                                    "with the layout (its warning says how)")
         return failed
 
     def _host(self, step: int, per_layer: list[dict], loss: Tensor | float | None,

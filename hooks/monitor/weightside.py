@@ -1,6 +1,6 @@
 """The weight-side families of a sampled step: gradient norms, spectra, update ratios.
 
-The layers are read in the groups of :meth:`hooks.monitor.distributed.QKVReader.groups`:
+The layers are read in the groups of :meth:`hooks.monitor.reader.QKVReader.groups`:
 all layers at once for plain parameters (read in place, nothing copied), one
 layer at a time for FSDP2 DTensors, whose gathered weights are dropped before the
 next layer is gathered. Within a group the spectra are batched across layers of
@@ -23,13 +23,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from diag.catalog.metrics import METRICS, family_metrics
 from diag.layouts.vocab import QKVLayout, split_projections, split_qkv
 from diag.math.metrics import grad_metrics, layer_spectra
 from diag.math.norms import frobenius
 from diag.math.updates import UpdateTracker
 from hooks.layout.discover import AttentionLayer
-from hooks.monitor.distributed import QKVReader, gather_like, local_shards
-from hooks.monitor.tensorparallel import HeadGather, grad_squares, tp_reduce
+from hooks.monitor.reader import QKVReader, kept_dim
+from hooks.parallel.gather import gather_like, local_shards
+from hooks.parallel.headgather import HeadGather, grad_squares, tp_reduce
 
 __all__ = ["WeightSide", "ShardSnapshot", "PendingUpdate", "AppliedUpdate", "nan_spectra"]
 
@@ -112,7 +114,7 @@ class WeightSide:
                 tracker = self._tracker(g, group)
                 whole = tracker.snapshot([_projections(w, layer) for layer, (w, _) in zip(group, read)])
                 norms.append(tracker.norms_before(whole))  # sigma_1(W) needs the whole W: taken now
-                params, keep = group[0].weights(), _keep(group[0])  # what the reader read: updates due, so W_O too
+                params, keep = group[0].weights(), kept_dim(group[0])  # what the reader read: updates due, so W_O too
                 shards = local_shards(params, keep) if len(group) == 1 else None  # sharded groups hold one layer
                 snapshots.append(whole if shards is None else ShardSnapshot(params, shards, keep))
                 del whole  # sharded: only this rank's shards are kept until the step after
@@ -205,20 +207,16 @@ class WeightSide:
 
 
 def nan_spectra(wq: Tensor) -> dict[str, Tensor]:
-    """The spectral metrics of one layer (per-head wq: (H, D, E)) as NaN, in their usual shapes."""
+    """The spectral metrics of one layer (per-head wq: (H, D, E)) as NaN, in their usual shapes: (H,) per head,
+    (H, D) for a spectrum."""
     heads, dim = wq.shape[0], wq.shape[1]
-    nan = torch.full((heads,), torch.nan, dtype=torch.float64, device=wq.device)
-    return {"qk_sigma1": nan, "qk_sec": nan, "qk_erank": nan, "qk_stable_rank": nan,
-            "qk_spectrum": torch.full((heads, dim), torch.nan, dtype=torch.float64, device=wq.device)}
+    return {m: torch.full((heads, dim) if METRICS[m].per == "spectrum" else (heads,), torch.nan, dtype=torch.float64,
+                          device=wq.device) for m in family_metrics("spectra")}
 
 
 def _layout(layer: AttentionLayer) -> QKVLayout:
     """The layout of what this rank reads of ``layer``: under tensor parallelism, its block's."""
     return layer.layout if layer.block is None else layer.block.layout
-
-
-def _keep(layer: AttentionLayer) -> int | None:
-    return None if layer.block is None else layer.block.dim
 
 
 def _projections(weights: dict[str, Tensor], layer: AttentionLayer) -> dict[str, Tensor]:

@@ -34,8 +34,8 @@ from diag.errors import ConfigError, WarnOnce
 from diag.layouts.packings import packing_of
 from diag.math.norms import power_sigma1
 from diag.math.updates import Stack, stack_by_shape, update_of, work_dtype
-from hooks.layout.blocks import local_tensor
-from hooks.steplimit.splits import Split, split_largest_row, split_of
+from hooks.parallel.dtensors import local_tensor
+from hooks.parallel.splits import Split, split_largest_row, split_of
 
 __all__ = ["SpectralStepLimit", "LimitedMatrix", "StepReporter", "STATE_KEY"]
 

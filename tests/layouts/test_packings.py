@@ -10,7 +10,7 @@ from torch import nn
 
 from diag.errors import SpecError
 from diag.layouts.packings import PACKINGS, Fused, Packing, packing_of, register_packing
-from diag.layouts.vocab import QKVLayout, qk_heads, shape_problem, split_qkv
+from diag.layouts.vocab import QKVLayout, implied_layouts, qk_heads, shape_problem, split_qkv
 from hooks.steplimit import SpectralStepLimit
 from tests.support.harness import assert_sigma1_by_hand, one_step
 
@@ -39,14 +39,24 @@ def test_what_each_packing_answers():
     assert packing_of(fused).roles(fused) == {"qkv.weight": ("q", "k", "v")}
     assert [packing_of(x).key_weight(x) for x in (sep, qkv, fused)] == ["k.weight", "kv.weight", None]
     assert packing_of(sep).assumed(sep) is None and "[all Q | all K | all V]" in packing_of(fused).assumed(fused)
-    implied = [lay.packing for p in PACKINGS.values() for lay in p.implied({"w": (E, 3 * E)}, H)]
+    implied = [lay.packing for lay in implied_layouts({"w": (E, 3 * E)}, H)]
     assert implied == ["fused", "fused_per_head"]
     three = {"a": (H, E, D), "b": (H, E, D), "c": (H, E, D), "o": (H, D, E)}
-    assert [lay.describe() for p in PACKINGS.values() for lay in p.implied(three, None)] == [
+    assert [lay.describe() for lay in implied_layouts(three, None)] == [
         "QKVLayout(n_heads=4, head_dim=8, q='a', k='b', v='c', packing='heads_3d', transposed=True)"]
     separate = {"q": (H * D, E), "k": (2 * D, E), "v": (2 * D, E)}
-    assert [lay.describe() for p in PACKINGS.values() for lay in p.implied(separate, H)] == [
+    assert [lay.describe() for lay in implied_layouts(separate, H)] == [
         "QKVLayout(n_heads=4, head_dim=8, q='q', k='k', v='v', n_kv_heads=2)"]
+
+
+def test_what_tensor_parallelism_asks_of_each_packing():
+    """Whether contiguous row blocks are whole heads (ColwiseParallel then gives each rank whole heads), and which
+    dim of a weight stacks the heads (the rows, the columns of a transposed weight, dim 0 of a 3-D one)."""
+    whole = [name for name, packing in PACKINGS.items() if packing.row_blocks_are_heads]
+    assert whole == ["separate", "fused_per_head", "fused_per_group", "heads_3d"]
+    sep, conv = QKVLayout(H, D, "q", "k", "v"), QKVLayout(H, D, "qkv", packing="fused", transposed=True)
+    heads_3d = QKVLayout(H, D, "q", "k", "v", packing="heads_3d", transposed=True)
+    assert [packing_of(x).heads_dim(x) for x in (sep, conv, heads_3d)] == [0, 1, 0]
 
 
 class FusedKVQ(Fused):

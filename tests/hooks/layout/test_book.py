@@ -3,6 +3,7 @@ the capture, the Monitor and the step limit ask it."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from diag.layouts.vocab import QKVLayout
@@ -50,6 +51,19 @@ def test_without_a_capture_a_proposal_is_refused_at_once():
     model = Net(STYLES["FusedHeadsAttr"])
     book = LayoutBook(Monitor(model, signals=("spectra",)).layers, watching=False)
     assert set(book.refused) == {0, 1} and "signals= leaves out 'attention'" in book.refused[0]
+
+
+def test_refusing_goes_through_the_book_and_its_view_is_read_only():
+    """``refuse`` refuses the book's layer of that index (under tensor parallelism the Monitor's layer is not the
+    book's own view of it); ``refused`` is a view that cannot be written, so no refusal is lost."""
+    monitor = Monitor(Net(STYLES["FusedHeadsAttr"]), every=1)
+    book = monitor.layouts
+    book.refuse(monitor.layers[1], "another rank disagrees")
+    assert dict(book.refused) == {1: "another rank disagrees"} and dict(monitor.refused) == dict(book.refused)
+    assert book.layers[1].record.state == "refused" and not book.settled(book.layers[1])
+    with pytest.raises(TypeError):
+        book.refused[0] = "lost"  # type: ignore[index]
+    monitor.close()
 
 
 def test_the_step_limit_slices_by_the_layout_the_book_adopted():

@@ -30,8 +30,8 @@ EVERY, STEPS, LAYERS = 3, 7, 2  # sampled: 0, 3, 6; update ratios measured at 1,
 GLOBAL = ("qk_", "grad_", "update_")  # the same on every rank: weights, reduced gradients, updates
 
 
-# gloo once aborted a rank of a run that had written every output (seen once, in CI of issue #31's twelfth session;
-# the same test passed 8 of 8 times alone): std::terminate on a joinable thread at the process's exit, "terminate
+# gloo can abort a rank of a run that has written every output (rarely, on a loaded machine; the same test passes
+# alone): std::terminate on a joinable thread at the process's exit, "terminate
 # called without an active exception". Such a run is run once more; any other failure, or a second one, fails
 TEARDOWN_ABORT = "terminate called without an active exception"
 
@@ -103,7 +103,7 @@ def test_two_ranks_log_the_single_process_numbers(mode, single, tmp_path):
     # (#18) beside the run's own files: TensorBoard sub-runs (L00/, alerts/<level>/) holding event files only
     logs = tmp_path / "logs"
     assert sorted(p.name for p in logs.iterdir() if not p.name.startswith("events") and not p.is_dir()) == [
-        "attnscope_layout.json", "metrics.jsonl"  # the layouts, for `python -m diag analyze` (issue 20)
+        "attnscope_layout.json", "metrics.jsonl"  # the layouts, for `python -m diag analyze`
     ]
     assert all(f.name.startswith("events") for d in logs.iterdir() if d.is_dir() for f in d.rglob("*") if f.is_file())
     _check_collectives(mode, tmp_path)

@@ -1,5 +1,5 @@
-"""Which heads a tensor-parallel rank holds and which of them it computes (hooks/layout/blocks.py,
-hooks/monitor/tensorparallel.py); the placements themselves are exercised under torchrun in
+"""Which heads a tensor-parallel rank holds and which of them it computes (hooks/parallel/heads.py,
+hooks/parallel/work.py); the placements themselves are exercised under torchrun in
 tests/hooks/parallel/test_tensor_parallel.py."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import torch
 
 from diag.errors import SpecError
 from diag.layouts.vocab import QKVLayout, split_qkv
-from hooks.layout.blocks import _local_layout
-from hooks.monitor.tensorparallel import _chunk, work_of
+from hooks.parallel.heads import _local_layout
+from hooks.parallel.work import _chunk, work_of
 
 GQA = QKVLayout(8, 4, "q", "k", "v", n_kv_heads=4, o="o")
 

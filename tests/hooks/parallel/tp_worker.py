@@ -13,7 +13,9 @@
   to sequence shards, W_O and w2 back to sequence shards: :mod:`tests.support.titan`), on a (2,) mesh;
 * ``tp-fsdp``: the same plan on the ``tp`` dim of a (2, 2) ``("dp", "tp")`` mesh, then ``fully_shard`` of every
   block and the root on ``dp`` (torchtitan's ``parallelize_llama``);
-* ``hsdp``: ``fully_shard`` on a (2, 2) ``("replicate", "shard")`` mesh, no tensor parallelism.
+* ``hsdp``: ``fully_shard`` on a (2, 2) ``("replicate", "shard")`` mesh, no tensor parallelism;
+* ``--swap-heads RANK``: on that rank, layer 0's kernel computes its query heads in swapped order, so that rank
+  alone refuses the layer's layout.
 
 Both models have 4 query and 2 key/value heads: each tensor-parallel rank holds 2 query heads and 1 key/value
 head. Every step draws a global batch of 4 sequences from a generator seeded by the step; the data-parallel
@@ -25,7 +27,8 @@ Writes: ``OUT/logs`` (rank 0's Monitor logdir), per rank ``OUT/rank{r}.json``: i
 histograms of its records (``qk_spectrum``: every head's singular values),
 the collectives issued inside each ``monitor.step`` (c10d name and bytes of the largest tensor it moved), the
 heads whose spectra it computed per sampled step (global numbers, per layer), the snapshot bytes it held
-for the update ratios of step 0, and its final weights' checksum under ``SpectralStepLimit`` (``--step-limit``).
+for the update ratios of step 0, the layers its Monitor refuses (index: why), and its final weights' checksum
+under ``SpectralStepLimit`` (``--step-limit``).
 Not a test module (no ``test_`` prefix): pytest does not collect it.
 """
 
@@ -164,6 +167,16 @@ def count_heads(monitor, seen: dict) -> None:
             seen["work"][layer.label] = [layer.block.first_head + h for h in work.q]
 
 
+def swap_query_heads(q_proj: torch.nn.Module) -> None:
+    """This rank's attention kernel computes its two query heads in swapped order: its q disagrees with the layout
+    of its block (what a module that reorders heads between projection and kernel does)."""
+
+    def swap(module, args, out):  # (B, T, 2 * D): this rank's two heads
+        return out.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
+
+    q_proj.register_forward_hook(swap)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=tuple(MODES))
@@ -173,6 +186,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--cadence", type=json.loads, default=None, help='e.g. {"spectra": 6}')
     parser.add_argument("--step-limit", type=float, default=None, help="wrap SGD in SpectralStepLimit(tau=...)")
+    parser.add_argument("--swap-heads", type=int, default=None, metavar="RANK",
+                        help="on this rank, layer 0's kernel gets its two query heads swapped (tp mode)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     single = args.mode.startswith("single")
@@ -185,6 +200,8 @@ def main() -> None:
 
     model, mesh = build(args.mode)
     rank = dist.get_rank() if not single else 0
+    if args.swap_heads == rank:
+        swap_query_heads(model.model.layers[0].self_attn.q_proj)
     part, parts = data_rank(args.mode, mesh), MODES[args.mode] if not single else 1
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     memory = MemorySink()  # every rank's records, with the per-head spectra (histograms: not in metrics.jsonl)
@@ -213,6 +230,7 @@ def main() -> None:
         monitor.close()
     record["collectives"][args.steps] = counter.seen
     record["last"] = monitor.last
+    record["refused"] = {str(index): why for index, why in monitor.refused.items()}
     record["histograms"] = {f"{r.step}/{tag}": [float(v) for v in values] for r in memory.records
                             for tag, values in r.histograms.items()}
     record["confirmed"] = {str(layer.index): layer.record.checked for layer in monitor.layouts.layers

@@ -16,18 +16,16 @@ the first ``Shard`` are FSDP2's and any later ``Shard`` of the heads' dim is ten
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
-from torch import Tensor, nn
+from torch import Tensor
 
 from diag.errors import SpecError
+from diag.layouts.packings import packing_of
 from diag.layouts.vocab import QKVLayout
+from hooks.parallel.dtensors import is_dtensor
 
-__all__ = ["HeadBlock", "head_block", "fsdp_managed", "local_tensor"]
-
-# Packings whose contiguous row blocks are whole heads (and, with GQA, whole key/value groups).
-_ROW_BLOCKS = ("separate", "heads_3d", "fused_per_head", "fused_per_group")
+__all__ = ["HeadBlock", "head_block"]
 
 
 @dataclass(frozen=True)
@@ -49,30 +47,6 @@ class HeadBlock:
         """The global number of this rank's first query head."""
         return self.index * self.layout.n_heads
 
-    @property
-    def first_kv(self) -> int:
-        return self.index * self.layout.kv_heads
-
-
-def _dtensor_type() -> type | None:
-    """DTensor, if anything imported it (otherwise no tensor can be one): never imported just to check."""
-    return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-
-
-def local_tensor(t: object) -> object:
-    """A DTensor's local shard (under tensor parallelism inside a forward: this rank's heads of a weight, or
-    the whole of a replicated input); anything else as it is. No collective."""
-    dtensor = _dtensor_type()
-    return t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
-
-
-def fsdp_managed(model: nn.Module) -> frozenset[str]:
-    """Names of the modules of ``model`` that are FSDP2 ``FSDPModule``s (their parameters are sharded by it)."""
-    fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
-    if fsdp is None:
-        return frozenset()
-    return frozenset(name for name, module in model.named_modules() if isinstance(module, fsdp))
-
 
 def _tp_dims(t: Tensor, tensor_dim: int, under_fsdp: bool) -> list[int]:
     """Mesh dims on which tensor parallelism shards ``tensor_dim`` of the DTensor ``t`` (FSDP2's dims skipped)."""
@@ -89,12 +63,10 @@ def _tp_dims(t: Tensor, tensor_dim: int, under_fsdp: bool) -> list[int]:
 
 
 def _heads_dim(layout: QKVLayout, name: str) -> int:
-    """The dim of a weight along which its heads are stacked (rows; W_O: columns)."""
+    """The dim of a weight along which its heads are stacked (Q/K/V: as its packing says; W_O: its columns)."""
     if name == layout.o and name not in layout.param_names:
         return 0 if layout.o_is_transposed else 1
-    if layout.packing == "heads_3d":
-        return 0
-    return 1 if layout.transposed else 0
+    return packing_of(layout).heads_dim(layout)
 
 
 def head_block(name: str, layout: QKVLayout, weights: dict[str, Tensor], under_fsdp: bool) -> HeadBlock | None:
@@ -103,10 +75,9 @@ def head_block(name: str, layout: QKVLayout, weights: dict[str, Tensor], under_f
     weights: the layout's Q/K/V (and W_O) parameters by name. Raises :class:`SpecError` for a split that is not
     whole heads on every rank (a fused [Q | K | V] weight, head counts the ranks do not divide, key/value heads
     replicated while the query heads are split, W_O not split with them)."""
-    dtensor = _dtensor_type()
     qkv = list(layout.param_names)
-    split = {n: _tp_dims(weights[n], _heads_dim(layout, n), under_fsdp) if dtensor and isinstance(
-        weights[n], dtensor) else [] for n in layout.weight_names}
+    split = {n: _tp_dims(weights[n], _heads_dim(layout, n), under_fsdp) if is_dtensor(weights[n]) else []
+             for n in layout.weight_names}
     if not any(split[n] for n in qkv):
         return None
     mesh = weights[qkv[0]].device_mesh
@@ -131,7 +102,7 @@ def _local_layout(name: str, layout: QKVLayout, size: int, index: int) -> QKVLay
     """The layout of one rank's block: the same weights, n_heads / size and n_kv_heads / size heads."""
     h, g = layout.n_heads, layout.kv_heads
     problem = None
-    if layout.packing not in _ROW_BLOCKS:
+    if not packing_of(layout).row_blocks_are_heads:
         problem = (f"packing={layout.packing!r} keeps all query heads before the key and value heads, so a "
                    "contiguous block of rows is not a block of whole heads")
     elif h % size or g % size:

@@ -1,14 +1,14 @@
 """The Monitor under tensor parallelism: every rank measures the heads it holds; one gather of their scalars.
 
 Under tensor parallelism a layer's heads live on the ranks of the tensor-parallel mesh dim, a contiguous
-block each (:mod:`hooks.layout.blocks`), with their weights, gradients and attention kernel. So on a
+block each (:mod:`hooks.parallel.heads`), with their weights, gradients and attention kernel. So on a
 sampled step each rank computes, from its own shards and with no weight gather:
 
 * the spectra and gradient norms of its heads; where other mesh dims hold the same block (FSDP2 beside
   tensor parallelism, its ``dp`` ranks; or DDP replicas), the block's heads are shared out among them
-  (:func:`work_of`), so no head is computed twice; beside FSDP2 the gradient norms come from each rank's own
-  rows of the block instead (:func:`grad_squares`: per-head sums of squares, added up after the gather),
-  so no gradient is gathered;
+  (:func:`hooks.parallel.work.work_of`), so no head is computed twice; beside FSDP2 the gradient norms come
+  from each rank's own rows of the block instead (:func:`grad_squares`: per-head sums of squares, added up
+  after the gather), so no gradient is gathered;
 * the attention statistics of its block, from its own kernel call (every rank computes them for its own
   batch; the logged ones are those of rank 0's batch, as under DDP);
 
@@ -25,87 +25,55 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from diag.catalog.metrics import METRICS, PER_HEAD_METRICS, family_metrics
 from diag.errors import SpecError
+from diag.layouts.packings import packing_of
 from diag.layouts.vocab import QKVLayout
 from diag.math.attention import AttentionStats
 from diag.math.metrics import grad_ratio
 from diag.math.norms import Reduce
-from hooks.layout.blocks import HeadBlock
-from hooks.layout.discover import AttentionLayer
-from hooks.monitor.distributed import gathers_rows
+from diag.outputs.records import attention_metrics
+from hooks.parallel.gather import all_gather_rows, gather_kind
+from hooks.parallel.heads import HeadBlock
+from hooks.parallel.work import Work, block_of, replica_of, work_of
 
-__all__ = ["Work", "work_of", "replica_of", "tp_reduce", "grad_squares", "HeadGather"]
+__all__ = ["BlockLayer", "tp_reduce", "grad_squares", "HeadGather"]
 
-SPECTRAL = ("qk_sigma1", "qk_sec", "qk_erank", "qk_stable_rank")  # per head; then qk_spectrum (per head, D)
-GRADS = ("grad_norm_q", "grad_norm_k", "grad_norm_v")
-ATTENTION = ("attn_entropy", "attn_rank", "attn_max_logit")  # per head; with uniform_entropy and rows
-
-
-@dataclass(frozen=True)
-class Work:
-    """The heads of a rank's block that it computes: query heads ``q`` (spectra, grad norms of Q) and key/value
-    heads ``kv`` (grad norms of K and V), local numbers within the block."""
-
-    q: range
-    kv: range
-
-    def pair(self, wq: Tensor, wk: Tensor, layout: QKVLayout) -> tuple[Tensor, Tensor]:
-        """(wq, wk) of the work's query heads for the spectra: K as its key heads (paired per query head where the
-        work does not hold whole groups). wq (H_l, D, E); wk as ``split_qkv(paired=True)`` gives it."""
-        q = wq[self.q.start:self.q.stop]
-        if wk.shape[0] == wq.shape[0]:  # already one key head per query head (a kv_map)
-            return q, wk[self.q.start:self.q.stop]
-        r = layout.n_heads // layout.kv_heads
-        if self.q.start % r == 0 and self.q.stop % r == 0:  # whole groups: their key heads, unrepeated
-            return q, wk[self.q.start // r:self.q.stop // r]
-        return q, wk[[h // r for h in self.q]]
+SPECTRA = family_metrics("spectra")  # per query head; ``spectrum`` ones with head_dim values each
+ATTENTION = tuple(m for m in family_metrics("attention") if m in PER_HEAD_METRICS)  # per head of the block
 
 
-def _chunk(n: int, parts: int, i: int) -> range:
-    """torch.chunk's i-th part of range(n): ceil(n / parts) each, the last ones shorter or empty."""
-    size = math.ceil(n / parts) if n else 0
-    return range(min(i * size, n), min((i + 1) * size, n))
+class BlockLayer(Protocol):
+    """What the head gather reads of a monitored layer (:class:`hooks.layout.discover.AttentionLayer` has it)."""
+
+    index: int
+    name: str
+    block: HeadBlock | None
+
+    @property
+    def layout(self) -> QKVLayout: ...
+
+    def params(self) -> dict[str, Tensor]: ...
 
 
-def work_of(layout: QKVLayout, replica: int, replicas: int) -> Work:
-    """The heads of a block (``layout``: the block's) that replica ``replica`` of ``replicas`` computes: whole
-    key/value groups where there are enough of them to go round, else a share of the query heads."""
-    h, g = layout.n_heads, layout.kv_heads
-    kv = _chunk(g, replicas, replica)
-    if g >= replicas and layout.default_pairing:
-        r = h // g
-        return Work(range(kv.start * r, kv.stop * r), kv)
-    return Work(_chunk(h, replicas, replica), kv)
+def rows_are_heads(layout: QKVLayout) -> bool:
+    """Whether each of Q, K and V is a weight of its own whose dim-0 rows are its heads' rows, one block of rows per
+    head (three weights stored untransposed): what :func:`grad_squares` reads."""
+    packing = packing_of(layout)
+    return not layout.transposed and all(len(roles) == 1 for roles in packing.roles(layout).values())
 
 
-def replica_of(block: HeadBlock, rank: int) -> int:
-    """Which of the ranks holding the same block (the same coordinate on the tensor-parallel dim) ``rank`` is:
-    its coordinates on the mesh's other dims, row-major."""
-    grid = block.mesh.mesh  # (d0, d1, ...) global ranks
-    coords = (grid == rank).nonzero()[0].tolist()
-    others = [(c, grid.shape[d]) for d, c in enumerate(coords) if d != block.dim]
-    index = 0
-    for c, size in others:
-        index = index * size + c
-    return index
-
-
-def block_of(block: HeadBlock, rank: int) -> int:
-    """``rank``'s coordinate on the tensor-parallel dim of ``block``'s mesh."""
-    return int((block.mesh.mesh == rank).nonzero()[0][block.dim])
-
-
-def grad_squares(layer: AttentionLayer) -> dict[str, Tensor] | None:
+def grad_squares(layer: BlockLayer) -> dict[str, Tensor] | None:
     """Per-head sums of squares (float64) of this rank's own rows of the block's Q/K/V gradients (its FSDP2 shard of
     them): ``grad_sq_q`` (H / t,), ``grad_sq_k``, ``grad_sq_v`` (G / t,); their sums over the FSDP2 ranks of the
-    block are the squared gradient norms. None when a Q/K/V parameter has no ``.grad``. ``separate`` and
-    ``heads_3d`` packings: the heads lie along dim 0."""
+    block are the squared gradient norms. None when a Q/K/V parameter has no ``.grad``. For layouts whose rows are
+    heads (:func:`rows_are_heads`)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     lay, block = layer.layout, layer.block
@@ -148,7 +116,7 @@ class HeadGather:
     ``all_gather_into_tensor`` on the default group per call (every rank calls it at every sampled step that
     samples gradients, spectra or attention)."""
 
-    def __init__(self, layers: Sequence[AttentionLayer]) -> None:
+    def __init__(self, layers: Sequence[BlockLayer]) -> None:
         self.layers = [layer for layer in layers if layer.block is not None]
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         for layer in self.layers:
@@ -160,11 +128,11 @@ class HeadGather:
         self.blocks = {layer.index: [block_of(layer.block, s) for s in range(self.world)] for layer in self.layers}
         self.replicas = {layer.index: [replica_of(layer.block, s) for s in range(self.world)] for layer in self.layers}
         # beside FSDP2: gradient norms from each rank's own rows (grad_squares), no gradient gathered
-        self.from_rows = {layer.index: layer.block.layout.packing in ("separate", "heads_3d")
-                          and not layer.layout.transposed and gathers_rows(layer) for layer in self.layers}
+        self.from_rows = {layer.index: rows_are_heads(layer.layout) and any(
+            gather_kind(p, layer.block.dim) == "gather" for p in layer.params().values()) for layer in self.layers}
         self._schema: dict[tuple, list[tuple[str, int]]] = {}  # (layer, rank, family) -> what it sends
 
-    def work(self, layer: AttentionLayer, rank: int | None = None) -> Work:
+    def work(self, layer: BlockLayer, rank: int | None = None) -> Work:
         """The heads ``rank`` (default: this one) computes of its block of ``layer``."""
         rank = self.rank if rank is None else rank
         count = layer.block.mesh.size() // layer.block.size
@@ -182,8 +150,7 @@ class HeadGather:
         buf = torch.full((width,), math.nan, dtype=torch.float64, device=own.device)
         buf[: own.numel()] = own
         rows = torch.empty(self.world * width, dtype=torch.float64, device=own.device)
-        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-        all_gather(rows, buf)
+        all_gather_rows(rows, buf)
         rows = rows.view(self.world, width)
         failed = bool((rows[:, 0] > 0).any())
         parsed = [self._unpack(rows[s], s, families) for s in range(self.world)]
@@ -199,21 +166,21 @@ class HeadGather:
 
     # ------------------------------------------------------------------ the buffer
 
-    def _fields(self, layer: AttentionLayer, rank: int, family: str) -> list[tuple[str, int]]:
+    def _fields(self, layer: BlockLayer, rank: int, family: str) -> list[tuple[str, int]]:
         """(name, numel) of what ``rank`` sends for ``family`` of ``layer`` (fixed for a run: computed once)."""
         key = (layer.index, rank, family)
         if key not in self._schema:
             self._schema[key] = self._fields_of(layer, rank, family)
         return self._schema[key]
 
-    def _fields_of(self, layer: AttentionLayer, rank: int, family: str) -> list[tuple[str, int]]:
+    def _fields_of(self, layer: BlockLayer, rank: int, family: str) -> list[tuple[str, int]]:
         work, lay = self.work(layer, rank), layer.block.layout
         if family == "grads" and self.from_rows[layer.index]:
             return [("grad_sq_q", lay.n_heads), ("grad_sq_k", lay.kv_heads), ("grad_sq_v", lay.kv_heads)]
         if family == "grads":
             return [("grad_norm_q", len(work.q)), ("grad_norm_k", len(work.kv)), ("grad_norm_v", len(work.kv))]
         if family == "spectra":
-            return [(m, len(work.q)) for m in SPECTRAL] + [("qk_spectrum", len(work.q) * lay.head_dim)]
+            return [(m, len(work.q) * _width(m, lay)) for m in SPECTRA]
         h = lay.n_heads
         return [(m, h) for m in ATTENTION] + [("uniform_entropy", h), ("attn_rows", 1)]
 
@@ -225,14 +192,13 @@ class HeadGather:
 
     def _pack(self, values: Mapping[int, dict[str, Tensor]], attention: Mapping[int, AttentionStats],
               refused: set[int], families: list[str], spectra_failed: bool) -> Tensor:
-        device = next((p.device for p in self.layers[0].module.parameters()), torch.device("cpu"))
+        device = next(iter(self.layers[0].params().values())).device
         parts = [torch.tensor([float(spectra_failed)], dtype=torch.float64, device=device)]
         for layer in self.layers:
             mine = dict(values.get(layer.index, {}))
             stats = attention.get(layer.index)
             if stats is not None:
-                mine.update({"attn_entropy": stats.entropy, "attn_rank": stats.rank, "attn_max_logit": stats.max_logit,
-                             "uniform_entropy": stats.uniform_entropy, "attn_rows": stats.rows})
+                mine.update(attention_metrics(stats), uniform_entropy=stats.uniform_entropy)
             parts.append(torch.tensor([float(layer.index in refused)], dtype=torch.float64, device=device))
             for family in families:
                 fields = self._fields(layer, self.rank, family)
@@ -260,10 +226,10 @@ class HeadGather:
 
     # ------------------------------------------------------------------ whole layers
 
-    def _assemble(self, layer: AttentionLayer, pieces: list[dict], families: list[str]) -> dict[str, Tensor]:
+    def _assemble(self, layer: BlockLayer, pieces: list[dict], families: list[str]) -> dict[str, Tensor]:
         """One process's metrics of ``layer`` from every rank's piece, in global head order."""
         lay, block = layer.layout, layer.block
-        hl, gl, d = block.layout.n_heads, block.layout.kv_heads, lay.head_dim
+        hl, gl = block.layout.n_heads, block.layout.kv_heads
         out: dict[str, Tensor] = {}
         if "grads" in families and all(p["grads"] for p in pieces) and self.from_rows[layer.index]:
             norms = {f"grad_norm_{r}": self._summed(layer, pieces, f"grad_sq_{r}").sqrt() for r in "qkv"}
@@ -278,8 +244,7 @@ class HeadGather:
             out["grad_ratio_qk_v"] = grad_ratio(norms["grad_norm_q"], norms["grad_norm_k"], norms["grad_norm_v"])
         if "spectra" in families and all(p["spectra"] for p in pieces):
             q = self._heads(layer, pieces, lay.n_heads, hl, "q")
-            out.update({m: q(m) for m in SPECTRAL})
-            out["qk_spectrum"] = q("qk_spectrum", d)
+            out.update({m: q(m, _width(m, lay)) for m in SPECTRA})
         writer = self.replicas[layer.index][0]  # the attention of rank 0's batch: its replica's blocks
         mine = [p for p in pieces if self.replicas[layer.index][p["rank"]] == writer]
         if "attention" in families and all(p["attention"] for p in mine):
@@ -290,12 +255,12 @@ class HeadGather:
             out["attn_entropy_uniform"] = torch.cat([p["uniform_entropy"] for p in ordered]).mean().reshape(1)
         return out
 
-    def _summed(self, layer: AttentionLayer, pieces: list[dict], metric: str) -> Tensor:
+    def _summed(self, layer: BlockLayer, pieces: list[dict], metric: str) -> Tensor:
         """Every block's per-head values summed over the ranks holding it, blocks in order."""
         blocks = self.blocks[layer.index]
         return torch.cat([sum(p[metric] for p in pieces if blocks[p["rank"]] == j) for j in range(layer.block.size)])
 
-    def _heads(self, layer: AttentionLayer, pieces: list[dict], total: int, per_block: int, kind: str):
+    def _heads(self, layer: BlockLayer, pieces: list[dict], total: int, per_block: int, kind: str):
         """A function metric -> its (total, ...) tensor in global head order, from every rank's work ``kind``."""
         def assemble(metric: str, width: int = 1) -> Tensor:
             out = torch.full((total * width,), math.nan, dtype=torch.float64, device=pieces[0][metric].device)
@@ -307,3 +272,8 @@ class HeadGather:
             return out if width == 1 else out.view(total, width)
 
         return assemble
+
+
+def _width(metric: str, layout: QKVLayout) -> int:
+    """Values per head of a spectral metric: ``head_dim`` singular values for a spectrum, else one."""
+    return layout.head_dim if METRICS[metric].per == "spectrum" else 1

@@ -11,7 +11,6 @@ process groups and this rank's columns, :func:`split_of` reads them from a param
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +19,7 @@ from torch import Tensor
 
 from diag.errors import ConfigError
 from diag.math.norms import Reduce, largest_row
+from hooks.parallel.dtensors import is_dtensor
 
 __all__ = ["Split", "split_of", "split_largest_row"]
 
@@ -74,8 +74,7 @@ def _group(name: str, mesh, dims: list[int]) -> object | None:
 def split_of(name: str, param: Tensor) -> Split | None:
     """How ``param`` (a 2-D weight: rows = dim 0) is split across ranks, None when this rank holds it whole (a plain
     tensor, or a replicated DTensor). Raises :class:`ConfigError` for what the step limit cannot sum over."""
-    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-    if dtensor is None or not isinstance(param, dtensor):
+    if not is_dtensor(param):
         return None
     rows, cols = [], []
     for mesh_dim, placement in enumerate(param.placements):
