@@ -135,7 +135,6 @@ class Monitor:
         self.sampler = Sampler(model, self.layers, self.signals, sec_top=sec_top, attn_seqs=attn_seqs,
                                attn_rank_rows=attn_rank_rows, per_head=self.per_head, warn=self._warn_once,
                                grad_scaler=grad_scaler)
-        # the parts a step coordinates between samples
         self.capture, self.layouts = self.sampler.capture, self.sampler.layouts
         self._weights, self._loss_mean = self.sampler.weights, self.sampler.loss_mean
         self.logdir = None if logdir is None or not main else check_logdir(

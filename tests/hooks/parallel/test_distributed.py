@@ -100,7 +100,7 @@ def test_two_ranks_log_the_single_process_numbers(mode, single, tmp_path):
     shared = [t for t in last0 if t.startswith(GLOBAL)]
     assert shared and all(_close(last0[t], last1[t], 1e-9) for t in shared)
     assert any(not _close(last0[t], last1[t]) for t in last0 if t.startswith("attn_entropy"))
-    # (#18) beside the run's own files: TensorBoard sub-runs (L00/, alerts/<level>/) holding event files only
+    # beside the run's own files: TensorBoard sub-runs (L00/, alerts/<level>/) holding event files only
     logs = tmp_path / "logs"
     assert sorted(p.name for p in logs.iterdir() if not p.name.startswith("events") and not p.is_dir()) == [
         "attnscope_layout.json", "metrics.jsonl"  # the layouts, for `python -m diag analyze`
