@@ -169,7 +169,7 @@ class EurekaRun:
 
 
 def train(cfg: EurekaConfig, logdir: str | Path | None = None, say: Callable[[str], None] | None = None, *,
-          schedule: Schedule = Schedule(), observations: Path | None = None) -> EurekaRun:
+          schedule: Schedule | None = None, observations: Path | None = None) -> EurekaRun:
     """Train one run with the Monitor attached; returns the closed Monitor, its records and the curves.
 
     ``schedule``: the learning rate of each step as a fraction of ``cfg.lr``; ``observations``: where the
@@ -185,7 +185,7 @@ def train(cfg: EurekaConfig, logdir: str | Path | None = None, say: Callable[[st
     with recording(monitor, observations):
         losses = train_steps(model, lambda: data.batch(cfg.batch_size, gen),
                              lambda batch: F.cross_entropy(model(batch[0]), batch[1]), optimizer, cfg.steps,
-                             schedule=schedule, monitor=monitor, callbacks=(evaluate,))
+                             schedule=schedule or Schedule(), monitor=monitor, callbacks=(evaluate,))
     return EurekaRun(cfg, monitor, memory, losses, evaluate.evals)
 
 

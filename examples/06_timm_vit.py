@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from hooks import Monitor
+from hooks.demo import Schedule, train_steps
 
 IMG, PATCH, CLASSES = 32, 8, 4
 
@@ -54,34 +55,33 @@ def main(argv: list[str] | None = None) -> None:
     model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=IMG, patch_size=PATCH,
                               embed_dim=64, depth=2, num_heads=4, num_classes=CLASSES)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.05)
-    warm = max(args.warmup, 0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
+    accuracy = {}
+
+    def loss_of(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        logits = model(x)  # (B, CLASSES)
+        accuracy["last"] = (logits.argmax(-1) == y).float().mean().item()
+        return F.cross_entropy(logits, y)
+
+    def progress(step: int, losses: list[float]) -> None:
+        if monitor.should_sample(step):
+            print(f"step {step:3d}  loss {losses[-1]:.3f}  accuracy {accuracy['last']:.2f}  "
+                  f"attn entropy min L00 {monitor.last['attn_entropy/L00/min']:.3f}  "
+                  f"sigma_1 max L00 {monitor.last['qk_sigma1/L00/max']:.3f}")
 
     with Monitor(model, logdir=args.logdir, every=args.every) as monitor:
         for layer in monitor.layers:
             lay = layer.layout
             print(f"{layer.label}  {layer.name}  adapter {lay.adapter}  {lay.n_heads} heads of {lay.head_dim}")
-        model.train()
-        for step in range(args.steps):
-            x, y = quadrant_batch(gen)
-            logits = model(x)  # (B, CLASSES)
-            loss = F.cross_entropy(logits, y)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            monitor.step(step, loss=loss)  # after backward and clipping, before optimizer.step()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            schedule.step()
-            if monitor.should_sample(step):
-                accuracy = (logits.argmax(-1) == y).float().mean().item()
-                print(f"step {step:3d}  loss {loss.item():.3f}  accuracy {accuracy:.2f}  "
-                      f"attn entropy min L00 {monitor.last['attn_entropy/L00/min']:.3f}  "
-                      f"sigma_1 max L00 {monitor.last['qk_sigma1/L00/max']:.3f}")
+        # the demo's loop: backward, clipping, monitor.step, optimizer.step, the schedule (hooks/demo/loop.py)
+        train_steps(model, lambda: quadrant_batch(gen), loss_of, optimizer, args.steps,
+                    schedule=Schedule(warmup=max(args.warmup, 0)), clip=1.0, monitor=monitor, callbacks=(progress,))
 
-    for alert in monitor.alert_sink.history:
+    alerts = monitor.alert_sink.history
+    print(f"{len(alerts)} alerts; metrics in {monitor.logdir / 'metrics.jsonl'}; "
+          f"look at it: tensorboard --logdir {args.logdir}")
+    for alert in alerts:
         print(f"alert  step {alert.step:3d}  {alert.level:8s} {alert.kind:20s} {alert.where}")
-    print(f"{len(monitor.alert_sink.history)} alerts; metrics in {monitor.logdir / 'metrics.jsonl'}")
-    print(f"look at it: tensorboard --logdir {args.logdir}")
 
 
 if __name__ == "__main__":

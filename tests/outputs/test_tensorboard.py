@@ -17,9 +17,6 @@ import io
 import json
 import math
 import re
-import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.parse
@@ -40,6 +37,7 @@ from diag.errors import ConfigError
 from diag.outputs.images import ALERT_MAPS_PER_STEP, UpdateRatioHistory, flagged_heads, layer_head_data
 from diag.outputs.sinks import MemorySink, Record
 from diag.outputs.tb_layout import build_layout
+from evaluation.screenshots import tensorboard
 from hooks.monitor.monitor import Monitor
 from tests.support import zoo
 
@@ -70,12 +68,6 @@ def run(tmp_path_factory):
     return {"root": root, "monitor": monitor, "memory": memory, "jsonl": rows}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get(base: str, path: str, **params: str) -> bytes:
     url = base + path + ("?" + urllib.parse.urlencode(params) if params else "")
     with urllib.request.urlopen(url, timeout=30) as response:
@@ -88,35 +80,9 @@ def _json(base: str, path: str, **params: str):
 
 @pytest.fixture(scope="module")
 def server(run):
-    port = _free_port()
-    log_path = run["root"].parent / f"tensorboard-{port}.log"
-    # --load_fast=false: the Python loader (the Rust data server is an optional binary);
-    # --reload_interval=0 --reload_task=blocking: read the logdir once, before serving.
-    cmd = [sys.executable, "-m", "tensorboard.main", "--logdir", str(run["root"]), "--host", "127.0.0.1",
-           "--port", str(port), "--load_fast=false", "--reload_interval=0", "--reload_task=blocking"]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"tensorboard exited with {proc.returncode}: {log_path.read_text()[-2000:]}")
-            try:
-                _get(base, "/data/runs")
-                break
-            except (urllib.error.URLError, ConnectionError) as err:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"tensorboard did not answer in 120 s: {log_path.read_text()[-2000:]}") from err
-                time.sleep(0.2)
+    """A real TensorBoard server on the run (the one the screenshots use: it reads the logdir once, then serves)."""
+    with tensorboard(run["root"], timeout=120) as base:
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _memory_scalars(memory: MemorySink) -> dict[str, dict[int, float]]:
