@@ -1,4 +1,4 @@
-"""Stage 2, the capture: what the model really computed on a sampled step.
+"""The capture stage (above parallel and layout): what the model really computed on a sampled step.
 
 ``kernels`` reads one attention call (SDPA, a softmax over a product, MHA) into q, k, logits and
 masks; ``capture`` arms the hooks for one forward and reduces each call to per-head statistics;

@@ -1,4 +1,4 @@
-"""Stage 1, the layout: which modules are attention and where their W_Q, W_K, W_V, W_O are.
+"""The layout stage (above parallel): which modules are attention and where their W_Q, W_K, W_V, W_O are.
 
 ``discover`` finds the layers and proposes a layout for each from names and shapes (a ``record`` per layer);
 ``book`` (:class:`LayoutBook`) decides each layer's layout on what the capture saw, and is asked by the capture,

@@ -1,9 +1,9 @@
-"""Stage 3, the step loop: the Monitor, its cadence and the weight side.
+"""The step loop: the Monitor, its cadence, its sampling and the weight side (above parallel, layout, capture).
 
 ``monitor`` is the :class:`Monitor`; ``cadence`` decides which families a step samples;
 ``sampling`` measures a sampled step; ``lossmean`` keeps the losses between two loss samples;
-``weightside`` reads weights and gradients, computes the spectra and snapshots the update ratios;
-``distributed`` gathers sharded (FSDP2) weights and keeps the detectors in step across ranks.
+``weightside`` computes the spectra and gradient norms and snapshots the update ratios; ``reader`` reads the
+weights and gradients (in place, or gathered by :mod:`hooks.parallel` where they are sharded).
 """
 
 from hooks.monitor.monitor import SIGNALS, Monitor

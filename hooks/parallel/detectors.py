@@ -43,5 +43,5 @@ class SharedDetectors(DetectorWrapper):
         """The update ratios of the step before: computed from the (gathered) weights, the same on
         every rank, so no collective."""
         if not self.stop:
-            return self.inner.observe(observation) if rank() == 0 else []
-        return self.inner.observe(observation)
+            return self.inner.observe_updates(observation) if rank() == 0 else []
+        return self.inner.observe_updates(observation)
