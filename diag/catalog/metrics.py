@@ -111,6 +111,10 @@ _ENTRIES = (
            ("chart", "report", "heatmap")),  # the most collapsed head
     Metric("attn_rank", "attention", "head", "", (1.0, None), "attention effective rank", "min"),
     Metric("attn_max_logit", "attention", "head", "", (None, None), "largest attention logit", "max"),
+    Metric("attn_sink", "attention", "head", "", (0.0, 1.0), "largest share of attention on one key position",
+           "max"),  # an attention sink: near 1 (docs/metrics.md#attention-sinks)
+    Metric("attn_sink_pos", "attention", "head", "", (0.0, None), "key position holding that share", "min",
+           ()),  # in the tags and the attention_sink record
     # gradient norms of each head's slice (diag.math.metrics, docs/metrics.md#gradients); the Eureka plateau
     # compares Q/K with V gradients layer-wide: the mean
     *(Metric(f"grad_norm_{x}", "grads", "head", "", (0.0, None), f"||dL/dW_{x.upper()}||_F per head", "mean")

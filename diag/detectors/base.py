@@ -89,17 +89,14 @@ class Detector(ABC):
         ``{metric: {layer label: value}}`` (``collapse_risk``)."""
         return {}
 
-    def wants_attention(self) -> str | None:
-        """Why attention should be sampled closely now (the Monitor's closer look), or None."""
+    def near(self) -> str | None:
+        """Why attention should be sampled at every step now (a head inside or near a state's lines, being
+        settled: the Monitor's closer look), or None."""
         return None
 
-    def confirming(self) -> int:
-        """How many more steps of close attention samples a state being confirmed needs (0: none is)."""
-        return 0
-
-    def watching(self) -> str | None:
-        """Why a layer's attention should be sampled every ``CloserLookConfig.watch_every`` steps (a layer one head
-        short of a collapse), or None."""
+    def at_risk(self) -> str | None:
+        """Why attention and the spectra should be sampled at every loss sample now (a layer at risk, a head's
+        sigma_1 growing fast), or None."""
         return None
 
     @abstractmethod
@@ -125,14 +122,11 @@ class DetectorWrapper(Detector):
     def scalars(self) -> dict[str, dict[str, float]]:
         return self.inner.scalars()
 
-    def wants_attention(self) -> str | None:
-        return self.inner.wants_attention()
+    def near(self) -> str | None:
+        return self.inner.near()
 
-    def confirming(self) -> int:
-        return self.inner.confirming()
-
-    def watching(self) -> str | None:
-        return self.inner.watching()
+    def at_risk(self) -> str | None:
+        return self.inner.at_risk()
 
     def state_dict(self) -> dict:
         return self.inner.state_dict()

@@ -18,8 +18,8 @@ from typing import Annotated, get_type_hints
 
 from diag.errors import ConfigError
 
-__all__ = ["AlertConfig", "Checked", "EarlyUpdatesConfig", "PlateauConfig", "RiskConfig", "SpikeConfig",
-           "StatesConfig"]
+__all__ = ["AlertConfig", "Checked", "DamageConfig", "EarlyUpdatesConfig", "PlateauConfig", "RiskConfig",
+           "SpikeConfig", "StatesConfig"]
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,10 @@ class StatesConfig(Checked):
                                        "beyond the entry line)")] = 1.5
     exit_dwell: Steps = 50  # an episode ends once its exit test held this many steps (and 2 samples)
     layer_share: Fraction = 0.5  # a layer is in a state when this share of its heads (and 2 or more) are
+    # an attention sink: one key position holds at least half of every query's mass (a sink holds 0.8-1.0, the
+    # evaluation's collapsed heads at most 0.6 per sequence: docs/metrics.md#attention-sinks) ...
+    sink_share: Fraction = 0.5
+    sink_rank: Factor = 3.0  # ... and the queries share it: an effective rank of at most 3 (sinks: 1.0-2.6)
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,14 @@ class RiskConfig(Checked):
     watch_growth: Factor = 4.0  # ... or a head's sigma_1(Wq^T Wk) grew this much within risk_window steps
     risk_window: Annotated[int, Kind(1, whole="steps", meaning="a number of steps")] = 20  # trend window
     update_fresh: Steps = 20  # an update ratio older than this many steps is not used (missing, not stale)
+
+
+@dataclass(frozen=True)
+class DamageConfig(Checked):
+    """``collapse_damage``, the critical record (:mod:`diag.detectors.damage`): the loss against its own trend."""
+
+    damage_window: Annotated[int, Kind(2, whole="steps", meaning="a number of steps")] = 50  # the loss's windows
+    damage_rel: Share = 0.01  # a window whose loss falls by less than 1% of its level has stopped falling
 
 
 @dataclass(frozen=True)
@@ -140,8 +152,8 @@ class SpikeConfig(Checked):
     spike_warmup: Samples = 10  # samples before spikes are judged
 
 
-_PARTS = {"states": StatesConfig, "risk": RiskConfig, "early": EarlyUpdatesConfig, "plateau": PlateauConfig,
-          "spike": SpikeConfig}
+_PARTS = {"states": StatesConfig, "risk": RiskConfig, "damage": DamageConfig, "early": EarlyUpdatesConfig,
+          "plateau": PlateauConfig, "spike": SpikeConfig}
 _OWNER = {f.name: part for part, cls in _PARTS.items() for f in fields(cls)}
 
 

@@ -1,7 +1,7 @@
 """The detectors behind one protocol, fanned out by one container that carries their state.
 
 ``Detectors(cfg).observe(obs)`` asks every detector in turn (non-finite values, attention
-states, the collapse risk and its warning, the early-update note, loss spikes, the plateau)
+states, the collapse risk and its warning, the collapse's damage, the early-update note, loss spikes, the plateau)
 and returns their alerts in that order; each detector takes its own part of ``cfg``.
 ``state_dict()`` is the union of the detectors' states (their keys are distinct; checked
 here) plus ``"version"``. Older states load what carries over: format 2 (before the collapse
@@ -18,6 +18,7 @@ import logging
 
 from diag.detectors.base import Alert, Detector, Observation
 from diag.detectors.config import AlertConfig
+from diag.detectors.damage import CollapseDamage
 from diag.detectors.early_updates import EarlyUpdates
 from diag.detectors.nonfinite import NonFinite
 from diag.detectors.plateau import Plateau
@@ -40,6 +41,7 @@ class Detectors(Detector):
         cfg = self.cfg
         states = AttentionStates(cfg.states)
         self.detectors: list[Detector] = [NonFinite(), states, CollapseRisk(cfg.risk, states, cfg.states.exit_dwell),
+                                          CollapseDamage(cfg.damage, states, cfg.states.exit_dwell),
                                           EarlyUpdates(cfg.early), LossSpike(cfg.spike), Plateau(cfg.plateau)]
         self.detectors += list(extra or [])
         seen: dict[str, str] = {}
@@ -67,18 +69,13 @@ class Detectors(Detector):
                     out.setdefault(metric, {}).update(values)
         return out
 
-    def wants_attention(self) -> str | None:
-        """The first detector's reason, or None."""
-        return next((reason for d in self.detectors if (reason := d.wants_attention())), None)
+    def near(self) -> str | None:
+        """The first detector's reason to sample attention at every step, or None."""
+        return next((reason for d in self.detectors if (reason := d.near())), None)
 
-    def confirming(self) -> int:
-        """The longest a detector's state being confirmed needs; the Monitor samples attention every
-        ``CloserLookConfig.confirm_every`` steps meanwhile."""
-        return max((d.confirming() for d in self.detectors), default=0)
-
-    def watching(self) -> str | None:
-        """The first detector's reason, or None."""
-        return next((reason for d in self.detectors if (reason := d.watching())), None)
+    def at_risk(self) -> str | None:
+        """The first detector's reason to sample attention and the spectra at every loss sample, or None."""
+        return next((reason for d in self.detectors if (reason := d.at_risk())), None)
 
     def state_dict(self) -> dict:
         state: dict = {"version": STATE_VERSION}

@@ -23,9 +23,9 @@ class EarlyUpdates(Detector):
         self.noted = False
         self.step = -1  # the last step observed
 
-    def wants_attention(self) -> str | None:
+    def at_risk(self) -> str | None:
         """Within the first ``note_horizon`` steps of a run noted for large first updates: such runs are the
-        ones whose heads collapse in tens of steps, so the Monitor samples their attention closely."""
+        ones whose heads collapse in tens of steps, so the Monitor samples their attention with every loss."""
         if self.noted and self.step <= self.cfg.note_horizon:
             return "the first updates are large (no or a short warmup)"
         return None

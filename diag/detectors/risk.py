@@ -105,18 +105,25 @@ def layer_features(trend: HeadTrend, step: int, m: dict[str, np.ndarray], fresh:
     return x if np.isfinite(x).all() else None
 
 
-def layer_logit(logits: np.ndarray, k: int, held: np.ndarray | None = None) -> float | None:
+def layer_logit(logits: np.ndarray, k: int, held: np.ndarray | None = None,
+                excluded: np.ndarray | None = None) -> float | None:
     """The head logit that decides a layer that collapses when ``k`` of its heads do: the ``k``-th largest; with
     heads already established in the state (``held``, a mask) the ``(k - held)``-th largest of the others (a head
     that has collapsed is no forecast: its features lie outside what the head model was fitted on, and taken as
-    the k-th it would hide the head the layer waits for). None when ``k`` heads are held already."""
+    the k-th it would hide the head the layer waits for). ``excluded`` (a mask): heads whose state is no forecast
+    either way (attention sinks, the model's baseline): neither counted as collapsed nor candidates. None when
+    ``k`` heads are held already, or fewer candidates than the layer waits for remain."""
     logits = np.asarray(logits, float)
+    keep = np.ones(len(logits), bool) if excluded is None else ~np.asarray(excluded, bool)
     if held is not None and held.any():
-        k, logits = k - int(held.sum()), logits[~held]
-        if k <= 0 or logits.size == 0:
+        k, keep = k - int(held[keep].sum()), keep & ~held
+        if k <= 0:
             return None
-    ordered = np.sort(logits)[::-1]
-    return float(ordered[min(k, len(ordered)) - 1])
+    candidates = logits[keep]
+    if candidates.size < k or candidates.size == 0:
+        return None
+    ordered = np.sort(candidates)[::-1]
+    return float(ordered[k - 1])
 
 
 @dataclass
@@ -142,13 +149,17 @@ class RiskModel:
     def head_logits(self, x: np.ndarray) -> np.ndarray:
         return ((x - self.mean) / self.scale) @ self.weights + self.bias
 
-    def layer_probability(self, x: np.ndarray, k: int, held: np.ndarray | None = None) -> float:
+    def layer_probability(self, x: np.ndarray, k: int, held: np.ndarray | None = None,
+                          excluded: np.ndarray | None = None) -> float | None:
         """The layer's probability from its heads' features ``x``; ``held``: the heads already established in
         the malignant state (they count as collapsed: the layer needs ``k`` minus them of the others; 1 when
-        ``k`` are held, the layer has collapsed)."""
-        z = layer_logit(self.head_logits(x), k, held)
-        if z is None:
+        ``k`` are held, the layer has collapsed); ``excluded``: heads that are no forecast (sinks, the baseline).
+        None when too few candidates remain to judge."""
+        if held is not None and int(held[~excluded].sum() if excluded is not None else held.sum()) >= k:
             return 1.0
+        z = layer_logit(self.head_logits(x), k, held, excluded)
+        if z is None:
+            return None
         z = self.layer_scale * z + self.layer_bias
         p = 1.0 / (1.0 + math.exp(-max(min(z, 60.0), -60.0)))
         return float(np.interp(p, *self.calibration)) if self.calibration else p
@@ -189,10 +200,6 @@ def observe_features(trends: dict[str, HeadTrend], obs: Observation, window: int
 
 
 
-# How often a layer is confirmed at every step for a head that came between the malignant lines, per run (the
-# attention-state records' own limit, Recurrence, is three per head): docs/cost.md#watching-closer
-BAND_CONFIRMATIONS = 3
-
 TODO = ("add or lengthen warmup, lower the learning rate, or bound the step (QK-norm, sigmaReparam, a spectral "
         "step limit); watch attn_entropy and attn_rank of this layer's heads")
 
@@ -222,26 +229,34 @@ class CollapseRisk(Detector):
         self.episodes = Episodes(Dwell(cfg.warn_samples, 0), Dwell(2, exit_dwell))
         self.recurrence = Recurrence()  # at most three collapse_warning records per layer
         self.growth: dict[str, float] = {}  # layer -> sigma_1 growth of its fastest head over risk_window
-        self.band: dict[str, list[int]] = {}  # layer -> the steps its confirmations of a head between the lines began
 
     def observe(self, obs: Observation) -> list[Alert]:
         self.fresh = {}
         alerts: list[Alert] = []
         for label, x in observe_features(self.trends, obs, self.cfg.risk_window, self.cfg.update_fresh).items():
             n = x.shape[0]
-            k = layer_needs(n, self.states.cfg)
-            held = np.array([self.states.holds("malignant", head_key(label, h, n)) for h in range(n)])
-            p = self.model.layer_probability(x, k, held)
+            keys = [head_key(label, h, n) for h in range(n)]
+            held = np.array([self.states.holds("malignant", key) for key in keys])
+            p = self.model.layer_probability(x, layer_needs(n, self.states.cfg), held, self._no_forecast(label, keys))
+            if p is None:  # the layer's heads are sinks or the model's baseline: nothing to forecast
+                continue
             self.risk[label] = [float(obs.step), p]
             if not self.states.layer_in("malignant", label):  # a collapsed layer's state is no forecast: unlogged
                 self.fresh[label] = p
-            alerts += self._judge(obs.step, label, p, x.shape[0])
-        self._note_between()
+            alerts += self._judge(obs.step, label, p, n)
         for label, trend in self.trends.items():
             if len(trend.sigma) >= 2 and trend.sigma[-1][0] == obs.step:
                 growth = _per_window(trend.sigma[0], trend.sigma[-1], trend.window)
                 self.growth[label] = float(np.exp(np.nanmax(growth))) if np.isfinite(growth).any() else 1.0
         return alerts
+
+    def _no_forecast(self, label: str, keys: list[str]) -> np.ndarray:
+        """The heads whose features are no forecast: attention sinks, and heads in a malignant episode that is the
+        model's baseline (a pretrained model's state when monitoring began)."""
+        malignant = self.states.machine.heads["malignant"]
+        return np.array([self.states.holds("sink", key)
+                         or (malignant.active(key) and self.states.baseline(label, malignant.since(key)))
+                         for key in keys])
 
     def _judge(self, step: int, label: str, p: float, heads: int) -> list[Alert]:
         collapsed = self.states.layer_in("malignant", label)
@@ -263,27 +278,6 @@ class CollapseRisk(Detector):
             f"a malignant collapse within the next {self.model.horizon} steps{_trust_text(self.model, p)}.{again} "
             f"What to do: {TODO}"), {"collapse_risk": p}, "firing", event.since)]
 
-    def _note_between(self) -> None:
-        """After an observation: a layer not collapsed one of whose heads came between the malignant lines is
-        confirmed from that sample on (:meth:`confirming`), at most ``BAND_CONFIRMATIONS`` times per layer and
-        run, whatever its risk: a slow collapse can come at a low risk (0.11), below ``watch_risk``."""
-        for label in {k.split("/")[0] for k in self.states.between}:
-            seen, used = self.states.entered_between(label), self.band.get(label, [])
-            if seen not in used and len(used) < BAND_CONFIRMATIONS and not self.states.layer_in("malignant", label):
-                self.band[label] = used + [seen]
-
-    def confirming(self) -> int:
-        """Steps of attention at every step a layer still needs (0: none does): when a head of a layer comes
-        between the malignant lines (``AttentionStates.entered_between``), the layer is confirmed
-        for twice ``collapse_dwell`` steps from that sample, as a head that entered the state is. A head hovering
-        at the entropy line can sit inside it between samples 10 steps apart and just above it at each sample,
-        and its layer's collapse would go unseen (docs/cost.md#watching-closer). At most
-        ``BAND_CONFIRMATIONS`` times per layer: a model whose heads keep coming near the line (a ViT's after its
-        Eureka moment) would otherwise be sampled at every step for hundreds of steps."""
-        dwell = 2 * self.states.cfg.collapse_dwell
-        ends = [s + dwell - self.states.step for used in self.band.values() for s in used]
-        return max(max(ends, default=0), 0)
-
     def _needs(self, n: int) -> str:
         k = layer_needs(n, self.states.cfg)
         return "its only head" if n == 1 else f"{k}" if k < n else "all"
@@ -292,11 +286,10 @@ class CollapseRisk(Detector):
         """``collapse_risk`` of the layers judged at the last observation (logged beside the signals)."""
         return {"collapse_risk": dict(self.fresh)}
 
-    def wants_attention(self) -> str | None:
-        """Why the Monitor should sample attention (and the spectra) closely now: a layer's risk at
+    def at_risk(self) -> str | None:
+        """Why the Monitor should sample attention and the spectra with every loss now: a layer's risk at
         ``watch_risk`` or more, or a head's ``sigma_1`` growing ``watch_growth``-fold within ``risk_window``
-        steps (the risk needs attention to be judged at all), or a collapse warning open, or a head come
-        between the malignant lines being confirmed (:meth:`confirming`)."""
+        steps (the risk needs attention to be judged at all), or a collapse warning open."""
         risky = [(p, label) for label, (_, p) in self.risk.items()
                  if p >= self.cfg.watch_risk and not self.states.layer_in("malignant", label)]
         if risky:
@@ -309,15 +302,12 @@ class CollapseRisk(Detector):
         warned = [k for k in self.episodes.keys if self.episodes.active(k)]
         if warned:
             return f"a collapse warning is open on {warned[0]}"
-        if self.confirming() > 0:  # the closer look follows a confirmation only with a reason to look
-            label = max(self.band, key=lambda k: max(self.band[k]))
-            return f"a head of {label} came between the malignant lines"
         return None
 
     def state_dict(self) -> dict:
         return {"risk": {"trends": {k: vars(t) for k, t in self.trends.items()}, "latest": self.risk,
                          "episodes": self.episodes.state_dict(), "growth": self.growth,
-                         "recurrence": self.recurrence.state_dict(), "band": self.band}}
+                         "recurrence": self.recurrence.state_dict()}}
 
     def load_state_dict(self, state: dict) -> None:
         mine = state.get("risk")
@@ -329,4 +319,3 @@ class CollapseRisk(Detector):
         self.episodes.load_state_dict(mine.get("episodes", {}))
         self.recurrence.load_state_dict(mine.get("recurrence", {}))
         self.growth = dict(mine.get("growth", {}))
-        self.band = {k: [int(s) for s in v] for k, v in mine.get("band", {}).items()}

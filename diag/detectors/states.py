@@ -1,27 +1,37 @@
-"""The three attention states, defined once: malignant (sparse and low-rank), benign (sparse, full-rank), uniform.
+"""The attention states, defined once: malignant (sparse and low-rank), benign (sparse, full-rank), uniform, sink.
 
 Qi et al.: "malignant entropy collapse" is attention that is *sparse yet low-rank* (every query puts its mass on
 the same one or few keys); it precedes the crash. *Benign* collapse is sparse but full-rank (each query on a
 different key, e.g. near-identity attention in a ViT's first block); training stays stable. Low rank without
-sparsity is uniform attention, a third state. Entropy alone cannot tell them apart; rank is needed too.
+sparsity is uniform attention. An *attention sink* (Xiao et al. 2023; Gu et al. 2024) is sparse and low-rank
+too, but its mass sits on one key position that every query of every sequence shares (the first token of
+pretrained language models): a head with nothing to add attends to a key whose value is near zero, and the loss
+does not suffer. The collapsed heads of the runs the alerts are built for spread their mass over 4-10 keys that
+differ between sequences instead (docs/metrics.md#attention-sinks). Entropy alone cannot tell these apart; rank
+and where the mass goes are needed too.
 
-The definition, used alike by the live detector (:class:`AttentionStates`) and by the evaluation's ground truth
-(:func:`episodes_of`, over the attention logged at every step), has three parts:
+The definition, used alike by the live detector (:class:`AttentionStates`) and, written apart, by the
+evaluation's ground truth (``evaluation/groundtruth.py``), has four parts:
 
 * **lines, per sample and head**: sparse when the attention entropy is at most ``sparse_entropy`` nats; low-rank
   when the effective rank is at most ``1 + low_rank_frac * (rows - 1)`` (rank 1 is the floor: every row the
-  same); uniform when low-rank with an entropy of at least ``uniform_frac`` of uniform attention's over the same
-  keys. An exit line sits ``exit_factor`` beyond each entry line (hysteresis).
+  same); a sink when sparse, with at least ``sink_share`` of the queries' mass on one key position
+  (``attn_sink``) and an effective rank of at most ``sink_rank`` (the queries share that key); malignant when
+  sparse and low-rank and not a sink; uniform when low-rank with an entropy of at least ``uniform_frac`` of
+  uniform attention's over the same keys. An exit line sits ``exit_factor`` beyond each entry line (hysteresis).
 * **dwell, per head**: a head *enters* malignant once the entry test held at ``collapse_persist`` samples spanning
-  ``collapse_dwell`` steps (benign and uniform at once; samples between the lines do not break it, one beyond the
+  ``collapse_dwell`` steps (the other states at once; samples between the lines do not break it, one beyond the
   exit line does); it *leaves* once the exit test held at 2 samples spanning ``exit_dwell`` steps (samples between
   the lines, or not finite, change nothing there either). ``since`` is the first sample of the dwell.
 * **layers**: a layer is in a state while at least ``layer_share`` of its heads, and at least 2 when it has 2 or
   more, are in it; it enters at the step the last of those heads entered.
+* **baseline**: an episode whose dwell began at the first attention sample of its layer is the model's baseline:
+  what it looked like when monitoring began (a pretrained model's sinks, a fine-tune's starting point), not an
+  event of this run.
 
-A head entering ``malignant`` is a ``malignant_collapse`` record at level warning (``Lxx/Hyy``: one head can be a
-deliberate pointer head); a layer entering it is the critical record (``Lxx``). Benign and uniform records are
-info at both scopes.
+A head or layer entering ``malignant`` is a ``malignant_collapse`` record at level warning (one head can be a
+deliberate pointer head; a critical record needs damage, :mod:`diag.detectors.damage`); ``attention_sink``,
+``benign_collapse`` and ``uniform_attention`` records are info, and so is every baseline episode's record.
 """
 
 from __future__ import annotations
@@ -39,21 +49,29 @@ from diag.detectors.episodes import Closed, Dwell, Episodes, Opened, Recurrence
 
 __all__ = ["AttentionStates", "STATES", "StateEpisode", "episodes_of", "head_key", "lines"]
 
-STATES = ("malignant", "benign", "uniform")
-KINDS = {"malignant": "malignant_collapse", "benign": "benign_collapse", "uniform": "uniform_attention"}
-LEVELS = {("malignant", "head"): "warning", ("malignant", "layer"): "critical"}  # the rest: info
+STATES = ("malignant", "benign", "uniform", "sink")
+KINDS = {"malignant": "malignant_collapse", "benign": "benign_collapse", "uniform": "uniform_attention",
+         "sink": "attention_sink"}
+LEVELS = {"malignant": "warning"}  # the rest, and every baseline episode: info
 WHAT = {
-    "malignant_collapse": ("malignant entropy collapse: most queries put their mass on the same one or two keys "
+    "malignant_collapse": ("malignant entropy collapse: most queries put their mass on the same few keys "
                            "(sparse and low-rank attention, which precedes the crash in Qi et al.)",
-                           "restart from a checkpoint before step {since} with warmup, a lower learning rate, "
-                           "QK-norm or a spectral step limit",
+                           "watch the loss; if it stops falling (a collapse_damage record), restart from a checkpoint "
+                           "before step {since} with warmup, a lower learning rate, QK-norm or a spectral step limit",
                            "one head alone can be a deliberate pointer head: watch whether more heads of the layer "
-                           "follow (then a critical record for the layer) and whether the loss still improves"),
+                           "follow and whether the loss still falls (collapse_damage says when it stops)"),
     "benign_collapse": ("benign entropy collapse: sparse attention, each query on a different key (full rank)",
                         "usually nothing; watch whether it turns malignant", ""),
     "uniform_attention": ("uniform attention: near-uniform weights over the keys, low rank",
                           "look at the head; low rank across layers is the rank collapse of Dong et al.", ""),
+    "attention_sink": ("attention sink: most of every query's mass on one key position shared by every sequence "
+                       "(what pretrained language models' heads do with their first token; it does not hurt the "
+                       "loss by itself)", "nothing; a head that leaves its sink for a few keys of its own is a "
+                       "malignant_collapse record", ""),
 }
+BASELINE = ("present when monitoring began (the model came with it, e.g. a pretrained model's heads): a "
+            "baseline, not an event of this run", "nothing by itself; a head or layer that enters it later is "
+            "recorded at its own level")
 
 
 def head_key(label: str, h: int, n_heads: int) -> str:
@@ -66,17 +84,22 @@ def lines(rows: float, cfg: StatesConfig) -> tuple[float, float]:
     return cfg.sparse_entropy, 1.0 + cfg.low_rank_frac * max(rows - 1.0, 0.0)
 
 
-def tests(state: str, e: float, r: float, rows: float, u: float, cfg: StatesConfig) -> tuple[bool, bool]:
+def tests(state: str, e: float, r: float, rows: float, u: float, cfg: StatesConfig,
+          share: float = 0.0) -> tuple[bool, bool]:
     """(entry test, exit test) of one state for one sample; the exit lines sit exit_factor beyond the entry
-    lines. A sample that is not finite passes neither (it changes nothing)."""
+    lines. ``share``: the sample's ``attn_sink``. A sample that is not finite passes neither (it changes
+    nothing)."""
     if not (math.isfinite(e) and math.isfinite(r)):
         return False, False
     sparse_line, rank_line = lines(rows, cfg)
     f = cfg.exit_factor
+    sink = e <= sparse_line and share >= cfg.sink_share and r <= cfg.sink_rank
+    if state == "sink":
+        return sink, e > f * sparse_line or share < cfg.sink_share / f or r > f * cfg.sink_rank
     if state == "malignant":
-        return e <= sparse_line and r <= rank_line, e > f * sparse_line or r > f * rank_line
+        return e <= sparse_line and r <= rank_line and not sink, e > f * sparse_line or r > f * rank_line
     if state == "benign":
-        return e <= sparse_line and r > rank_line, e > f * sparse_line
+        return e <= sparse_line and r > rank_line and not sink, e > f * sparse_line
     inside = r <= rank_line and e >= cfg.uniform_frac * u
     return inside, r > f * rank_line or e < (1.0 - f * (1.0 - cfg.uniform_frac)) * u
 
@@ -95,6 +118,7 @@ class StateEpisode:
     since: int  # the first step of the dwell that opened it
     opened: int  # the step at which the definition has it established (the dwell met)
     until: int | None  # the step the exit began, None while open at the end of the series
+    baseline: bool = False  # its dwell began at the layer's first attention sample
 
 
 class _Machine:
@@ -106,56 +130,74 @@ class _Machine:
         enter = {"malignant": Dwell(cfg.collapse_persist, cfg.collapse_dwell)}
         self.heads = {s: Episodes(enter.get(s, Dwell(1, 0)), leave) for s in STATES}
         self.layers: dict[str, dict[str, bool]] = {s: {} for s in STATES}  # state -> layer label -> in it
+        self.layer_since: dict[str, dict[str, int]] = {s: {} for s in STATES}  # ... -> since, while in it
         self.derive = False  # a state of heads only (format 2): each layer's membership is derived, silently
         self.n_heads: dict[str, int] = {}  # layer label -> its heads (as sampled)
+        self.first: dict[str, int] = {}  # layer label -> the step of its first attention sample
+        self.first_unknown = False  # resumed from a state that did not keep it: no episode is a baseline
+
+    def baseline(self, label: str, since: int | None) -> bool:
+        """Whether an episode of layer ``label`` that began at ``since`` is the model's baseline."""
+        return since is not None and since == self.first.get(label)
 
     def step(self, step: int, label: str, m: dict[str, np.ndarray]) -> list[tuple[str, str, Opened | Closed]]:
         """The events of one layer's sample: (state, head key or layer label, event)."""
+        self.first.setdefault(label, -1 if self.first_unknown else step)
         rows = float(m["attn_rows"][0])
-        self.n_heads[label] = len(m["attn_entropy"])
+        self.n_heads[label] = n = len(m["attn_entropy"])
         u = float(m["attn_entropy_uniform"][0]) if "attn_entropy_uniform" in m else math.inf
-        entropy, rank = m["attn_entropy"].tolist(), m["attn_rank"].tolist()
+        shares = m["attn_sink"].tolist() if "attn_sink" in m else [0.0] * n
         out = []
-        n = len(entropy)
-        for h, (e, r) in enumerate(zip(entropy, rank)):
+        for h, (e, r, share) in enumerate(zip(m["attn_entropy"].tolist(), m["attn_rank"].tolist(), shares)):
             key = head_key(label, h, n)
             for state, episodes in self.heads.items():
-                inside, outside = tests(state, e, r, rows, u, self.cfg)
+                inside, outside = tests(state, e, r, rows, u, self.cfg, share if math.isfinite(share) else 0.0)
                 if state == "benign" and self.heads["malignant"].since(key) is not None:
                     inside = False  # a (would-be) malignant head that regains rank for a moment is not benign
                 event = episodes.update(key, step, inside, outside)
                 if event is not None:
                     out.append((state, key, event))
         for state, episodes in self.heads.items():
-            need = layer_needs(n, self.cfg)
-            active = [h for h in range(n) if episodes.active(head_key(label, h, n))]
-            # a layer enters a state when enough heads hold it at once, and leaves it when too few are still in
-            # it: a head already on its way out (its exit dwell under way) does not open a layer, or a layer
-            # would be "established" by a head whose attention had left the state before the others entered
-            # it (say, a layer opened at step 75 by a head whose exit began at 52)
-            holding = [h for h in active if episodes.holding(head_key(label, h, n))]
-            if label not in self.layers[state] and self.derive:  # resumed from heads only: known, not news
-                self.layers[state][label] = len(active) >= need
-            was = self.layers[state].get(label, False)
-            now = len(active) >= need if was else len(holding) >= need
-            if now != was:
-                self.layers[state][label] = now
-                if now:
-                    sinces = sorted(episodes.since(head_key(label, h, n)) for h in holding)
-                    event = Opened(sinces[need - 1])
-                else:  # the layer's state ended where the exit of the head that left it began
-                    ends = [e.until for st, w, e in out if st == state and isinstance(e, Closed)]
-                    event = Closed(-1, min(ends, default=step))
-                out.append((state, label, event))
+            out += self._layer(state, episodes, label, n, step, out)
         return out
 
+    def _layer(self, state: str, episodes: Episodes, label: str, n: int, step: int,
+               events: list) -> list[tuple[str, str, Opened | Closed]]:
+        """The layer's event in ``state`` after its heads' (``events``), if any.
+
+        A layer enters a state when enough heads hold it at once, and leaves it when too few are still in it: a
+        head already on its way out (its exit dwell under way) does not open a layer, or a layer would be
+        "established" by a head whose attention had left the state before the others entered it."""
+        need = layer_needs(n, self.cfg)
+        active = [h for h in range(n) if episodes.active(head_key(label, h, n))]
+        holding = [h for h in active if episodes.holding(head_key(label, h, n))]
+        if label not in self.layers[state] and self.derive:  # resumed from heads only: known, not news
+            self.layers[state][label] = len(active) >= need
+        was = self.layers[state].get(label, False)
+        now = len(active) >= need if was else len(holding) >= need
+        if now == was:
+            return []
+        self.layers[state][label] = now
+        if now:
+            sinces = sorted(episodes.since(head_key(label, h, n)) for h in holding)
+            self.layer_since[state][label] = sinces[need - 1]
+            return [(state, label, Opened(sinces[need - 1]))]
+        self.layer_since[state].pop(label, None)
+        ends = [e.until for st, w, e in events if st == state and isinstance(e, Closed)]  # where its exit began
+        return [(state, label, Closed(-1, min(ends, default=step)))]
+
     def state_dict(self) -> dict:
-        return {"heads": {s: e.state_dict() for s, e in self.heads.items()}, "layers": self.layers}
+        return {"heads": {s: e.state_dict() for s, e in self.heads.items()}, "layers": self.layers,
+                "layer_since": self.layer_since, "first": self.first}
 
     def load_state_dict(self, state: dict) -> None:
         for s, e in state.get("heads", {}).items():
             self.heads[s].load_state_dict(e)
         self.layers = {s: dict(state.get("layers", {}).get(s, {})) for s in STATES}
+        self.layer_since = {s: {k: int(v) for k, v in state.get("layer_since", {}).get(s, {}).items()}
+                            for s in STATES}
+        self.first = {k: int(v) for k, v in state.get("first", {}).items()}
+        self.first_unknown = "first" not in state
 
 
 def _has_attention(m: dict) -> bool:
@@ -163,8 +205,8 @@ def _has_attention(m: dict) -> bool:
 
 
 def episodes_of(observations: Iterable[Observation], cfg: StatesConfig) -> list[StateEpisode]:
-    """Every state episode of a run, heads and layers, from its observations in step order (the evaluation's
-    ground truth reads the attention logged at every step); the same definition as the live detector."""
+    """Every state episode of a run, heads and layers, from its observations in step order; the same machine as
+    the live detector (the evaluation's ground truth is a second implementation, written apart)."""
     machine = _Machine(cfg)
     open_: dict[tuple[str, str], tuple[int, int]] = {}
     done: list[StateEpisode] = []
@@ -177,13 +219,15 @@ def episodes_of(observations: Iterable[Observation], cfg: StatesConfig) -> list[
                     open_[(state, where)] = (event.since, obs.step)
                 else:
                     since, opened = open_.pop((state, where))
-                    done.append(StateEpisode(state, where, since, opened, event.until))
-    done += [StateEpisode(s, w, since, opened, None) for (s, w), (since, opened) in open_.items()]
+                    done.append(StateEpisode(state, where, since, opened, event.until,
+                                             machine.baseline(where.split("/")[0], since)))
+    done += [StateEpisode(s, w, since, opened, None, machine.baseline(w.split("/")[0], since))
+             for (s, w), (since, opened) in open_.items()]
     return sorted(done, key=lambda e: (e.opened, e.where, e.state))
 
 
 class AttentionStates(Detector):
-    """Records of the three states on every head and layer (needs the ``attention`` signal)."""
+    """Records of the attention states on every head and layer (needs the ``attention`` signal)."""
 
     def __init__(self, cfg: StatesConfig) -> None:
         self.cfg = cfg
@@ -191,41 +235,21 @@ class AttentionStates(Detector):
         self.open_since: dict[str, int] = {}  # "state|where" -> since, for the layer records' resolved message
         self.step = -1  # the last step observed
         self.recurrence = Recurrence()  # at most three records per head (or layer) and state
-        # head key -> the first sample of its stay between the malignant entry and exit lines (neither in a
-        # malignant episode nor a candidate): the collapse risk confirms the layer when a head comes there
-        self.between: dict[str, int] = {}
+        # head key -> the step it came inside or between the malignant lines (not a sink, not established):
+        # sampled at every step for up to twice collapse_dwell from then (near)
+        self.nearing: dict[str, int] = {}
 
-    def wants_attention(self) -> str | None:
-        """A head in a malignant state not yet established: the next close sample confirms or clears it (at the
-        default cadence's 50 steps the collapse would be established that much later)."""
-        episodes = self.machine.heads["malignant"]
-        pending = [k for k in episodes.keys if episodes.since(k) is not None and not episodes.active(k)]
-        return f"a malignant state is being confirmed on {pending[0]}" if pending else None
-
-    def confirming(self) -> int:
-        """Steps of close attention samples a malignant state being confirmed still needs (0: none is): from
-        the first sample of its dwell up to twice ``collapse_dwell`` on (a candidate still pending after that
-        sits between the lines, which the ordinary closer look follows). Judged on samples 10 or 50 steps
-        apart, the dwell misses what happens between them: on the evaluation's runs (docs/alerts.md#evaluation)
-        sparse samples establish layer states that the attention of every step does not have, and miss some
-        that it has."""
-        episodes = self.machine.heads["malignant"]
-        ends = [episodes.since(k) + 2 * self.cfg.collapse_dwell - self.step for k in episodes.keys
-                if episodes.since(k) is not None and not episodes.active(k)]
-        return max(max(ends, default=0), 0)
-
-    def watching(self) -> str | None:
-        """A layer one established head short of the malignant state (not in it): its next head to enter
-        would make a layer collapse, whose dwell the Monitor can count only from the first sample that shows
-        it, so it samples attention every ``CloserLookConfig.watch_every`` steps meanwhile."""
-        episodes, layers = self.machine.heads["malignant"], self.machine.layers["malignant"]
-        for label, n in self.machine.n_heads.items():
-            if layers.get(label, False):
-                continue
-            held = sum(episodes.holding(head_key(label, h, n)) for h in range(n))
-            if held >= 1 and held + 1 >= layer_needs(n, self.cfg):
-                return f"{label} is one head short of a malignant collapse"
-        return None
+    def near(self) -> str | None:
+        """A head inside or between the malignant lines, not a sink and not established, that came there at most
+        twice ``collapse_dwell`` steps ago: attention at every step settles it (the dwell is judged on the steps
+        the state lasts, not on samples 50 steps apart). Longer, a head hovering at a line is sampled at the
+        cadence (a healthy model's heads can hover for thousands of steps)."""
+        span = 2 * self.cfg.collapse_dwell
+        recent = [(since, key) for key, since in self.nearing.items() if self.step - since < span]
+        if not recent:
+            return None
+        since, key = min(recent)
+        return f"{key} came near the malignant lines at step {since}"
 
     def holds(self, state: str, key: str) -> bool:
         """Whether the head ``key`` is established in ``state`` and not on its way out."""
@@ -234,55 +258,60 @@ class AttentionStates(Detector):
     def layer_in(self, state: str, label: str) -> bool:
         return self.machine.layers[state].get(label, False)
 
+    def layer_since(self, state: str, label: str) -> int | None:
+        """Where the layer's episode in ``state`` began, while it lasts."""
+        return self.machine.layer_since[state].get(label)
+
+    def baseline(self, label: str, since: int | None) -> bool:
+        """Whether an episode of layer ``label`` that began at ``since`` is the model's baseline."""
+        return self.machine.baseline(label, since)
+
     def observe(self, obs: Observation) -> list[Alert]:
         alerts: list[Alert] = []
         self.step = max(self.step, obs.step)
         for label, m in obs.layers.items():
-            if _has_attention(m):
-                events = []
-                for s, w, e in self.machine.step(obs.step, label, m):
-                    n = self.recurrence.announce(f"{s}|{w}", e)
-                    if n is not None:
-                        events.append((s, w, e, n))
-                    elif isinstance(e, Closed):  # the held episode of a recurring key ended unannounced
-                        self.open_since.pop(f"{s}|{w}", None)
-                self._between(obs.step, label, m)
-                heads = [(s, w, e, n) for s, w, e, n in events if "/" in w]
-                alerts += group_heads(label, [self._alert(obs.step, s, w, e, m, n) for s, w, e, n in heads])
-                alerts += [self._alert(obs.step, s, w, e, m, n) for s, w, e, n in events if "/" not in w]
+            if not _has_attention(m):
+                continue
+            events = []
+            for s, w, e in self.machine.step(obs.step, label, m):
+                n = self.recurrence.announce(f"{s}|{w}", e)
+                if n is not None:
+                    events.append((s, w, e, n))
+                elif isinstance(e, Closed):  # the held episode of a recurring key ended unannounced
+                    self.open_since.pop(f"{s}|{w}", None)
+            self._near(obs.step, label, m)
+            heads = [(s, w, e, n) for s, w, e, n in events if "/" in w]
+            alerts += group_heads(label, [self._alert(obs.step, s, w, e, m, n) for s, w, e, n in heads])
+            alerts += [self._alert(obs.step, s, w, e, m, n) for s, w, e, n in events if "/" not in w]
         return alerts
 
-    def _between(self, step: int, label: str, m: dict) -> None:
-        """Note the heads of ``label`` between the malignant lines at this sample (neither inside the entry lines
-        nor beyond the exit lines) that are neither in a malignant episode nor a candidate for one (that is
-        confirmed by :meth:`confirming`), each from the first sample of its stay there: a head hovering at the
-        line, which samples 10 steps apart can keep missing inside."""
+    def _near(self, step: int, label: str, m: dict) -> None:
+        """Note the heads of ``label`` that are inside or between the malignant lines at this sample and neither
+        established in it nor sinks, each from the first sample of its stay there."""
         rows = float(m["attn_rows"][0])
         u = float(m["attn_entropy_uniform"][0]) if "attn_entropy_uniform" in m else math.inf
-        n, episodes = len(m["attn_entropy"]), self.machine.heads["malignant"]
-        for h, (e, r) in enumerate(zip(m["attn_entropy"].tolist(), m["attn_rank"].tolist())):
+        n = len(m["attn_entropy"])
+        shares = m["attn_sink"].tolist() if "attn_sink" in m else [0.0] * n
+        malignant, sinks = self.machine.heads["malignant"], self.machine.heads["sink"]
+        for h, (e, r, share) in enumerate(zip(m["attn_entropy"].tolist(), m["attn_rank"].tolist(), shares)):
             key = head_key(label, h, n)
-            inside, outside = tests("malignant", e, r, rows, u, self.cfg)
+            share = share if math.isfinite(share) else 0.0
+            sink, _ = tests("sink", e, r, rows, u, self.cfg, share)
+            _, outside = tests("malignant", e, r, rows, u, self.cfg, share)
             measured = math.isfinite(e) and math.isfinite(r)  # a sample that is not finite passes neither test
-            if measured and not inside and not outside and episodes.since(key) is None:
-                self.between.setdefault(key, step)
+            if measured and not outside and not sink and not malignant.active(key) and not sinks.active(key):
+                self.nearing.setdefault(key, step)
             else:
-                self.between.pop(key, None)
-
-    def entered_between(self, label: str) -> int | None:
-        """The latest step at which a head of layer ``label`` (neither in a malignant episode nor a candidate)
-        came between the malignant lines and is there still, or None."""
-        return max((s for k, s in self.between.items() if k.split("/")[0] == label), default=None)
+                self.nearing.pop(key, None)
 
     def _alert(self, step: int, state: str, where: str, event: Opened | Closed, m: dict, n: int = 1) -> Alert:
         scope = "head" if "/" in where else "layer"
-        kind, level = KINDS[state], LEVELS.get((state, scope), "info")
+        label = where.split("/")[0]
+        kind = KINDS[state]
         rows = float(m["attn_rows"][0])
-        if scope == "head":
-            h = int(where.split("/")[1][1:])
-            e, r = float(m["attn_entropy"][h]), float(m["attn_rank"][h])
-        else:
-            e, r = float(np.min(m["attn_entropy"])), float(np.min(m["attn_rank"]))
+        h = int(where.split("/")[1][1:]) if scope == "head" else None
+        pick = (lambda metric: float(m[metric][h])) if h is not None else (lambda metric: float(np.min(m[metric])))
+        e, r = pick("attn_entropy"), pick("attn_rank")
         values = {"attn_entropy": e, "attn_rank": r, "attn_rows": rows}
         what, todo, head_note = WHAT[kind]
         key = f"{state}|{where}"
@@ -292,25 +321,38 @@ class AttentionStates(Detector):
             return Alert(step, kind, "info", where, f"resolved: {what.split(':')[0]} ended at step {event.until} "
                          f"after {event.until - since} steps", values, "resolved", since)
         self.open_since[key] = event.since
+        baseline = self.machine.baseline(label, event.since)
+        level = "info" if baseline else LEVELS.get(state, "info")
+        if state == "sink" and h is not None and "attn_sink" in m:
+            values["attn_sink"] = pick("attn_sink")
+            where_to = f"key position {pick('attn_sink_pos'):.0f}" if "attn_sink_pos" in m else "one key position"
+            if "attn_sink_pos" in m:
+                values["attn_sink_pos"] = pick("attn_sink_pos")
+            what = f"{what}; {where_to} holds {values['attn_sink']:.2f} of the mass"
+        if baseline:
+            what, todo, head_note = f"{what}; {BASELINE[0]}", BASELINE[1], ""
         again = (f" It is the {'layer' if scope == 'layer' else 'head'}'s second episode of this state: it keeps "
                  "returning to it, so this episode's end and any later one are not announced (the attention "
                  "scalars show them)." if n > 1 else "")
+        todo = todo.format(since=event.since)
         if scope == "layer":
-            n = len(m["attn_entropy"])
-            heads = [k for k in (head_key(where, h, n) for h in range(n)) if self.machine.heads[state].active(k)]
+            n_heads = len(m["attn_entropy"])
+            heads = [k for k in (head_key(where, i, n_heads) for i in range(n_heads))
+                     if self.machine.heads[state].active(k)]
             values["heads"] = float(len(heads))
-            message = (f"{len(heads)} of {n} heads of the layer in {what}; entropy down to {e:.2f} nats, effective "
-                       f"rank {r:.1f} of {rows:.0f} rows, since step {event.since}.{again} What to do: "
-                       f"{todo.format(since=event.since)}")
+            message = (f"{len(heads)} of {n_heads} heads of the layer in {what}; entropy down to {e:.2f} nats, "
+                       f"effective rank {r:.1f} of {rows:.0f} rows, since step {event.since}.{again} What to do: "
+                       f"{todo}")
             return Alert(step, kind, level, where, message, values, "firing", event.since, tuple(heads))
         note = f"; {head_note}" if head_note else ""
         message = (f"{what}; entropy {e:.2f} nats, effective rank {r:.1f} of {rows:.0f} rows, since step "
-                   f"{event.since}.{again} What to do: {todo.format(since=event.since)}{note}")
+                   f"{event.since}.{again} What to do: {todo}{note}")
         return Alert(step, kind, level, where, message, values, "firing", event.since)
 
     def state_dict(self) -> dict:
         return {"attention_states": {**self.machine.state_dict(), "open_since": dict(self.open_since),
-                                     "recurrence": self.recurrence.state_dict(), "between": dict(self.between)}}
+                                     "recurrence": self.recurrence.state_dict(), "nearing": dict(self.nearing),
+                                     "step": self.step}}
 
     def load_state_dict(self, state: dict) -> None:
         mine = state.get("attention_states")
@@ -321,7 +363,8 @@ class AttentionStates(Detector):
             self.machine.load_state_dict(mine)
             self.open_since = dict(mine.get("open_since", {}))
             self.recurrence.load_state_dict(mine.get("recurrence", {}))
-            self.between = {k: int(v) for k, v in mine.get("between", {}).items()}
+            self.nearing = {k: int(v) for k, v in mine.get("nearing", {}).items()}
+            self.step = int(mine.get("step", -1))
 
 
 def group_heads(label: str, alerts: list[Alert]) -> list[Alert]:

@@ -14,11 +14,21 @@ Shapes: N sampled sequences, H heads, Q query positions, K key positions.
   :func:`valid_query_rows`); statistics average over valid rows only, and the max
   logit is taken over them.
 * ``attn_rank`` is the effective rank (Roy & Vetterli) of the attention matrix of
-  one sequence and head restricted to its first ``rank_rows`` query rows that are
-  real tokens (rows with no key and masked keys contribute zero rows and columns,
-  which do not change the nonzero singular values); averaged over the sampled
-  sequences that have a valid row among those. ``rows`` is the mean number of valid
-  rows the rank saw.
+  one sequence and head restricted to ``rank_rows`` of its query rows that are real
+  tokens, spread evenly from the first to the last (:func:`spread_rows`: at a causal
+  context of 4,096 the rank sees rows from the whole context, not a prefix where each
+  row has at most ``rank_rows`` keys); rows with no key and masked keys contribute
+  zero rows and columns, which do not change the nonzero singular values; averaged
+  over the sampled sequences that have a valid row among those. ``rows`` is the mean
+  number of valid rows the rank saw.
+* ``attn_sink`` is the largest share of all queries' attention that one key position
+  holds: per sequence, each key's column of probabilities summed over the valid rows
+  and divided by their number; averaged over the sampled sequences; the largest such
+  share over the keys (``attn_sink_pos``: its position, 0 for the first token). An
+  attention sink (Xiao et al. 2023) puts most of every query's mass on one position
+  shared by every sequence (the first token in pretrained language models): a share
+  near 1. A head whose queries pick different keys, or the same token at other
+  positions in other sequences, has a small one.
 """
 
 from __future__ import annotations
@@ -38,6 +48,8 @@ __all__ = [
     "LazyLogits",
     "valid_query_rows",
     "stats_from_logits",
+    "sink_reference",
+    "spread_rows",
     "stats_from_probabilities_reference",
 ]
 
@@ -54,6 +66,8 @@ class AttentionStats:
     max_logit: Tensor
     rows: Tensor  # (1,): valid query rows per sequence that the rank saw (mean over sequences)
     uniform_entropy: Tensor  # (H,): the entropy uniform attention over the same valid keys would have
+    sink: Tensor  # (H,): the largest share of the queries' mass on one key position (mean over sequences)
+    sink_pos: Tensor  # (H,): that key's position (float64, a whole number)
     # (H, R, C) float32: the attention probabilities of the first sampled sequence, its first
     # R <= MAP_SIZE query rows over its first C <= MAP_SIZE keys (for images of flagged heads).
     maps: Tensor | None = None
@@ -200,42 +214,55 @@ def _singular_values(p: Tensor) -> Tensor:
     return torch.where(energy > floor, energy, 0.0).sqrt()
 
 
-def _rank_rows(query_valid: Tensor | None, i: int, rank_rows: int) -> tuple[int, Tensor | None]:
-    """How many leading rows of sequence i the rank reads, and which of them (None: all): its first
-    ``rank_rows`` token rows. One host sync per sequence, only when rows are masked."""
+def spread_rows(n: int, k: int) -> list[int]:
+    """``k`` of the indices ``0 .. n - 1`` spread evenly from the first to the last (all of them when ``n <= k``):
+    the rows the attention rank reads."""
+    if n <= k:
+        return list(range(n))
+    if k == 1:
+        return [0]
+    return sorted({round(i * (n - 1) / (k - 1)) for i in range(k)})
+
+
+def _rank_rows(query_valid: Tensor | None, i: int, n_q: int, rank_rows: int) -> list[int]:
+    """The query rows of sequence i the rank reads, ascending: ``rank_rows`` of its token rows spread through
+    the sequence (:func:`spread_rows`). One host sync per sequence, only when rows are masked."""
     if query_valid is None:
-        return rank_rows, None
-    take = query_valid[i].nonzero().flatten()[:rank_rows]
-    return (int(take[-1]) + 1 if take.numel() else 0), take
+        return spread_rows(n_q, rank_rows)
+    tokens = query_valid[i].nonzero().flatten().tolist()
+    return [tokens[j] for j in spread_rows(len(tokens), rank_rows)]
 
 
 def stats_from_logits(
     logits: Tensor | LazyLogits, rank_rows: int = 256, query_valid: Tensor | None = None
 ) -> AttentionStats:
-    """Entropy (nats, mean over valid rows), effective rank and max logit per head.
+    """Entropy (nats, mean over valid rows), effective rank, max logit and sink share per head.
 
     logits: (N, H, Q, K) as fed to the softmax; excluded keys are -inf or carry a
     large negative additive mask (see :func:`excluded_by_additive_mask`); or a
     :class:`LazyLogits`, read a block of rows at a time (the same numbers).
     query_valid: (N, Q) bool, False on padded query rows: they count for nothing
-    (as rows with no key do), and the rank takes the first ``rank_rows`` rows that are True.
+    (as rows with no key do), and the rank reads ``rank_rows`` of the rows that are True,
+    spread through the sequence.
     """
     n_seq, n_heads, n_q, n_k = logits.shape
     lazy = isinstance(logits, LazyLogits)  # its excluded entries are -inf already
     dev = logits.q.device if lazy else logits.device
     rows_of = logits.rows if lazy else (lambda i, a, b: logits[i, :, a:b])
-    ent_sum = torch.zeros(n_heads, dtype=torch.float64, device=dev)
-    uniform_sum = torch.zeros(n_heads, dtype=torch.float64, device=dev)
-    rows = torch.zeros(n_heads, dtype=torch.float64, device=dev)
+    zeros = lambda: torch.zeros(n_heads, dtype=torch.float64, device=dev)  # noqa: E731
+    ent_sum, uniform_sum, rows, rank_sum = zeros(), zeros(), zeros(), zeros()
     max_logit = torch.full((n_heads,), -math.inf, dtype=torch.float64, device=dev)
+    share_sum = torch.zeros(n_heads, n_k, dtype=torch.float64, device=dev)  # (H, K): key shares, summed over seqs
+    share_seqs = zeros()
     step = _row_chunks(n_q, n_heads, n_k)
     map_block: list[Tensor] = []
-    rank_sum = torch.zeros(n_heads, dtype=torch.float64, device=dev)
     rank_rows_seen = torch.zeros(1, dtype=torch.float64, device=dev)
     rank_seqs = torch.zeros(1, dtype=torch.float64, device=dev)
     for i in range(n_seq):
         rank_block = []
-        bound, take = _rank_rows(query_valid, i, rank_rows)
+        take = _rank_rows(query_valid, i, n_q, rank_rows)  # R ascending row indices
+        column = torch.zeros(n_heads, n_k, dtype=torch.float64, device=dev)  # (H, K): this sequence's key mass
+        seq_rows = zeros()
         for start in range(0, n_q, step):
             chunk = rows_of(i, start, start + step)  # (H, c, K)
             excluded = excluded_by_additive_mask(chunk)  # in the logits' own dtype (its finfo.min)
@@ -248,24 +275,28 @@ def stats_from_logits(
             valid_row = keys > 0
             lse = torch.where(valid_row, torch.logsumexp(s, dim=-1), 0.0)  # 0 on rows with no key
             logp = s - lse[..., None]  # log p; -inf on excluded keys (and on whole rows with no key)
-            p = logp.exp()
+            p = logp.exp()  # (H, c, K); 0 on excluded keys and on rows with no key
             # 0 * -inf = NaN on excluded keys: nansum skips them. A non-finite logit makes lse non-finite.
             row_ent = torch.where(torch.isfinite(lse), -torch.nansum(p * logp, dim=-1), torch.nan)  # (H, c)
             ent_sum += row_ent.sum(-1)
             uniform_sum += keys.clamp_min(1).double().log().sum(-1)
             rows += valid_row.sum(-1)
+            seq_rows += valid_row.sum(-1)
+            column += p.sum(-2)
             max_logit = torch.maximum(max_logit, s.amax(dim=(-1, -2)))
-            if start < bound:
-                rank_block.append(p[:, : bound - start])
+            local = [r - start for r in take if start <= r < start + p.shape[1]]
+            if local:
+                rank_block.append(p[:, local])
             if i == 0 and start < MAP_SIZE:
                 map_block.append(p[:, : MAP_SIZE - start, :MAP_SIZE].float())
+        has_share = seq_rows > 0  # (H,): a sequence with no valid row holds no share
+        share_sum += torch.where(has_share[:, None], column / seq_rows.clamp_min(1)[:, None], 0.0)
+        share_seqs += has_share
         # The rank of this sequence now, so that one sequence's rows are held at a time.
         if not rank_block:  # no token row at all
             rank_block = [torch.zeros(n_heads, 1, n_k, dtype=torch.float64, device=dev)]
         block = rank_block[0] if len(rank_block) == 1 else torch.cat(rank_block, dim=1)  # (H, R, K)
         del rank_block
-        if take is not None and take.numel() and take.numel() < block.shape[1]:
-            block = block[:, take]  # the first rank_rows token rows
         seen = (block[0] > 0).any(-1).sum()
         has_rows = seen > 0  # a sequence with no valid row in the block has no rank
         finite = torch.isfinite(block).flatten(1).all(1)  # (H,): a NaN head gets a NaN rank
@@ -275,12 +306,16 @@ def stats_from_logits(
         rank_sum += torch.where(has_rows, erank, 0.0)
         rank_rows_seen += seen
         rank_seqs += has_rows
+    share = share_sum / share_seqs[:, None]  # (H, K): NaN for a head with no valid row anywhere
+    sink, sink_pos = share.max(dim=-1)
     return AttentionStats(
         entropy=ent_sum / rows,
         rank=rank_sum / rank_seqs,
         max_logit=max_logit,
         rows=rank_rows_seen / rank_seqs,
         uniform_entropy=uniform_sum / rows,
+        sink=sink,
+        sink_pos=sink_pos.double(),
         maps=torch.cat(map_block, dim=1) if map_block else None,
     )
 
@@ -291,7 +326,7 @@ def stats_from_probabilities_reference(
     """Slow reference from explicit probabilities (N, H, Q, K) and allowed keys (N, Q, K).
 
     Per-head loops in float64: entropy = mean over valid rows of -sum p log p;
-    rank = mean over sequences of the effective rank of the first rank_rows rows.
+    rank = mean over sequences of the effective rank of rank_rows rows spread through the sequence.
     query_valid (N, Q): rows marked False (padding) are dropped first, from both.
     """
     n_seq, n_heads, n_q, _ = probs.shape
@@ -314,7 +349,8 @@ def stats_from_probabilities_reference(
                 nz = p[p > 0]
                 total += float(-(nz * nz.log()).sum())
                 count += 1
-            mat = torch.stack(p_rows)[:rank_rows] if p_rows else torch.zeros(1, probs.shape[-1])
+            spread = spread_rows(len(p_rows), rank_rows)
+            mat = torch.stack(p_rows)[spread] if p_rows else torch.zeros(1, probs.shape[-1])
             if not bool((mat > 0).any()):
                 continue  # no valid row in the block: this sequence has no rank
             sv = torch.linalg.svdvals(mat)
@@ -324,3 +360,27 @@ def stats_from_probabilities_reference(
         entropy[h] = total / count if count else math.nan
         rank[h] = sum(ranks) / len(ranks) if ranks else math.nan
     return entropy, rank
+
+
+def sink_reference(probs: Tensor, allowed: Tensor, query_valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Slow reference of ``attn_sink`` and ``attn_sink_pos`` from explicit probabilities (N, H, Q, K) and allowed
+    keys (N, Q, K): per head and sequence, each key's probability averaged over the rows that have a key (and are
+    not padding); those averages averaged over the sequences; the largest, and its key, by loops in float64."""
+    n_seq, n_heads, n_q, n_k = probs.shape
+    sink = torch.zeros(n_heads, dtype=torch.float64)
+    pos = torch.zeros(n_heads, dtype=torch.float64)
+    for h in range(n_heads):
+        shares = [0.0] * n_k
+        seqs = 0
+        for i in range(n_seq):
+            rows = [r for r in range(n_q) if bool(allowed[i, r].any())
+                    and (query_valid is None or bool(query_valid[i, r]))]
+            if not rows:
+                continue
+            seqs += 1
+            for j in range(n_k):
+                shares[j] += sum(float(probs[i, h, r, j]) * bool(allowed[i, r, j]) for r in rows) / len(rows)
+        best = max(range(n_k), key=lambda j: shares[j])
+        sink[h] = shares[best] / seqs if seqs else math.nan
+        pos[h] = best
+    return sink, pos

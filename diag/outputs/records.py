@@ -42,6 +42,8 @@ def attention_metrics(stats: AttentionStats) -> dict[str, Tensor]:
         "attn_entropy": stats.entropy,
         "attn_rank": stats.rank,
         "attn_max_logit": stats.max_logit,
+        "attn_sink": stats.sink,
+        "attn_sink_pos": stats.sink_pos,
         "attn_rows": stats.rows,
         "attn_entropy_uniform": stats.uniform_entropy.mean().reshape(1),
     }

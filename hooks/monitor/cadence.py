@@ -8,10 +8,9 @@ detectors read) every 10 steps, the spectra (sigma_1 growth) every 20, and the
 costly ones, attention (the collapse detectors) every 50 steps and update ratios
 every 100; every step number that is a multiple of a family's period samples that
 family, so step 0, 100, 200, ... sample all of them and the tags of each family
-carry the steps it was sampled at. :class:`CloserLook` adds attention and the
-spectra at the 10-step steps while the detectors ask for them (a head's sigma_1
-grows fast, a collapse is being confirmed, the first updates are large), and
-attention alone at every step (``watch_every``) while a layer is one head short of a collapse.
+carry the steps it was sampled at. :class:`CloserLook` adds attention (and the
+spectra) while the detectors ask for it: at every step while a head is near the
+malignant lines, with every loss sample while a layer is at risk.
 
 ``Monitor(every=N)`` samples every family every N steps.
 ``Monitor(cadence={"attention": 50})`` changes the named periods only.
@@ -27,7 +26,7 @@ from functools import cached_property
 from diag.detectors import Detector
 from diag.errors import ConfigError
 
-__all__ = ["SIGNALS", "FAMILIES", "DEFAULT_CADENCE", "Cadence", "CloserLook", "CloserLookConfig", "resolve_cadence"]
+__all__ = ["SIGNALS", "FAMILIES", "DEFAULT_CADENCE", "Cadence", "CloserLook", "resolve_cadence"]
 
 _NOTHING: frozenset[str] = frozenset()
 _ATTENTION: frozenset[str] = frozenset({"attention"})
@@ -99,121 +98,54 @@ def resolve_cadence(every: int | None, cadence: Mapping[str, int] | None, signal
     return Cadence(periods)
 
 
-@dataclass(frozen=True)
-class CloserLookConfig:
-    """How the closer look samples (docs/cost.md#watching-closer): for ``hold`` steps after the detectors last
-    asked, every ``early_every`` steps within the run's first ``early`` steps, and every ``confirm_every`` steps
-    while a malignant state is being confirmed (every step: the dwell judged on the steps the evaluation's ground
-    truth judges it on; on every second step a head whose entropy alternates around the exit line was
-    established where the attention of every step has no collapse, docs/alerts.md#episodes); and attention alone
-    every ``watch_every`` steps while a layer is one established head short of a malignant collapse (its next
-    head's entry is seen at most ``watch_every - 1`` steps late, so a layer collapse that stays established that
-    long is counted from where it began: docs/cost.md#watching-closer)."""
-
-    hold: int = 100
-    early: int = 30
-    early_every: int = 2
-    confirm_every: int = 1
-    watch_every: int = 1
-
-    def __post_init__(self) -> None:
-        for name, low in (("hold", 0), ("early", 0), ("early_every", 1), ("confirm_every", 1), ("watch_every", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"CloserLookConfig({name}={value!r}): expected an integer >= {low}")
-
-
 class CloserLook:
-    """Attention (and the spectra) sampled at the cadence's shortest period while the detectors ask for it
-    (docs/cost.md#watching-closer).
+    """Attention sampled closer while the detectors ask for it (docs/cost.md#watching-closer), by how near the
+    attention is to the collapse lines:
 
-    The default cadence reads attention every 50 steps: cheap, but a collapse that builds in 50
-    steps would be seen late. When a head's sigma_1(Wq^T Wk) grows fast, or a collapse warning or
-    a malignant state is being confirmed, or the run's first updates are large
-    (``Detectors.wants_attention``), attention, and the spectra when they are sampled less often,
-    are also sampled at every step that samples the loss, until ``hold`` steps after the last such
-    reason. Within the run's first ``early`` steps a close look samples every ``early_every`` steps
-    instead: a head of a run with large first updates can collapse within ten steps (measured:
-    established at steps 7 and 10, docs/alerts.md#evaluation), before the 10-step cadence's second
-    sample. While a malignant state is being confirmed (a candidate's dwell, or a head come between the malignant
-    lines: ``Detectors.confirming``) it samples every ``confirm_every`` steps, and while a
-    layer is one established head short of a malignant collapse (``Detectors.watching``) attention alone every
-    ``watch_every`` steps. Off (``period`` None) when attention is already sampled at the shortest period.
-    """
+    * **near** (``Detectors.near``: a head inside or between the malignant lines, not a sink, not established,
+      for up to twice the entry dwell from when it came there): attention at every step, and the spectra with
+      every loss sample. A collapse's dwell is judged on the steps it lasts, not on samples 50 steps apart: a
+      head hovering at the entropy line can sit inside it between two samples and above it at each;
+    * **at risk** (``Detectors.at_risk``: a layer's ``collapse_risk`` at ``watch_risk`` or more, a head's
+      ``sigma_1`` growing ``watch_growth``-fold within ``risk_window`` steps, an open warning, large first
+      updates): attention and the spectra with every loss sample (the cadence's shortest period), so that the
+      risk is judged on fresh attention.
 
-    def __init__(self, cadence: Cadence, hold: int = CloserLookConfig.hold, enabled: bool = True,
-                 early: int = CloserLookConfig.early, early_every: int = CloserLookConfig.early_every,
-                 confirm_every: int = CloserLookConfig.confirm_every,
-                 watch_every: int = CloserLookConfig.watch_every) -> None:
+    The detectors are asked again at every judged step, so a look lasts while its reason does. Off (``period``
+    None) when attention is already sampled at the shortest period, or the Monitor runs on several processes
+    (the ranks would have to agree on every sampled step)."""
+
+    def __init__(self, cadence: Cadence, enabled: bool = True) -> None:
         base = cadence.base
         self.families = frozenset(f for f in ("attention", "spectra") if cadence.periods.get(f, base) > base)
         self.period = base if enabled and "attention" in self.families else None
-        self.hold = hold
-        self.early = early if early_every < base else 0  # steps [0, early) sample every early_every steps
-        self.early_every = early_every
-        self.confirm_every = confirm_every
-        self.watch_every = watch_every
-        self.until = -1  # the last step that samples attention closely
-        self.confirm_until = -1  # ... and the last that samples it every confirm_every steps to confirm a state
-        self.look_until = -1  # ... the last of the look the detectors asked for (attention and the spectra)
-        self.watch_until = -1  # ... the last that samples attention alone every watch_every steps
+        self.near_until = -1  # the last step that samples attention at every step
+        self.risk_until = -1  # the last step that samples attention and the spectra with every loss sample
+        self.until = -1  # the later of the two
 
     def adds(self, step: int) -> frozenset[str]:
-        """The families ``step`` samples beyond the cadence (none, or attention and maybe the spectra); a step
-        the cadence does not sample can sample them within the first ``early`` steps, and while a state is
-        being confirmed."""
+        """The families ``step`` samples beyond the cadence: none, attention alone (a step between two loss
+        samples while a head is near the lines), or attention and maybe the spectra."""
         if self.period is None or step > self.until:
             return _NOTHING
-        if step <= self.confirm_until or step <= self.look_until:
-            every = (self.confirm_every if step <= self.confirm_until else self.early_every if step < self.early
-                     else self.period)
-            if step % every == 0:
-                return self.families
-        return _ATTENTION if step <= self.watch_until and step % self.watch_every == 0 else _NOTHING
-
-    def watch(self, step: int, reason: str | None) -> bool:
-        """After the detectors judged ``step``: while they watch a layer (``reason``: one head short of a
-        collapse), attention alone is sampled every ``watch_every`` steps, up to the next judged step's
-        period on (renewed at each judged step while the reason holds). True when a watch starts."""
-        if self.period is None or not reason or self.watch_every >= self.period:
-            return False
-        started = step >= self.watch_until
-        self.watch_until = max(self.watch_until, step + self.period)
-        self.until = max(self.until, self.watch_until)
-        return started
-
-    def update(self, step: int, reason: str | None, confirm: int = 0) -> bool:
-        """After the detectors judged ``step``: extend the close look if they gave a reason. True when a
-        close look starts (none was on). ``confirm`` (steps, from ``Detectors.confirming``): a state that
-        needs that many more steps of attention to be established or cleared is sampled every
-        ``confirm_every`` steps meanwhile: a dwell judged on samples 10 or 50 steps apart (or 2) misses what
-        happens between them (docs/alerts.md#episodes)."""
-        if self.period is None or not reason:
-            return False
-        started = step >= self.look_until
-        self.look_until = max(self.look_until, step + self.hold)
-        self.until = max(self.until, self.look_until)
-        if confirm > 0 and self.confirm_every < self.period:
-            self.confirm_until = max(self.confirm_until, step + confirm)
-            self.until = max(self.until, self.confirm_until)
-        return started
+        if step % self.period == 0:
+            return self.families
+        return _ATTENTION if step <= self.near_until else _NOTHING
 
     def heed(self, step: int, detectors: Detector) -> list[str]:
-        """:meth:`watch` and :meth:`update` with what ``detectors`` ask for (``watching``, ``wants_attention``
-        and ``confirming``). Returns what started at this step, in words: a watch, a close look (none, one or
-        both)."""
+        """After the detectors judged ``step``: extend the look their reasons ask for. Returns what started at this
+        step, in words (nothing while a look goes on)."""
         if self.period is None:
             return []
-        watched, reason = detectors.watching(), detectors.wants_attention()
         started = []
-        if self.watch(step, watched):
-            started.append(f"{watched}: attention sampled every {self.watch_every} steps while it is")
-        if self.update(step, reason, detectors.confirming()):
-            confirming = step <= self.confirm_until
-            dense = self.confirm_until if confirming else self.early - 1
-            every = self.confirm_every if confirming else self.early_every
-            early = step <= dense
-            then = f" up to step {dense}, then every {self.period}" if early else ""
-            started.append(f"{reason}: attention sampled every {every if early else self.period} steps{then} until "
-                           f"at least step {self.until}")
+        near, risk = detectors.near(), detectors.at_risk()
+        if near:
+            if step > self.near_until:
+                started.append(f"{near}: attention sampled at every step")
+            self.near_until = step + 1
+        if risk:
+            if step > self.risk_until:
+                started.append(f"{risk}: attention and the spectra sampled every {self.period} steps")
+            self.risk_until = step + self.period
+        self.until = max(self.near_until, self.risk_until)
         return started

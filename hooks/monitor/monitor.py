@@ -23,7 +23,6 @@ import contextlib
 import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict
 
 import torch
 from torch import Tensor, nn
@@ -41,7 +40,7 @@ from diag.outputs.records import per_head_default
 from diag.outputs.sinks import FanOut, JsonlSink, Record, Sink, TensorBoardSink, check_logdir
 from diag.outputs.tb_views import TensorBoardViews, image_options
 from hooks.layout.discover import AttentionLayer, discover
-from hooks.monitor.cadence import SIGNALS, CloserLook, CloserLookConfig, resolve_cadence
+from hooks.monitor.cadence import SIGNALS, CloserLook, resolve_cadence
 from hooks.monitor.sampling import Sampler
 from hooks.parallel.detectors import SharedDetectors
 from hooks.parallel.ranks import rank, world_size
@@ -71,7 +70,7 @@ class Monitor:
         signals: subset of ``("spectra", "attention", "grads", "updates")``.
         sec_top: s of the spectral energy concentration SEC_s.
         attn_seqs: the first ``attn_seqs`` sequences of the batch are analysed.
-        attn_rank_rows: the attention rank uses the first this many query rows.
+        attn_rank_rows: the attention rank reads this many query rows, spread through the sequence.
         sinks: more sinks (objects with write/flush/close).
         alerts: detector thresholds; ``on_alert``: called with each Alert.
         stop_on_critical: raise ``TrainingHalted`` from ``step`` on a critical alert.
@@ -87,11 +86,10 @@ class Monitor:
         grad_scaler: the fp16 ``GradScaler`` of the loop, if any: a sampled step whose
             gradients overflowed (the scaler skips its update) then raises an info
             ``gradient_overflow`` alert instead of a critical ``nonfinite_gradients``.
-        closer_look: sample attention (and the spectra) more often while the detectors ask for it: a head's
-            sigma_1 grows fast, a collapse is being confirmed, a layer is one head short of one, the first updates
-            are large (:class:`hooks.monitor.cadence.CloserLook`; pass a ``CloserLookConfig`` to change how;
-            docs/cost.md#watching-closer). One process only: under DDP, FSDP or tensor parallelism the ranks
-            would have to agree every sampled step, so it is off there.
+        closer_look: sample attention more often while the detectors ask for it: at every step while a head is
+            near the malignant lines, with every loss sample while a layer is at risk
+            (:class:`hooks.monitor.cadence.CloserLook`, docs/cost.md#watching-closer). One process only: under DDP,
+            FSDP or tensor parallelism the ranks would have to agree every sampled step, so it is off there.
     """
 
     def __init__(
@@ -116,7 +114,7 @@ class Monitor:
         images: bool | None = None,
         image_every: int | None = None,
         grad_scaler: torch.amp.GradScaler | None = None,
-        closer_look: bool | CloserLookConfig = True,
+        closer_look: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ConfigError(f"Monitor(model=...) needs an nn.Module, got {type(model).__name__}")
@@ -147,9 +145,7 @@ class Monitor:
         detectors = Detectors(alerts or AlertConfig())
         self._updates_at_once = detectors.cfg.note_horizon  # updates of steps before this are measured on the next
         self.detectors: Detector = SharedDetectors(detectors, stop_on_critical) if world_size() > 1 else detectors
-        look = closer_look if isinstance(closer_look, CloserLookConfig) else CloserLookConfig()
-        self.closer = CloserLook(self.cadence, **asdict(look),
-                                 enabled=bool(closer_look) and world_size() == 1 and "attention" in self.signals)
+        self.closer = CloserLook(self.cadence, bool(closer_look) and world_size() == 1 and "attention" in self.signals)
         self._views = TensorBoardViews(self.sinks, [layer.label for layer in self.layers], images=self.images,
                                        image_every=self.image_every, updates="updates" in self.signals,
                                        with_o=any(layer.o is not None for layer in self.layers))

@@ -10,7 +10,7 @@ import warnings
 import numpy as np
 import pytest
 
-from diag.detectors import AlertConfig, Detectors, Observation, TrainingHalted
+from diag.detectors import Alert, AlertConfig, Detectors, Observation, TrainingHalted
 from diag.errors import ConfigError
 from diag.outputs.alert_sink import AlertSink
 from diag.outputs.sinks import FanOut, MemorySink
@@ -233,24 +233,27 @@ def test_alert_channels(tmp_path, caplog):
     seen = []
     sink = AlertSink(FanOut([mem]), tmp_path / "alerts.jsonl", seen.append, stop_on_critical=False)
     det = Detectors(AlertConfig(collapse_persist=1))
+    det.observe(Observation(6, None, {"L02": attn([3.0], [40.0])}))  # monitoring begins with a normal head
     alerts = det.observe(Observation(7, None, {"L02": attn([0.1], [1.0])}))
     with caplog.at_level(logging.INFO, logger="diag"):
         sink.emit(alerts)
-    assert [(a.kind, a.level) for a in seen] == [("malignant_collapse", "warning"), ("malignant_collapse", "critical")]
+    assert [(a.kind, a.level, a.where) for a in seen] == [("malignant_collapse", "warning", "L02/H00"),
+                                                          ("malignant_collapse", "warning", "L02")]
     assert mem.records[0].scalars == {"alerts/malignant_collapse": 2.0}  # the head's record and the layer's
     assert "L02/H00" in mem.records[0].texts["alerts/malignant_collapse"]
     line = json.loads((tmp_path / "alerts.jsonl").read_text().splitlines()[1])
-    assert line["kind"] == "malignant_collapse" and line["step"] == 7 and line["level"] == "critical"
+    assert line["kind"] == "malignant_collapse" and line["step"] == 7 and line["where"] == "L02"
     assert any("malignant" in r.message for r in caplog.records)
 
 
 def test_stop_on_critical_raises_after_writing(tmp_path):
     mem = MemorySink()
     sink = AlertSink(FanOut([mem]), tmp_path / "alerts.jsonl", None, stop_on_critical=True)
-    alerts = Detectors(AlertConfig(collapse_persist=1)).observe(Observation(3, None, {"L00": attn([0.1], [1.0])}))
+    alerts = [Alert(3, "malignant_collapse", "warning", "L00", "a malignant collapse"),
+              Alert(3, "collapse_damage", "critical", "L00", "the loss stopped falling")]
     with pytest.raises(TrainingHalted) as info:
         sink.emit(alerts)
-    assert info.value.alert.kind == "malignant_collapse"
+    assert info.value.alert.kind == "collapse_damage"
     assert (tmp_path / "alerts.jsonl").exists() and mem.records
 
 

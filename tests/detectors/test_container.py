@@ -95,11 +95,10 @@ def test_extra_detectors_join_the_fan_out_and_must_not_share_state_keys():
 
 def test_a_detector_declares_only_what_it_judges_and_the_hooks_it_leaves_out_answer_nothing():
     counter = Counter()
-    assert counter.scalars() == {} and counter.wants_attention() is None and counter.watching() is None
-    assert counter.confirming() == 0
+    assert counter.scalars() == {} and counter.near() is None and counter.at_risk() is None
     assert counter.observe_updates(Observation(0, None, {})) == [] and counter.n == 1  # judged as any observation
     det = Detectors(extra=[counter])
-    assert det.wants_attention() is None and det.watching() is None and det.confirming() == 0
+    assert det.near() is None and det.at_risk() is None
     det.observe_updates(Observation(1, None, {"L00": {"update_ratio_q": np.array([0.01])}}))
     assert counter.n == 2
 

@@ -1,9 +1,8 @@
-"""The attention states, defined once: lines per sample, dwell per head, share per layer; the live detector and
-the evaluation's ground truth (episodes_of over the attention logged at every step) are the same definition."""
+"""The attention states, defined once: lines per sample, dwell per head, share per layer, the baseline; the live
+detector and episodes_of (the states of a whole recorded run) are the same machine."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import numpy as np
@@ -15,14 +14,23 @@ from diag.detectors.states import STATES, AttentionStates, episodes_of, layer_ne
 from diag.detectors.states import tests as state_tests
 
 
-def attention_state(entropy, rank, rows, cfg, uniform_entropy=math.inf):
+def attention_state(entropy, rank, rows, cfg, uniform_entropy=math.inf, share=0.0):
     """One sample's state by the definition's entry tests ('normal' when it passes none)."""
-    return next((s for s in STATES if state_tests(s, entropy, rank, rows, uniform_entropy, cfg)[0]), "normal")
+    return next((s for s in STATES if state_tests(s, entropy, rank, rows, uniform_entropy, cfg, share)[0]), "normal")
 
 
-def attn(entropy, rank, rows=64.0, uniform=3.5):
-    return {"attn_entropy": np.array(entropy, float), "attn_rank": np.array(rank, float),
-            "attn_rows": np.array([rows]), "attn_entropy_uniform": np.array([uniform])}
+def attn(entropy, rank, rows=64.0, uniform=3.5, sink=None):
+    m = {"attn_entropy": np.array(entropy, float), "attn_rank": np.array(rank, float),
+         "attn_rows": np.array([rows]), "attn_entropy_uniform": np.array([uniform])}
+    if sink is not None:
+        m["attn_sink"] = np.array(sink, float)
+        m["attn_sink_pos"] = np.zeros(len(m["attn_entropy"]))
+    return m
+
+
+def normal(n):
+    """A sample of n heads far from every line."""
+    return attn([3.0] * n, [40.0] * n)
 
 
 def test_low_rank_line_scales_with_rows_so_short_attention_can_be_malignant():
@@ -60,34 +68,70 @@ def test_a_layer_needs_its_share_of_heads_and_two_of_them(heads, share, needs):
     assert layer_needs(heads, StatesConfig(layer_share=share)) == needs
 
 
-def run(script, cfg=None, every=1):
-    """Observations of one layer, one per step; returns (alerts of the live detector, episodes_of)."""
+def run(script, cfg=None, every=1, baseline=False):
+    """Observations of one layer, one per step; returns (alerts of the live detector, episodes_of). Unless
+    ``baseline``, a sample far from every line comes first, one step before the script: the script's states begin
+    during the run, not when monitoring began."""
     obs = [Observation(step, None, {"L00": m}) for step, m in script if step % every == 0]
+    if not baseline:
+        first, m = obs[0].step, obs[0].layers["L00"]
+        obs.insert(0, Observation(first - 1, None, {"L00": normal(len(m["attn_entropy"]))}))
     det = AttentionStates(cfg or StatesConfig())
     return [a for o in obs for a in det.observe(o)], episodes_of(obs, cfg or StatesConfig())
 
 
-def test_one_head_is_a_warning_and_the_layer_is_critical_when_its_share_of_heads_follows():
+def test_heads_and_then_their_layer_entering_the_malignant_state_are_warnings():
     """Head 0 collapses at step 0 and stays; head 1 at step 30: a head record (warning) each, and the layer's
-    critical record once both are in (the second head's dwell met at step 40)."""
+    record (warning) once both are in (the second head's dwell met at step 40). The critical record is the
+    damage's (diag.detectors.damage), not the state's."""
     script = [(s, attn([0.1, 0.1 if s >= 30 else 2.0], [2.0, 2.0 if s >= 30 else 40.0])) for s in range(0, 61)]
     alerts, episodes = run(script)
     firing = [(a.step, a.kind, a.level, a.where, a.since) for a in alerts if a.status == "firing"]
     assert firing == [(10, "malignant_collapse", "warning", "L00/H00", 0),
                       (40, "malignant_collapse", "warning", "L00/H01", 30),
-                      (40, "malignant_collapse", "critical", "L00", 30)]
-    layer = next(a for a in alerts if a.level == "critical")
+                      (40, "malignant_collapse", "warning", "L00", 30)]
+    layer = next(a for a in alerts if a.where == "L00")
     assert layer.heads == ("L00/H00", "L00/H01") and "2 of 2 heads" in layer.message
-    assert [(e.where, e.since, e.opened, e.until) for e in episodes if e.state == "malignant"] == [
-        ("L00/H00", 0, 10, None), ("L00", 30, 40, None), ("L00/H01", 30, 40, None)]
+    assert [(e.where, e.since, e.opened, e.until, e.baseline) for e in episodes if e.state == "malignant"] == [
+        ("L00/H00", 0, 10, None, False), ("L00", 30, 40, None, False), ("L00/H01", 30, 40, None, False)]
 
 
-def test_a_layer_whose_single_head_collapses_gets_no_critical_record():
-    """One head of two malignant is a head-level record only, never a critical layer record."""
+def test_a_layer_whose_single_head_collapses_gets_no_layer_record():
+    """One head of two malignant is a head-level record only."""
     script = [(s, attn([0.1, 2.0], [2.0, 40.0])) for s in range(0, 200, 5)]
     alerts, episodes = run(script)
     assert {(a.level, a.where) for a in alerts} == {("warning", "L00/H00")}
     assert all("/" in e.where for e in episodes)
+
+
+def test_states_present_when_monitoring_began_are_the_baseline_and_info():
+    """The same heads, in the state from the first sample on: a pretrained model's heads as they came. Every
+    record is info and says so; the episodes are the baseline's. A head that enters later is news again."""
+    script = [(s, attn([0.1, 0.1, 0.1 if s >= 30 else 2.0], [2.0, 2.0, 2.0 if s >= 30 else 40.0]))
+              for s in range(0, 61)]
+    alerts, episodes = run(script, baseline=True)
+    firing = [(a.step, a.level, a.where) for a in alerts if a.status == "firing"]
+    assert firing == [(10, "info", "L00/H00+H01"), (10, "info", "L00"), (40, "warning", "L00/H02")]
+    assert all("when monitoring began" in a.message for a in alerts if a.level == "info")
+    assert {(e.where, e.baseline) for e in episodes} == {("L00/H00", True), ("L00/H01", True),
+                                                         ("L00", True), ("L00/H02", False)}
+
+
+def test_a_sink_is_its_own_state_and_never_malignant():
+    """Most of every query's mass on one shared key (attn_sink 0.95) with rank ~1: a sink (info, at once), not a
+    malignant collapse, even when it appears during the run. The same entropy and rank with the mass spread over
+    a few keys that differ between sequences (attn_sink 0.3) is malignant."""
+    cfg = StatesConfig()
+    assert attention_state(0.1, 1.1, 64, cfg, share=0.95) == "sink"
+    assert attention_state(0.1, 1.1, 64, cfg, share=0.3) == "malignant"
+    assert attention_state(0.1, 5.0, 64, cfg, share=0.95) == "malignant"  # one key for many, more for the rest
+    script = [(s, attn([0.1, 0.1], [1.1, 1.1], sink=[0.95, 0.3])) for s in range(0, 30)]
+    alerts, episodes = run(script)
+    assert [(a.step, a.kind, a.level, a.where) for a in alerts if a.status == "firing"] == [
+        (0, "attention_sink", "info", "L00/H00"), (10, "malignant_collapse", "warning", "L00/H01")]
+    sink = next(a for a in alerts if a.kind == "attention_sink")
+    assert "key position 0 holds 0.95" in sink.message and sink.values["attn_sink"] == 0.95
+    assert {e.state for e in episodes} == {"sink", "malignant"}
 
 
 def test_live_detector_and_ground_truth_agree_on_a_noisy_run_at_every_step():
@@ -122,7 +166,7 @@ def test_a_head_that_keeps_returning_gets_three_records_and_its_scalars_the_rest
 
 def test_the_held_episodes_survive_a_resume():
     script = [(s, attn([0.1 if s % 80 < 20 else 2.0], [2.0 if s % 80 < 20 else 40.0])) for s in range(0, 320, 2)]
-    whole, _ = run(script)
+    whole, _ = run(script, baseline=True)
     first = AttentionStates(StatesConfig())
     out = [a for s, m in script[:60] for a in first.observe(Observation(s, None, {"L00": m}))]
     second = AttentionStates(StatesConfig())
@@ -131,20 +175,27 @@ def test_the_held_episodes_survive_a_resume():
     assert out == whole and len(whole) == 6  # the head's three records and the one-head layer's three
 
 
-def test_a_pending_malignant_state_asks_for_close_samples_until_it_is_settled():
-    """A head inside the malignant lines at one sample is a candidate: the detectors ask for close attention
-    samples for up to twice the dwell from its first sample, and for none once it is established or cleared."""
-    det = Detectors(AlertConfig())
-    assert det.confirming() == 0
+def test_a_head_near_the_lines_asks_for_attention_at_every_step_until_it_is_settled():
+    """A head inside or between the malignant lines, not established and not a sink, asks for attention at every
+    step (``near``) for up to twice the dwell from its first sample there; not once it is established, beyond the
+    exit lines, a sink, or after hovering that long."""
+    det = AttentionStates(StatesConfig())
+    det.observe(Observation(90, None, {"L00": normal(2)}))
+    assert det.near() is None
     det.observe(Observation(100, None, {"L00": attn([0.1, 2.0], [2.0, 40.0])}))
-    assert det.confirming() == 20
+    assert det.near() == "L00/H00 came near the malignant lines at step 100"
     det.observe(Observation(104, None, {"L00": attn([0.1, 2.0], [2.0, 40.0])}))
-    assert det.confirming() == 16
+    assert det.near() is not None
     det.observe(Observation(110, None, {"L00": attn([0.1, 2.0], [2.0, 40.0])}))  # established: 2 samples, 10 steps
-    assert det.confirming() == 0
+    assert det.near() is None
     det.observe(Observation(120, None, {"L01": attn([0.1, 2.0], [2.0, 40.0])}))
     det.observe(Observation(122, None, {"L01": attn([2.0, 2.0], [40.0, 40.0])}))  # beyond the exit line: cleared
-    assert det.confirming() == 0
+    assert det.near() is None
+    det.observe(Observation(130, None, {"L02": attn([0.6, 0.1], [5.0, 1.1], sink=[0.1, 0.9])}))  # between; a sink
+    assert det.near() == "L02/H00 came near the malignant lines at step 130"
+    det.observe(Observation(150, None, {"L02": attn([0.6, 0.1], [5.0, 1.1], sink=[0.1, 0.9])}))
+    assert det.near() is None  # hovering for twice the dwell: back to the cadence
+    assert det.nearing == {"L02/H00": 130}
 
 
 def test_flapping_inside_the_exit_line_is_one_episode():
@@ -161,24 +212,25 @@ def test_detectors_report_the_states_through_alert_config_fields():
     assert out == []  # 0.3 nats is over the configured 0.2 line
     out = det.observe(Observation(1, None, {"L00": attn([0.1], [2.0])}))
     assert [(a.kind, a.where, a.level) for a in out] == [("malignant_collapse", "L00/H00", "warning"),
-                                                          ("malignant_collapse", "L00", "critical")]
+                                                          ("malignant_collapse", "L00", "warning")]
 
 
 def test_malignant_message_says_where_since_what_to_do_and_not_the_location_twice():
     det = Detectors(AlertConfig(collapse_persist=2))
     out = []
-    for step in (0, 10, 20):
-        m = {"attn_entropy": np.array([0.1, 2.0]), "attn_rank": np.array([2.0, 40.0]), "attn_rows": np.array([64.0])}
+    for step in (0, 10, 20, 30):
+        e = [0.1 if step else 2.0, 2.0]
+        m = {"attn_entropy": np.array(e), "attn_rank": np.array([2.0, 40.0]), "attn_rows": np.array([64.0])}
         out += det.observe(Observation(step, None, {"L02": m}))
     (a,) = out
-    assert (a.step, a.since, a.where, a.anchor) == (10, 0, "L02/H00", "docs/alerts.md#malignant_collapse")
-    assert "since step 0" in a.message and "What to do:" in a.message and "L02" not in a.message
+    assert (a.step, a.since, a.where, a.anchor) == (20, 10, "L02/H00", "docs/alerts.md#malignant_collapse")
+    assert "since step 10" in a.message and "What to do:" in a.message and "L02" not in a.message
     assert "pointer head" in a.message
 
 
 def test_states_resume_from_a_saved_state_identically():
     script = [(s, attn([0.1, 0.1 if s >= 30 else 2.0], [2.0, 2.0 if s >= 30 else 40.0])) for s in range(0, 80, 2)]
-    whole, _ = run(script)
+    whole, _ = run(script, baseline=True)
     first = AttentionStates(StatesConfig())
     out = [a for s, m in script[:12] for a in first.observe(Observation(s, None, {"L00": m}))]
     second = AttentionStates(StatesConfig())
@@ -216,10 +268,10 @@ def test_a_head_on_its_way_out_does_not_open_its_layer_with_a_head_coming_in():
 def test_a_resume_from_head_episodes_only_does_not_announce_the_layer_again():
     """A state that holds the heads only (``attention_episodes``): the layer's state is derived from its heads on
     resume, silently, not fired as news."""
-    script = [(s, attn([0.1, 0.1], [2.0, 2.0])) for s in range(0, 100, 10)]
+    script = [(s, attn([0.1, 0.1], [2.0, 2.0]) if s else normal(2)) for s in range(0, 100, 10)]
     first = AttentionStates(StatesConfig())
     before = [a for s, m in script[:5] for a in first.observe(Observation(s, None, {"L00": m}))]
-    assert ("critical", "L00") in {(a.level, a.where) for a in before}
+    assert ("warning", "L00") in {(a.level, a.where) for a in before}
     saved = first.state_dict()
     old = {"attention_episodes": saved["attention_states"]["heads"]}
     second = AttentionStates(StatesConfig())
@@ -228,85 +280,31 @@ def test_a_resume_from_head_episodes_only_does_not_announce_the_layer_again():
     assert after == []
 
 
-def test_a_layer_one_established_head_short_of_its_state_is_watched():
-    """``watching``: a layer with an established malignant head whose next head would make a layer collapse
-    (2 of 2 heads here; 5 of 12 at a share of 0.5), and not a layer already collapsed, nor one whose head is only
-    pending, nor one two heads short."""
-    det = AttentionStates(StatesConfig())
-    det.observe(Observation(0, None, {"L00": attn([0.1, 2.0], [2.0, 40.0])}))
-    assert det.watching() is None  # pending (its dwell not met): the confirmation's close samples, not this
-    det.observe(Observation(10, None, {"L00": attn([0.1, 2.0], [2.0, 40.0])}))
-    assert det.watching() == "L00 is one head short of a malignant collapse"
-    det.observe(Observation(11, None, {"L00": attn([0.1, 0.1], [2.0, 2.0])}))
-    det.observe(Observation(21, None, {"L00": attn([0.1, 0.1], [2.0, 2.0])}))
-    assert det.layer_in("malignant", "L00") and det.watching() is None  # collapsed: nothing left to watch
-    wide = AttentionStates(StatesConfig())
-    for step in (0, 10):
-        wide.observe(Observation(step, None, {"L01": attn([0.1] * 4 + [2.0] * 8, [2.0] * 4 + [40.0] * 8)}))
-    assert wide.watching() is None  # 4 of 12 established, 6 needed: two heads short
-    for step in (20, 30):
-        wide.observe(Observation(step, None, {"L01": attn([0.1] * 5 + [2.0] * 7, [2.0] * 5 + [40.0] * 7)}))
-    assert wide.watching() == "L01 is one head short of a malignant collapse"
-
-
-def test_a_short_layer_state_whose_start_fell_between_samples_is_counted_from_its_start_at_the_default_cadence():
-    """Head 0 established early, head 1 enters at step 134 and the layer's state ends at 148, 4 steps after the
-    ground truth establishes it (144). Close samples every 10 steps would first show head 1 at 140, so the dwell
-    counted from there ends after the state; watching the layer every ``watch_every`` steps shows it at 134 and
-    the critical record comes at 144, before the state ends. Head 1 entering at an odd step (135), the layer's
-    state ending one step after it is established (146): watched every 2 steps head 1 is first seen at 136 and
-    the dwell counted from there ends after the state; watched every step (the default) the record comes at 145.
-    Replayed as the evaluation replays (evaluation.detectors.at_default_cadence)."""
-    import functools
-
+def test_a_collapse_a_sampled_step_shows_near_the_lines_is_counted_from_where_it_began_at_the_default_cadence():
+    """Head 1 comes between the lines at step 130 and inside them from 134 to 148; the sample at 130 (a loss step of
+    the default cadence with a close look on for the layer's risk) shows it near the lines, attention follows at
+    every step, and the head's record comes where the ground truth has it established (144), since 134. Replayed
+    as the evaluation replays (evaluation.detectors.at_default_cadence)."""
     from evaluation import detectors as evaluate_detectors
-    from hooks.monitor.cadence import CloserLook, CloserLookConfig
 
-    def script(enter, leave):
-        def head1(s):
-            return enter <= s < leave
-        return [Observation(s, 3.0, {"L00": attn([0.1, 0.1 if head1(s) else 2.0],
-                                                 [2.0, 2.0 if head1(s) else 40.0])}) for s in range(0, 200)]
+    def head1(s):
+        return 0.1 if 134 <= s < 148 else 0.6 if 130 <= s < 134 else 2.0
 
-    def truth(steps):
-        return [(e.where, e.since, e.opened, e.until) for e in episodes_of(steps, StatesConfig())
-                if e.state == "malignant" and "/" not in e.where]
+    steps = [Observation(s, 3.0, {"L00": attn([2.0, head1(s)], [40.0, 2.0 if head1(s) < 1 else 40.0])})
+             for s in range(0, 200)]
+    truth = [(e.where, e.since, e.opened) for e in episodes_of(steps, StatesConfig()) if e.state == "malignant"]
+    assert truth == [("L00/H01", 134, 144)]
 
-    def critical(steps, watch_every):
-        original = evaluate_detectors.CloserLook
-        evaluate_detectors.CloserLook = functools.partial(CloserLook, watch_every=watch_every)
-        try:
-            det = Detectors(AlertConfig())
-            alerts = [a for _, out in evaluate_detectors.at_default_cadence(steps, det) for a in out]
-        finally:
-            evaluate_detectors.CloserLook = original
-        return [(a.step, a.since) for a in alerts if a.level == "critical" and a.status == "firing"]
+    class AtRisk(Detectors):  # a layer at risk from step 100: the close look samples attention with every loss
+        def at_risk(self):
+            return "at risk" if self.step >= 100 else None
 
-    assert CloserLookConfig.watch_every == 1
-    even, odd = script(134, 148), script(135, 146)
-    assert truth(even) == [("L00", 134, 144, 148)] and truth(odd) == [("L00", 135, 145, 146)]
-    assert critical(even, CloserLookConfig.watch_every) == critical(even, 2) == [(144, 134)]
-    assert critical(even, 10) == []  # no watch: first seen at 140, and the state is over at 148
-    assert critical(odd, CloserLookConfig.watch_every) == [(145, 135)]
-    assert critical(odd, 2) == []  # first seen at 136: the dwell counted from there ends at 146, with the state
+        def observe(self, obs):
+            self.step = obs.step
+            return super().observe(obs)
 
-
-def test_a_head_between_the_malignant_lines_is_noted_from_the_first_sample_of_its_stay():
-    """``between``: a head neither inside the malignant entry lines nor beyond the exit lines (entropy 0.5 and
-    0.75 nats here, rank 7.3 and 10.95 of 64 rows), in no episode, from the first sample of its stay; it leaves
-    the record beyond the exit lines or inside the entry lines, and the record survives a resume."""
-    det = AttentionStates(StatesConfig())
-    det.observe(Observation(0, None, {"L00": attn([2.0, 2.0], [40.0, 40.0])}))
-    assert det.between == {} and det.entered_between("L00") is None
-    det.observe(Observation(10, None, {"L00": attn([0.6, 2.0], [5.0, 40.0])}))
-    det.observe(Observation(20, None, {"L00": attn([0.7, 0.6], [5.0, 5.0])}))
-    assert det.between == {"L00/H00": 10, "L00/H01": 20} and det.entered_between("L00") == 20
-    det.observe(Observation(30, None, {"L00": attn([2.0, 0.1], [40.0, 2.0])}))  # out; inside (a candidate)
-    assert det.between == {} and det.entered_between("L00") is None
-    det.observe(Observation(40, None, {"L00": attn([0.6, 0.1], [5.0, 2.0])}))  # a new stay of head 0
-    assert det.between == {"L00/H00": 40}
-    det.observe(Observation(45, None, {"L01": attn([float("nan"), 0.6], [5.0, float("inf")])}))
-    assert det.between == {"L00/H00": 40}  # a sample that is not finite is not between the lines
-    again = AttentionStates(StatesConfig())
-    again.load_state_dict(json.loads(json.dumps(det.state_dict())))
-    assert again.between == {"L00/H00": 40} and again.entered_between("L00") == 40
+    det = AtRisk(AlertConfig())
+    det.step = -1
+    alerts = [a for _, out in evaluate_detectors.at_default_cadence(steps, det) for a in out]
+    assert [(a.step, a.since, a.where) for a in alerts if a.kind == "malignant_collapse"
+            and a.status == "firing"] == [(144, 134, "L00/H01")]

@@ -212,7 +212,7 @@ def test_chunked_rows_equal_unchunked(monkeypatch):
     whole = stats_from_logits(logits, rank_rows=17)
     monkeypatch.setattr(A, "_CHUNK_BYTES", 8 * 3 * 40 * 7)  # 7 rows per chunk
     chunked = stats_from_logits(logits, rank_rows=17)
-    for name in ("entropy", "rank", "max_logit", "rows"):
+    for name in ("entropy", "rank", "max_logit", "rows", "sink", "sink_pos"):
         torch.testing.assert_close(getattr(chunked, name), getattr(whole, name))
 
 

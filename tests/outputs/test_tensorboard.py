@@ -32,7 +32,7 @@ from test_outputs import run_training
 
 from diag.catalog.metrics import CHART_STAT, LAYER_METRICS, PER_HEAD_METRICS, family, update_metric_names
 from diag.catalog.tags import layer_runs
-from diag.detectors import Alert, AlertConfig, TrainingHalted
+from diag.detectors import Alert, AlertConfig, DetectorWrapper, TrainingHalted
 from diag.errors import ConfigError
 from diag.outputs.images import ALERT_MAPS_PER_STEP, UpdateRatioHistory, flagged_heads, layer_head_data
 from diag.outputs.sinks import MemorySink, Record
@@ -402,11 +402,21 @@ def test_image_faults_never_reach_training(monkeypatch):
     assert [s for s, _ in memory.scalars("loss")] == [0, 1, 2]
 
 
+class _HaltAtFirstSample(DetectorWrapper):
+    """The Monitor's detectors, with a critical record added to the first sample's."""
+
+    def observe(self, obs):
+        out = self.inner.observe(obs)
+        return out + [Alert(obs.step, "collapse_damage", "critical", "L00", "stop")] if obs.step == 0 else out
+
+
 def test_attention_maps_are_written_before_a_critical_alert_stops_training():
-    # sparse (entropy < 100 nats) and low-rank (rank <= 50 x rows): malignant at once
+    # sparse (entropy < 100 nats) and low-rank (rank <= 50 x rows): every head malignant at once (records that name
+    # heads, info as the model's baseline), and a critical record at the same sample
     cfg = AlertConfig(sparse_entropy=100.0, low_rank_frac=50.0, collapse_persist=1)
     case, memory = zoo.nanogpt(), MemorySink()
     monitor = Monitor(case.model, every=1, images=True, sinks=[memory], alerts=cfg, stop_on_critical=True)
+    monitor.detectors = _HaltAtFirstSample(monitor.detectors)
     with pytest.raises(TrainingHalted):
         train(case, monitor, steps=2)
     monitor.close()

@@ -24,7 +24,7 @@ from diag.detectors import AlertConfig, DetectorWrapper
 from diag.errors import ConfigError
 from diag.outputs.sinks import MemorySink
 from hooks import Monitor
-from hooks.monitor.cadence import DEFAULT_CADENCE, FAMILIES, CloserLook, CloserLookConfig, resolve_cadence
+from hooks.monitor.cadence import DEFAULT_CADENCE, FAMILIES, CloserLook, resolve_cadence
 from tests.support import zoo
 
 FAMILY_OF = {"loss": "loss", "grad_": "grads", "qk_": "spectra", "attn_": "attention", "update_": "updates",
@@ -160,12 +160,11 @@ def assert_values_of(sink, uniform) -> None:
 
 
 def test_closer_look_samples_attention_with_the_spectra_while_asked(default_run):
-    """watch_growth=1.01: any growth of sigma_1 asks for a closer look, from the second spectra sample on
-    (step 20: growth over 0..20), held watch_hold=30 steps after each ask: attention and the spectra every 10
-    steps from 30 on, with the very values of every=10 (watch_early=0: no 2-step look in the first steps,
-    the next test's subject)."""
-    cfg, look = AlertConfig(watch_growth=1.01), CloserLookConfig(hold=30, early=0)
-    sink, armed = train(201, alerts=cfg, closer_look=look)
+    """watch_growth=1.01: any growth of sigma_1 puts the layer at risk, from the second spectra sample on (step
+    20: growth over 0..20), and the detectors are asked again at every judged step: attention and the spectra
+    every 10 steps from 30 on, with the very values of every=10."""
+    cfg = AlertConfig(watch_growth=1.01)
+    sink, armed = train(201, alerts=cfg)
     seen = steps_by_family(sink)
     closer = set(range(30, 201, 10))
     assert seen["attention"] == {0} | closer and seen["spectra"] == {0, 20} | closer
@@ -179,116 +178,82 @@ def test_closer_look_samples_attention_with_the_spectra_while_asked(default_run)
     assert steps_by_family(default_run)["attention"] == {0, 50, 100, 150, 200}  # this quiet run never asked
 
 
-def test_early_look_samples_every_2_steps_after_large_first_updates():
+def test_large_first_updates_put_the_run_at_risk_for_their_horizon():
     """note_ratio=1e-6: every run's first update is 'large', noted when step 0's update ratio is measured
-    (during monitor.step(1)). From step 2 on attention and the spectra are sampled every 2 steps up to step
-    30 (steps no family samples otherwise, the loss and gradients not among them), then every 10 while the
-    note holds (its 50 steps) and watch_hold=30 steps after, with the very values of every=2."""
+    (during monitor.step(1)). Attention and the spectra are sampled with every loss sample while the note holds
+    (its first 50 steps), and the sample at 50 asks for one more."""
     cfg = AlertConfig(note_ratio=1e-6)
-    sink, armed = train(101, alerts=cfg, closer_look=CloserLookConfig(hold=30))
+    sink, armed = train(101, alerts=cfg)
     seen = steps_by_family(sink)
-    early = set(range(0, 30, 2)) | set(range(30, 81, 10)) | {100}
-    assert seen["attention"] == early and seen["spectra"] == early | {20}
+    early = set(range(0, 61, 10)) | {100}
+    assert seen["attention"] == early and seen["spectra"] == early | {80}
     assert seen["loss"] == seen["grads"] == set(range(0, 101, 10))
-    assert [s for s, a in enumerate(armed) if a][:3] == [1, 3, 5]  # armed after step 1 for step 2
-    uniform = train(101, every=2)[0]
+    uniform = train(101, every=10)[0]
     assert_values_of(sink, uniform)
 
 
-def test_closer_look_holds_and_stays_off_when_attention_is_as_frequent():
-    look = CloserLook(resolve_cadence(None, None, ("spectra", "attention")), hold=25, early=0)
+class Asking:
+    """Detectors that ask for a close look: ``near`` and ``at_risk`` reasons while the step is in the ranges."""
+
+    def __init__(self, near=range(0), risk=range(0)) -> None:
+        self.near_steps, self.risk_steps, self.step = near, risk, -1
+
+    def near(self):
+        return "a head came near" if self.step in self.near_steps else None
+
+    def at_risk(self):
+        return "a layer at risk" if self.step in self.risk_steps else None
+
+
+def test_closer_look_samples_every_step_while_near_and_every_loss_sample_while_at_risk():
+    cadence = resolve_cadence(None, None, ("spectra", "attention"))
+    look, ask = CloserLook(cadence), Asking(near=range(40, 44), risk=range(10, 31))
     assert look.period == 10 and not look.adds(20)
-    assert look.update(10, "sigma_1 grew") and look.until == 35
-    assert [s for s in range(11, 60) if look.adds(s)] == [20, 30] and look.adds(20) == {"attention", "spectra"}
-    assert not look.update(30, "again") and look.until == 55  # extended, not restarted
-    assert not look.update(40, None) and look.until == 55
-    assert CloserLook(resolve_cadence(10, None, ("spectra", "attention")), hold=25).period is None
-    fast_spectra = CloserLook(resolve_cadence(None, {"spectra": 10}, ("spectra", "attention")), hold=25)
-    fast_spectra.update(0, "why")
-    assert fast_spectra.adds(10) == {"attention"}  # the spectra are sampled every 10 steps anyway
-    assert CloserLook(resolve_cadence(None, None, ("spectra", "attention")), hold=25, enabled=False).period is None
-    early = CloserLook(resolve_cadence(None, None, ("spectra", "attention")), hold=25, early=30, early_every=2)
-    assert not early.adds(2)  # nothing asked yet
-    early.update(1, "first updates are large")
-    assert [s for s in range(2, 27) if early.adds(s)] == [2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26]
-    early.update(20, "still")
-    assert [s for s in range(27, 60) if early.adds(s)] == [28, 30, 40]  # every 2 up to step 30, then every 10
-    assert CloserLook(resolve_cadence(2, None, ("spectra", "attention")), hold=25, early=30).period is None
+    sampled = []
+    for step in range(0, 80):
+        ask.step = step
+        added = look.adds(step)
+        if added:
+            sampled.append((step, sorted(added)))
+        if step % 10 == 0 or added:  # a judged step
+            look.heed(step, ask)
+    both, attention = ["attention", "spectra"], ["attention"]
+    # at risk from 10: with the loss samples up to 40; near while 40-43 are judged: every step up to 44
+    assert sampled == [(20, both), (30, both), (40, both), (41, attention), (42, attention), (43, attention),
+                       (44, attention)]
+    started = CloserLook(cadence)
+    ask.step = 10
+    assert started.heed(10, ask) == ["a layer at risk: attention and the spectra sampled every 10 steps"]
+    ask.step = 20
+    assert started.heed(20, ask) == []  # renewed, not started again
+    assert CloserLook(resolve_cadence(10, None, ("spectra", "attention"))).period is None
+    fast_spectra = CloserLook(resolve_cadence(None, {"spectra": 10}, ("spectra", "attention")))
+    ask.step = 10
+    fast_spectra.heed(10, ask)
+    assert fast_spectra.adds(20) == {"attention"}  # the spectra are sampled every 10 steps anyway
+    assert CloserLook(cadence, enabled=False).period is None
 
 
-def test_closer_look_confirms_a_state_every_confirm_every_steps_then_returns_to_its_period():
-    """A state being confirmed (``confirm`` steps) is sampled every ``confirm_every`` steps (by default every
-    step), also at steps the cadence does not sample; after it, the close look's period again; never when
-    confirm_every is not shorter than that period. The early look keeps its own interval."""
-    look = CloserLook(resolve_cadence(None, None, ("spectra", "attention")), hold=30, early=0)
-    assert look.confirm_every == 1
-    assert look.update(50, "a malignant state is being confirmed", confirm=20) and look.confirm_until == 70
-    assert [s for s in range(51, 100) if look.adds(s)] == list(range(51, 71)) + [80]
-    look.update(80, "still watching")  # no confirmation asked: the window does not grow
-    assert look.confirm_until == 70 and look.until == 110
-    two = CloserLook(resolve_cadence(None, None, ("spectra", "attention")), hold=30, early=0, confirm_every=2)
-    two.update(50, "why", confirm=20)
-    assert [s for s in range(51, 100) if two.adds(s)] == [52, 54, 56, 58, 60, 62, 64, 66, 68, 70, 80]
-    coarse = CloserLook(resolve_cadence(None, None, ("spectra", "attention")), hold=30, early=0, confirm_every=10)
-    coarse.update(50, "why", confirm=20)
-    assert coarse.confirm_until == -1 and [s for s in range(51, 81) if coarse.adds(s)] == [60, 70, 80]
-    early = CloserLook(resolve_cadence(None, None, ("spectra", "attention")), hold=30, early=30)
-    early.update(1, "first updates are large")
-    assert [s for s in range(2, 12) if early.adds(s)] == [2, 4, 6, 8, 10]  # early_every, not confirm_every
-    early.update(12, "a malignant state is being confirmed", confirm=5)
-    assert [s for s in range(13, 24) if early.adds(s)] == [13, 14, 15, 16, 17, 18, 20, 22]
-    with pytest.raises(ConfigError, match="confirm_every"):
-        CloserLookConfig(confirm_every=0)
-
-
-def test_a_malignant_state_being_confirmed_is_sampled_every_step_by_the_monitor():
+def test_a_malignant_state_being_settled_is_sampled_every_step_by_the_monitor():
     """Lines so loose that every head is inside the malignant state at its first sample (step 0): its dwell (2
-    samples, 10 steps) is confirmed on attention every step (steps no family samples otherwise) up to twice the
-    dwell, with the very values of every=1, and the head is established at step 10, not at the next 10-step
-    sample's 20. With collapse_persist=1 the state is established at once: nothing to confirm, no close samples."""
+    samples, 10 steps) is settled on attention every step (steps no family samples otherwise), with the very
+    values of every=1, and the head is established at step 10, not at the next 10-step sample's 20; then the
+    cadence again. With collapse_persist=1 the state is established at once: nothing to settle, no close
+    samples."""
     loose = dict(sparse_entropy=10.0, low_rank_frac=1.0, collapse_dwell=10)
-    sink, _ = train(41, alerts=AlertConfig(collapse_persist=2, **loose), closer_look=CloserLookConfig(hold=30, early=0))
+    sink, _ = train(41, alerts=AlertConfig(collapse_persist=2, **loose))
     seen = steps_by_family(sink)
-    assert set(range(0, 21)) <= seen["attention"] and not {21, 22, 25} & seen["attention"]
+    assert set(range(0, 11)) <= seen["attention"] and not {11, 12, 15} & seen["attention"]
     assert seen["loss"] == set(range(0, 41, 10))
     opened = [r for r in sink.records if "alerts/malignant_collapse" in r.scalars]
     assert opened and min(r.step for r in opened) == 10
     assert_values_of(sink, train(41, every=1)[0])
-    at_once, _ = train(41, alerts=AlertConfig(collapse_persist=1, **loose),
-                       closer_look=CloserLookConfig(hold=30, early=0))
+    at_once, _ = train(41, alerts=AlertConfig(collapse_persist=1, **loose))
     assert not {1, 2, 3, 5, 8} & steps_by_family(at_once)["attention"]
 
 
-def test_closer_look_watches_a_short_layer_with_attention_alone_every_watch_every_steps():
-    """While the detectors watch a layer (one head short of a collapse), attention alone (not the spectra) is
-    sampled every ``watch_every`` steps, renewed one period at a time at each judged step, over any look the
-    detectors asked for; off when ``watch_every`` is not shorter than the look's period. Every step by default,
-    shown here every 2 steps."""
-    assert CloserLook(resolve_cadence(None, None, ("spectra", "attention")), hold=30, early=0).watch_every == 1
-    assert CloserLookConfig.watch_every == 1
-    look = CloserLook(resolve_cadence(None, None, ("spectra", "attention")), hold=30, early=0, watch_every=2)
-    assert look.watch(40, "L00 is one head short of a malignant collapse")  # a watch starts
-    assert look.until == look.watch_until == 50
-    assert [(s, sorted(look.adds(s))) for s in range(41, 56) if look.adds(s)] == [
-        (42, ["attention"]), (44, ["attention"]), (46, ["attention"]), (48, ["attention"]), (50, ["attention"])]
-    look.watch(42, None)  # the reason is gone: the watch ends where it was renewed last
-    assert look.watch_until == 50
-    look.update(50, "sigma_1 grew")  # a look asked for: attention and the spectra every 10, the watch between
-    assert look.watch(50, "L00 is one head short of a malignant collapse")  # at the lapsed watch's end: again
-    assert not look.watch(52, "L00 is one head short of a malignant collapse")  # renewed, not started
-    assert look.watch_until == 62
-    assert [(s, sorted(look.adds(s))) for s in range(51, 61) if look.adds(s)] == [
-        (52, ["attention"]), (54, ["attention"]), (56, ["attention"]), (58, ["attention"]),
-        (60, ["attention", "spectra"])]
-    off = CloserLook(resolve_cadence(None, None, ("spectra", "attention")), hold=30, early=0, watch_every=10)
-    assert not off.watch(40, "why")
-    assert off.until == -1 and not any(off.adds(s) for s in range(41, 60))
-    with pytest.raises(ConfigError, match="watch_every"):
-        CloserLookConfig(watch_every=0)
-
-
-class _Watching(DetectorWrapper):
-    """The Monitor's detectors, watching a layer while the last step they judged is in ``steps``."""
+class _Near(DetectorWrapper):
+    """The Monitor's detectors, with a head near the lines while the last step they judged is in ``steps``."""
 
     def __init__(self, inner, steps: range) -> None:
         super().__init__(inner)
@@ -298,23 +263,20 @@ class _Watching(DetectorWrapper):
         self.last = obs.step
         return self.inner.observe(obs)
 
-    def watching(self):
-        return "L00 is one head short of a malignant collapse" if self.last in self.steps else None
+    def near(self):
+        return "L00/H00 came near the malignant lines" if self.last in self.steps else None
 
 
-def test_the_monitor_samples_attention_every_watch_every_steps_while_a_layer_is_watched():
-    """A layer watched while the detectors judge steps 40-60: the Monitor samples attention (and nothing else)
-    at every step from 41 to 70 (every second step with ``watch_every=2``; the watch renewed one 10-step period at
-    each judged step), arming the capture the step before, with the very values of every=1; the spectra keep
-    their 20 steps."""
+def test_the_monitor_samples_attention_at_every_step_while_a_head_is_near():
+    """A head near the lines while the detectors judge steps 40-60: the Monitor samples attention at every step
+    from 41 to 61 (the step after the last judged one asked), arming the capture the step before, with the very
+    values of every=1; the spectra come with the loss samples meanwhile (50)."""
     reference = train(81, every=1)[0]
-    for watch_every, watched in ((CloserLookConfig.watch_every, range(41, 71)), (2, range(42, 71, 2))):
-        sink, _ = train(81, wrap=lambda detectors: _Watching(detectors, range(40, 61)),
-                        closer_look=CloserLookConfig(hold=30, early=0, watch_every=watch_every))
-        seen = steps_by_family(sink)
-        assert seen["attention"] == {0, 50} | set(watched)
-        assert seen["spectra"] == set(range(0, 81, 20)) and seen["loss"] == set(range(0, 81, 10))
-        assert_values_of(sink, reference)
+    sink, _ = train(81, wrap=lambda detectors: _Near(detectors, range(40, 61)))
+    seen = steps_by_family(sink)
+    assert seen["attention"] == {0, 50} | set(range(41, 62))
+    assert seen["spectra"] == set(range(0, 81, 20)) | {50} and seen["loss"] == set(range(0, 81, 10))
+    assert_values_of(sink, reference)
 
 
 class Spy(DetectorWrapper):
