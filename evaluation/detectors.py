@@ -10,7 +10,9 @@ what a Monitor at that interval passes its detectors) and at the Monitor's defau
 ``hooks.monitor.cadence.CloserLook`` adds it). Hugging Face runs, recorded with every family every 10 steps, are
 replayed at the default cadence only (the design set's, recorded at the Monitor's default cadence itself, as
 recorded).
-A run counts once in every figure, whatever the cadences it is replayed at.
+A collapse run's records are judged per layer and per head against their own onsets, within a window on both
+sides (:mod:`evaluation.matching`). A run counts once in every figure, whatever the cadences it is replayed at;
+``--markdown`` prints the tables of :mod:`evaluation.tables` (a frozen set's report: :mod:`evaluation.report`).
 """
 
 from __future__ import annotations
@@ -141,34 +143,42 @@ def twin_of(run: Run, runs: dict[str, Run]) -> Run | None:
 ALARMS = ("malignant_collapse", "collapse_warning", "collapse_damage")  # a collapse alert, for the twin test
 
 
-def judge_collapse(run: Run, cfg: AlertConfig, every, twin: Run | None) -> dict:
-    """The collapse records matched per layer and per head (:mod:`evaluation.matching`), the warnings per layer
-    within the risk's horizon, and the twin test: whether a collapse alert (a layer's collapse record, a warning
-    or a damage record) came before the damage began."""
-    alerts = replay_run(run, cfg, every)
+def collapse_matches(run: Run, alerts: list, cfg: AlertConfig) -> dict:
+    """The run's collapsed layers and heads against their own records (:mod:`evaluation.matching`), its layers
+    against their own warnings within the risk's horizon, and the false records of each."""
     end = run.spec.steps - 1
     layers = match(records_of(alerts, "malignant_collapse", "layer"), onsets(run), COLLAPSE, end)
     heads = match(records_of(alerts, "malignant_collapse", "head"), onsets(run, "head"), COLLAPSE, end)
     warnings = match(records_of(alerts, "collapse_warning", "layer"), onsets(run),
                      warning_window(cfg.risk.risk_horizon), end)
-    onset = collapse_onset(run)
-    damaged, damage_from = damage(run, twin)
-    alarm = min((a.step for a in alerts if a.status == "firing" and a.kind in ALARMS and "/" not in a.where),
-                default=None)
+    onset, first_record = collapse_onset(run), first(alerts, "malignant_collapse", scope="layer")
     leads = [w["lead"] for w in warnings["onsets"]]
-    return {"run": run.name, "every": every, "lr": run.spec.lr, "twin": run.spec.twin, "onset": onset,
-            "head_onset": collapse_onset(run, "head"), "layers": layers["onsets"], "heads": heads["onsets"],
-            "first_record": first(alerts, "malignant_collapse", scope="layer"),
+    return {"onset": onset, "head_onset": collapse_onset(run, "head"), "layers": layers["onsets"],
+            "heads": heads["onsets"], "first_record": first_record,
             "caught": onset is not None and all(x["in_time"] for x in layers["onsets"]),
             # a missed layer whose onset came within 50 steps of the run's end: whether its record would have come
             # in time is unknown (counted apart, and as a miss in the plain count)
             "censored": any(x["censored"] for x in layers["onsets"]),
             "false_records": layers["false"], "false_head_records": heads["false"],
-            "quiet_record": onset is None and first(alerts, "malignant_collapse", scope="layer") is not None,
+            "quiet_record": onset is None and first_record is not None,
             "warnings": warnings["onsets"], "false_warnings": warnings["false"],
             "warned": onset is not None and all(x["in_time"] for x in warnings["onsets"]),
             "lead": min(leads) if onset is not None and None not in leads else None,
-            "quiet_warning": onset is None and first(alerts, "collapse_warning") is not None,
+            "quiet_warning": onset is None and first(alerts, "collapse_warning") is not None}
+
+
+ALARMS = ("malignant_collapse", "collapse_warning", "collapse_damage")  # a collapse alert, for the twin test
+
+
+def judge_collapse(run: Run, cfg: AlertConfig, every, twin: Run | None) -> dict:
+    """:func:`collapse_matches` at ``every``, and the twin test: whether a collapse alert (a layer's collapse
+    record, a warning or a damage record) came before the damage began."""
+    alerts = replay_run(run, cfg, every)
+    damaged, damage_from = damage(run, twin)
+    alarm = min((a.step for a in alerts if a.status == "firing" and a.kind in ALARMS and "/" not in a.where),
+                default=None)
+    return {"run": run.name, "every": every, "lr": run.spec.lr, "twin": run.spec.twin,
+            **collapse_matches(run, alerts, cfg),
             "damaged": damaged, "damage_from": damage_from, "alarm": alarm,
             "alarm_before_damage": None if not damaged else alarm is not None and damage_from is not None
             and alarm < damage_from,
@@ -207,7 +217,7 @@ def judge_eureka(run: Run, cfg: AlertConfig, every, twin: Run | None) -> dict:
 def in_state(run: Run, alert) -> bool:
     """Whether the ground truth (the states of the run's logged attention, evaluation.truth.states) has the head or
     layer of an attention-state alert in that state at some time (every head of a record several heads share,
-    ``Alert.heads``): the alert is a true one by the one definition."""
+    ``Alert.heads``): the alert is a true one by the ground truth's states."""
     state = {"malignant_collapse": "malignant", "benign_collapse": "benign", "uniform_attention": "uniform",
              "attention_sink": "sink"}.get(alert.kind)
     found = {e.where for e in states(run) if e.state == state}

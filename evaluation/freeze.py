@@ -32,6 +32,8 @@ import math
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
+
 from evaluation.provenance import ROOT, changed, code_differs, detector_hash, file_hash, head, now, spec_hash
 from evaluation.seeds import SETS
 from evaluation.spec import RunSpec
@@ -47,7 +49,10 @@ class Refused(RuntimeError):
 
 
 def jsonable(x: object) -> object:
-    """``x`` with tuples as lists and non-finite floats as strings ("inf", "nan"): strict JSON."""
+    """``x`` with tuples as lists, numpy scalars as Python ones and non-finite floats as strings ("inf",
+    "nan"): strict JSON."""
+    if isinstance(x, np.generic):
+        x = x.item()
     if isinstance(x, float) and not math.isfinite(x):
         return str(x)
     if isinstance(x, dict):

@@ -145,3 +145,13 @@ def test_records_changed_after_the_seal_refuse_the_replay(tmp_path, repo):
         f.write("\n")
     with pytest.raises(Refused, match=r"records differ from those sealed: lm-lr0.005-s1/observations.jsonl"):
         replayable("s", runs, frozen, repo)
+
+
+def test_a_recorded_run_says_the_commit_and_the_times_it_was_recorded_at(tmp_path):
+    from evaluation.provenance import changed
+    from evaluation.runs import record as train_and_record
+
+    path = train_and_record(RunSpec("lm", 0, 1e-3, 2, context=16), tmp_path)
+    recorded = json.loads((path / "run.json").read_text())["recorded"]
+    assert recorded["commit"] == head() and recorded["changed"] == changed()
+    assert recorded["start"] <= recorded["end"]
