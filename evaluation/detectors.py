@@ -10,7 +10,9 @@ what a Monitor at that interval passes its detectors) and at the Monitor's defau
 ``hooks.monitor.cadence.CloserLook`` adds it). Hugging Face runs, recorded with every family every 10 steps, are
 replayed at the default cadence only (the design set's, recorded at the Monitor's default cadence itself, as
 recorded).
-A run counts once in every figure, whatever the cadences it is replayed at.
+A collapse run's records are judged per layer and per head against their own onsets, within a window on both
+sides (:mod:`evaluation.matching`). A run counts once in every figure, whatever the cadences it is replayed at;
+``--markdown`` prints the tables of :mod:`evaluation.tables` (a frozen set's report: :mod:`evaluation.report`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections import Counter
 from pathlib import Path
 
 from diag.detectors import AlertConfig, Detectors, Observation
+from evaluation.matching import COLLAPSE, match, records_of, warning_window
 from evaluation.seeds import BOUNDARY_LR, SETS
 from evaluation.truth import (
     Run,
@@ -28,9 +31,9 @@ from evaluation.truth import (
     accuracy_rise,
     at_context_free,
     collapse_onset,
-    context_free_loss,
     damage,
     load_runs,
+    onsets,
     plateau_by_twin,
     settled,
     states,
@@ -43,7 +46,6 @@ EVERYS = ("default", 2, 5, 10, 20)  # "default": the Monitor's per-family cadenc
 FAMILY_OF = {"grad_": "grads", "qk_": "spectra", "attn_": "attention", "update_": "updates"}
 PLATEAU_MARGIN = 0.05  # held-out accuracy within 0.05 of the no-indicator ceiling: still on the plateau
 EVAL_EVERY = 20  # steps between held-out evaluations of the Eureka task
-LATE = 50  # a collapse alert at most this many steps after the collapse is established
 
 
 def family(metric: str) -> str:
@@ -116,9 +118,10 @@ def everys(run: Run) -> tuple:
     return ("default",) if run.spec.task == "hf" else EVERYS
 
 
-def first(alerts: list, kind: str, attr: str = "step", level: str | None = None) -> int | None:
+def first(alerts: list, kind: str, attr: str = "step", scope: str | None = None) -> int | None:
+    """The first firing record of ``kind`` (``scope``: of a layer, ``"layer"``, or a head, ``"head"``, only)."""
     steps = [getattr(a, attr) for a in alerts if a.kind == kind and a.status == "firing"
-             and (level is None or a.level == level)]
+             and (scope is None or ("/" in a.where) == (scope == "head"))]
     return min(steps, default=None)
 
 
@@ -137,26 +140,52 @@ def twin_of(run: Run, runs: dict[str, Run]) -> Run | None:
     return runs.get(replace(run.spec, twin=kind, threads=1).name)
 
 
+ALARMS = ("malignant_collapse", "collapse_warning", "collapse_damage")  # a collapse alert, for the twin test
+
+
+def collapse_matches(run: Run, alerts: list, cfg: AlertConfig) -> dict:
+    """The run's collapsed layers and heads against their own records (:mod:`evaluation.matching`), its layers
+    against their own warnings within the risk's horizon, and the false records of each."""
+    end = run.spec.steps - 1
+    layers = match(records_of(alerts, "malignant_collapse", "layer"), onsets(run), COLLAPSE, end)
+    heads = match(records_of(alerts, "malignant_collapse", "head"), onsets(run, "head"), COLLAPSE, end)
+    warnings = match(records_of(alerts, "collapse_warning", "layer"), onsets(run),
+                     warning_window(cfg.risk.risk_horizon), end)
+    onset, first_record = collapse_onset(run), first(alerts, "malignant_collapse", scope="layer")
+    leads = [w["lead"] for w in warnings["onsets"]]
+    return {"onset": onset, "head_onset": collapse_onset(run, "head"), "layers": layers["onsets"],
+            "heads": heads["onsets"], "first_record": first_record,
+            "caught": onset is not None and all(x["in_time"] for x in layers["onsets"]),
+            # a missed layer whose onset came within 50 steps of the run's end: whether its record would have come
+            # in time is unknown (counted apart, and as a miss in the plain count)
+            "censored": any(x["censored"] for x in layers["onsets"]),
+            "false_records": layers["false"], "false_head_records": heads["false"],
+            "quiet_record": onset is None and first_record is not None,
+            "warnings": warnings["onsets"], "false_warnings": warnings["false"],
+            "warned": onset is not None and all(x["in_time"] for x in warnings["onsets"]),
+            "lead": min(leads) if onset is not None and None not in leads else None,
+            "quiet_warning": onset is None and first(alerts, "collapse_warning") is not None}
+
+
+ALARMS = ("malignant_collapse", "collapse_warning", "collapse_damage")  # a collapse alert, for the twin test
+
+
 def judge_collapse(run: Run, cfg: AlertConfig, every, twin: Run | None) -> dict:
+    """:func:`collapse_matches` at ``every``, and the twin test: whether a collapse alert (a layer's collapse
+    record, a warning or a damage record) came before the damage began."""
     alerts = replay_run(run, cfg, every)
-    onset, head_onset = collapse_onset(run), collapse_onset(run, scope="head")
-    critical = first(alerts, "malignant_collapse", level="critical")
-    warning = first(alerts, "collapse_warning")
     damaged, damage_from = damage(run, twin)
-    return {"run": run.name, "every": every, "lr": run.spec.lr, "twin": run.spec.twin, "onset": onset,
-            "head_onset": head_onset, "critical": critical, "warning": warning,
-            "critical_in_time": onset is not None and critical is not None and critical <= onset + LATE,
-            # established within LATE steps of the run's end and no critical record before it ended: whether it
-            # would have come in time is unknown (counted apart, and as a miss in the plain count)
-            "censored": onset is not None and critical is None and onset + LATE > run.spec.steps - 1,
-            "false_critical": onset is None and critical is not None,
-            "warned": onset is not None and warning is not None and warning < onset,
-            "lead": None if onset is None or warning is None else onset - warning,
-            "false_warning": onset is None and warning is not None,
-            "damaged": damaged, "damage_from": damage_from,
+    alarm = min((a.step for a in alerts if a.status == "firing" and a.kind in ALARMS and "/" not in a.where),
+                default=None)
+    return {"run": run.name, "every": every, "lr": run.spec.lr, "twin": run.spec.twin,
+            **collapse_matches(run, alerts, cfg),
+            "damaged": damaged, "damage_from": damage_from, "alarm": alarm,
+            "alarm_before_damage": None if not damaged else alarm is not None and damage_from is not None
+            and alarm < damage_from,
             "records": records_per_head(alerts),
             "plateau_alerts": sum(a.kind == "eureka_plateau" and a.status == "firing" for a in alerts),
-            "bad": sorted({f"{a.kind}@{a.step}" for a in alerts if a.status == "firing" and a.level != "info"})}
+            "bad": sorted({f"{a.kind}@{a.step}:{a.where}" for a in alerts if a.status == "firing"
+                           and a.level != "info"})}
 
 
 def at_plateau(info: dict, step: int) -> bool:
@@ -188,9 +217,9 @@ def judge_eureka(run: Run, cfg: AlertConfig, every, twin: Run | None) -> dict:
 def in_state(run: Run, alert) -> bool:
     """Whether the ground truth (the states of the run's logged attention, evaluation.truth.states) has the head or
     layer of an attention-state alert in that state at some time (every head of a record several heads share,
-    ``Alert.heads``): the alert is a true one by the one definition."""
-    state = {"malignant_collapse": "malignant", "benign_collapse": "benign", "uniform_attention": "uniform"}.get(
-        alert.kind)
+    ``Alert.heads``): the alert is a true one by the ground truth's states."""
+    state = {"malignant_collapse": "malignant", "benign_collapse": "benign", "uniform_attention": "uniform",
+             "attention_sink": "sink"}.get(alert.kind)
     found = {e.where for e in states(run) if e.state == state}
     return state is not None and all(where in found for where in alert.heads or (alert.where,))
 
@@ -228,155 +257,13 @@ def rows_of(runs: list[Run], cfg: AlertConfig, cadences=None) -> list[dict]:
             for r in runs for every in (cadences or everys(r)) if every in everys(r)]
 
 
-def _header(*columns: str) -> list[str]:
-    """A markdown table's header row and the row under it."""
-    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-
-
-def _frac(rows: list[dict], key: str) -> str:
-    return f"{sum(bool(r[key]) for r in rows)}/{len(rows)}"
-
-
-def collapse_table(rows: list[dict]) -> list[str]:
-    """One row per cadence over the collapse runs (twins included; no run counted twice at a cadence)."""
-    out = _header("every", "runs", "layer collapses", "critical within 50 steps",
-                  "... of those the run lasted 50 steps past", "critical on runs without a layer collapse",
-                  "warned before the onset", "warning leads >= 5 steps", "warnings on runs without a layer collapse",
-                  "most records of one kind on one head")
-    for every in EVERYS:
-        rs = [r for r in rows if r["kind"] == "collapse" and r["every"] == every]
-        est = [r for r in rs if r["onset"] is not None]
-        none = [r for r in rs if r["onset"] is None]
-        warned = [r for r in est if r["warned"]]
-        seen = [r for r in est if not r["censored"]]
-        out.append(f"| {every} | {len(rs)} | {len(est)} | {_frac(est, 'critical_in_time')} | "
-                   f"{_frac(seen, 'critical_in_time')} | {_frac(none, 'false_critical')} | {_frac(est, 'warned')} | "
-                   f"{sum(r['lead'] >= 5 for r in warned)}/{len(warned)} | {_frac(none, 'false_warning')} | "
-                   f"{max((r['records'] for r in rs), default=0)} |")
-    return out
-
-
-def runs_table(rows: list[dict]) -> list[str]:
-    """The collapse runs one by one at the default cadence."""
-    out = _header("run", "layer onset (head onset)", "damaged (from)", "critical", "collapse_warning", "other alerts")
-    for r in rows:
-        if r["kind"] != "collapse" or r["every"] != "default":
-            continue
-        dmg = "-" if r["damaged"] is None else f"yes ({r['damage_from']})" if r["damaged"] else "no"
-        first = {k: "-" if r[k] is None else r[k] for k in ("onset", "head_onset", "critical", "warning")}
-        out.append(f"| {r['run']} | {first['onset']} ({first['head_onset']}) | {dmg} | {first['critical']} | "
-                   f"{first['warning']} | "
-                   f"{', '.join(a for a in r['bad'] if not a.startswith(('malignant', 'collapse_warning')))} |")
-    return out
-
-
-def damage_table(rows: list[dict]) -> list[str]:
-    """The twin test at the default cadence: damaged runs and whether an alert came before the damage."""
-    out = _header("lr", "runs with a twin", "damaged", "alert before the damage", "alerts on undamaged runs",
-                  "alerts on twins")
-    rs = [r for r in rows if r["kind"] == "collapse" and r["every"] == "default"]
-    for lr in sorted({r["lr"] for r in rs}):
-        mine = [r for r in rs if r["lr"] == lr and not r["twin"] and r["damaged"] is not None]
-        twins = [r for r in rs if r["lr"] == lr and r["twin"]]
-        dmg = [r for r in mine if r["damaged"]]
-
-        def alarm(r):
-            return min((s for s in (r["warning"], r["critical"]) if s is not None), default=None)
-
-        before = [r for r in dmg if alarm(r) is not None and r["damage_from"] is not None
-                  and alarm(r) < r["damage_from"]]
-        quiet = [r for r in mine if not r["damaged"]]
-        out.append(f"| {lr:g} | {len(mine)} | {len(dmg)} | {len(before)}/{len(dmg)} | "
-                   f"{sum(alarm(r) is not None for r in quiet)}/{len(quiet)} | "
-                   f"{sum(alarm(r) is not None for r in twins)}/{len(twins)} |")
-    return out
-
-
-def _within(rows: list[dict], n: int) -> str:
-    return f"{sum(r['offset'] is not None and abs(r['offset']) <= n for r in rows)}/{len(rows)}"
-
-
-def eureka_table(rows: list[dict]) -> list[str]:
-    """Per cadence; the moments' timing over all runs with a jump, and over those whose accuracy had settled by
-    the end (evaluation.truth.settled: a run cut off during its jump has no final accuracy to be halfway to)."""
-    out = _header("every", "softmax runs with a jump", "plateaus flagged before the jump", "moments within 2 intervals",
-                  "within 4", "... of the runs whose accuracy settled: within 2", "within 4", "false moments",
-                  "NormSoftmax runs flagged", "moments within 2 intervals of the jump's rise (25-75%)")
-    for every in EVERYS:
-        rs = [r for r in rows if r["kind"] == "eureka" and r["every"] == every]
-        soft = [r for r in rs if not r["twin"] and r["jump"] is not None]
-        done = [r for r in soft if r["settled"]]
-        norm = [r for r in rs if r["twin"] == "normsoftmax"]
-        out.append(f"| {every} | {len(soft)} | {_frac(soft, 'plateau_in_time')} | {_within(soft, 2)} | "
-                   f"{_within(soft, 4)} | {_within(done, 2)} | {_within(done, 4)} | "
-                   f"{sum(r['false_moments'] for r in rs if not r['twin'])} | "
-                   f"{sum(r['plateau'] is not None for r in norm)}/{len(norm)} | "
-                   f"{sum(r['offset_rise'] is not None and r['offset_rise'] <= 2 for r in soft)}/{len(soft)} |")
-    return out
-
-
-def eureka_runs_table(rows: list[dict]) -> list[str]:
-    """The Eureka runs one by one at the default cadence: jump, plateau, moment and its offset in intervals."""
-    out = _header("run", "accuracy jump", "its rise (25-75%)", "settled by the end", "plateau flagged", "moment",
-                  "offset (intervals)")
-    for r in rows:
-        if r["kind"] != "eureka" or r["every"] != "default":
-            continue
-        cell = {k: "-" if r[k] is None else r[k] for k in ("jump", "plateau", "moment")}
-        off = "-" if r["offset"] is None else f"{r['offset']:+.1f}"
-        rise = "-" if r["rise"] is None else f"{r['rise'][0]}-{r['rise'][1]}"
-        out.append(f"| {r['run']} | {cell['jump']} | {rise} | {'yes' if r['settled'] else 'no'} | {cell['plateau']} | "
-                   f"{cell['moment']} | {off} |")
-    return out
-
-
-def _avg(values: list[float]) -> str:
-    return f"{sum(values) / len(values):.2f}" if values else "-"
-
-
-def plateau_signals_table(runs: list[Run]) -> list[str]:
-    """The entry tests' signals of ``eureka_plateau`` on the Eureka runs, averaged over steps 200 to the accuracy
-    jump (the whole run without one), every 10 steps: what tells a NormSoftmax plateau from a softmax one."""
-    from diag.detectors.plateau import _uniformity
-
-    out = _header("run", "attention", "jump", "attention entropy / uniform's", "Q/K:V gradient ratio")
-    for run in runs:
-        if run.spec.task != "vit" or run.spec.steps <= 1000:
-            continue
-        jump = accuracy_jump(run.info)
-        end = jump if jump is not None else run.spec.steps
-        obs = [o for o in run.obs if 200 <= o.step < end and o.step % 10 == 0 and o.loss is not None]
-        u = [x for x in (_uniformity(o) for o in obs) if x == x]
-        q = [float(m["grad_ratio_qk_v"][0]) for o in obs for m in o.layers.values() if "grad_ratio_qk_v" in m]
-        out.append(f"| {run.name} | {run.spec.twin or 'softmax'} | {'-' if jump is None else jump} | {_avg(u)} | "
-                   f"{_avg(q)} |")
-    return out
-
-
-def healthy_table(rows: list[dict]) -> list[str]:
-    """The healthy runs one by one: their plateau alerts with the twin's verdict, and their other alerts."""
-    out = _header("run", "plateau alerts", "the NormSoftmax twin says",
-                  f"the plateau sits at the context-free loss ({context_free_loss():.2f} nats)",
-                  "warning or critical alerts", "... of those, the ground truth finds the head or layer in that state")
-    for r in rows:
-        if r["kind"] == "hf" and not r["twin"]:
-            truth = {None: "-", True: "a real attention plateau", False: "no attention plateau"}[r["plateau_real"]]
-            if r["stuck"]:
-                truth += " (neither it nor the run leaves the plateau's level: stuck, the cause untested)"
-            free = {None: "-", True: "yes: stuck, not a healthy run", False: "no"}[r.get("context_free")]
-            out.append(f"| {r['run']} | {r['plateau_alerts']} | {truth if r['plateau_alerts'] else '-'} | "
-                       f"{free if r['plateau_alerts'] else '-'} | {', '.join(r['bad']) or 'none'} | "
-                       f"{(', '.join(r['bad_in_state']) or 'none') if r['bad'] else '-'} |")
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", type=Path)
     parser.add_argument("--set", default="report", choices=sorted(SETS))
     parser.add_argument("--show", help="print the alerts of this run at --every with the defaults")
     parser.add_argument("--every", default="default", help="an integer, or default (the per-family cadence)")
-    parser.add_argument("--markdown", action="store_true", help="print the tables of docs/alerts.md")
+    parser.add_argument("--markdown", action="store_true", help="print the tables (evaluation.tables)")
     parser.add_argument("--json", type=Path, help="write every judged row here")
     args = parser.parse_args()
     runs = load_runs(args.runs, SETS[args.set])
@@ -391,7 +278,10 @@ def main() -> None:
         args.json.write_text(json.dumps(rows, indent=1))
     print(f"{args.set}: {len(runs)} runs of {len(SETS[args.set])} planned (boundary lr {BOUNDARY_LR:g})")
     if args.markdown:
-        for table in (collapse_table, damage_table, runs_table, eureka_table, eureka_runs_table, healthy_table):
+        from evaluation import tables
+
+        for table in (tables.collapse_table, tables.damage_table, tables.runs_table, tables.eureka_table,
+                      tables.eureka_runs_table, tables.healthy_table):
             print("\n".join(table(rows)) + "\n")
 
 

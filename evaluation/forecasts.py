@@ -2,7 +2,7 @@
 
 A forecast is a layer's risk as the Monitor at its default cadence would have logged it (the detectors replayed
 by :func:`evaluation.detectors.at_default_cadence`); its outcome is whether that layer's malignant collapse, by
-the one definition of the states (:func:`evaluation.truth.states`), was established within the risk's horizon.
+the ground truth's states (:func:`evaluation.truth.states`), was established within the risk's horizon.
 The fit (:mod:`evaluation.risk`) and the report (:mod:`evaluation.report`) read both from here.
 """
 
@@ -48,7 +48,7 @@ def forecasts(run: Run, cfg: AlertConfig | None = None) -> list[Forecast]:
     out)."""
     cfg = cfg or AlertConfig()
     det = Detectors(cfg)
-    _, onsets = malignant_episodes(run, cfg.states)
+    _, onsets = malignant_episodes(run)
     out = []
     for o, _ in judge.at_default_cadence(run.obs, det, run.losses):
         if o.loss is None and all(judge.family(k) == "updates" for m in o.layers.values() for k in m):

@@ -1,15 +1,19 @@
-"""The tables and the figure of docs/alerts.md#evaluation, from the recorded runs of one set, in one command.
+"""The one replay of a frozen set: its judged rows, its headlines and every table, written beside its manifest.
 
-    OMP_NUM_THREADS=1 .venv/bin/python -m evaluation.report RUNS_DIR --set report \\
-        --figure docs/img/collapse_risk_calibration.png
+    OMP_NUM_THREADS=1 .venv/bin/python -m evaluation.report RUNS_DIR --set SET \\
+        --figure docs/img/collapse_risk_calibration_SET.png
 
-Prints, in markdown: the collapse runs at every cadence (critical records against the established collapses,
-``collapse_warning`` against them, leads); the twin test (damage against the QK-norm twin, and whether an alert
-came before it); ``collapse_risk``'s Brier score and skill over two baselines, and its calibration in bins with
-90% intervals (the runs resampled, and beside it the interval that counts forecasts as independent);
-``collapse_warning`` away from the boundary learning rate; the Eureka runs; the healthy runs with the
-NormSoftmax twin's verdict on each plateau alert. A run counts once in each figure (per cadence where the
-figure is per cadence). Nothing here tunes anything: the thresholds are AlertConfig's defaults.
+Replays a set frozen and sealed by :mod:`evaluation.freeze` (and refuses any other: one not sealed, one whose
+detectors' source differs from the frozen one, one whose records changed since the seal, one replayed already).
+Writes ``evaluation/frozen/SET/judged.json`` (per run: every goal's verdict with the evidence, its judged row at
+every cadence: onsets, records, warnings, damage) and ``evaluation/frozen/SET/report.md``, which it also
+prints: the headlines (:mod:`evaluation.headlines`: each run counted once, 95% Wilson intervals), the collapse
+runs at every cadence (each layer's record against its own onset, evaluation.matching), the twin test, the
+warning away from the boundary learning rate, the false records per run and layer, the Eureka runs, the
+healthy runs with the NormSoftmax twin's verdict on each plateau alert, and ``collapse_risk``'s Brier score,
+its skill over two baselines and its calibration in bins with 90% intervals (the runs resampled, and beside it
+the interval that counts forecasts as independent). Nothing here tunes anything: the thresholds are
+AlertConfig's defaults.
 """
 
 from __future__ import annotations
@@ -22,8 +26,13 @@ import numpy as np
 
 from diag.detectors import AlertConfig
 from evaluation import detectors as judge
+from evaluation import tables
 from evaluation.forecasts import Forecast, brier, forecasts
-from evaluation.seeds import BOUNDARY_LR, SETS
+from evaluation.freeze import FROZEN, Refused, replayable, write_json
+from evaluation.headlines import headline_table, verdicts
+from evaluation.provenance import ROOT, head, now
+from evaluation.seeds import SETS
+from evaluation.spec import RunSpec
 from evaluation.truth import load_runs
 
 BINS = ((0.0, 0.2), (0.2, 0.8), (0.8, 1.0000001))
@@ -146,49 +155,83 @@ def figure(fs: list[Forecast], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def warning_table(rows: list[dict]) -> list[str]:
-    """collapse_warning away from the boundary learning rate, at the default cadence: per run."""
-    rs = [r for r in rows if r["kind"] == "collapse" and r["every"] == "default" and r["lr"] != BOUNDARY_LR]
-    est = [r for r in rs if r["onset"] is not None]
-    none = [r for r in rs if r["onset"] is None]
-    warned = [r for r in est if r["warned"]]
-    leads = sorted(r["lead"] for r in warned)
-    return ["| runs | collapses | caught before the onset | false alarms (runs without a layer collapse) | "
-            "warnings leading by 5 steps or more | leads (steps) |", "|---|---|---|---|---|---|",
-            f"| {len(rs)} | {len(est)} | {len(warned)}/{len(est)} | "
-            f"{sum(r['false_warning'] for r in none)}/{len(none)} | "
-            f"{sum(r['lead'] >= 5 for r in warned)}/{len(warned)} | "
-            f"{'-' if not leads else f'{leads[0]}-{leads[-1]} (median {leads[len(leads) // 2]})'} |"]
+def judged_runs(rows: list[dict]) -> dict[str, dict]:
+    """Per run: its kind, every goal's verdict, and the evidence (its judged row at every cadence)."""
+    by_run: dict[str, dict] = {}
+    for r in rows:
+        by_run.setdefault(r["run"], {})[r["every"]] = r
+    return {run: {"kind": rs["default"]["kind"], "verdicts": verdicts(rs),
+                  "evidence": {str(every): row for every, row in rs.items()}} for run, rs in by_run.items()}
+
+
+def report_text(name: str, manifest: dict, runs: list, rows: list[dict], judged: dict[str, dict],
+                design: list, baseline: str) -> str:
+    """The report of a frozen set in markdown: its provenance, the headline table, every table."""
+    missing = manifest.get("missing", [])
+    unrecorded = f", not recorded: {', '.join(missing)}" if missing else ""
+    parts = [f"# {name}: the frozen replay", "",
+             f"Frozen at {manifest['frozen_at']} (detectors at {manifest['detector_commit']}, source hash "
+             f"{manifest['detector_hash'][:16]}), sealed at {manifest['sealed_at']}; {len(runs)} runs replayed of "
+             f"{len(manifest['runs'])} planned{unrecorded}. A run counts once in every headline; intervals are 95% "
+             "Wilson intervals.", "",
+             "## Headlines", "", *headline_table({run: j["verdicts"] for run, j in judged.items()}), ""]
+    for title, table in (("Collapse runs, per cadence", tables.collapse_table), ("The twin test", tables.damage_table),
+                         ("collapse_warning away from the boundary", tables.warning_table),
+                         ("False records, per run and layer", tables.false_records_table),
+                         ("Collapse runs one by one", tables.runs_table), ("Eureka runs", tables.eureka_table),
+                         ("Eureka runs one by one", tables.eureka_runs_table), ("Healthy runs", tables.healthy_table)):
+        parts += [f"## {title}", "", *table(rows), ""]
+    parts += ["## The plateau's signals on the Eureka runs", "", *tables.plateau_signals_table(runs), ""]
+    collapsing = [r for r in runs if r.spec.task in ("lm", "vit") and r.spec.steps <= 400]
+    fs = [f for r in collapsing for f in forecasts(r)]
+    design_fs = [f for r in design if r.spec.task in ("lm", "vit") and r.spec.steps <= 400 for f in forecasts(r)]
+    if fs:
+        parts += ["## collapse_risk", "", *risk_tables(fs, design_fs, baseline), ""]
+    return "\n".join(parts)
+
+
+def baseline_runs(root: Path, name: str) -> tuple[list, str]:
+    """The runs the configuration-only baseline is fitted on: the design set's GPT runs under ``root``, else the
+    tuning set's (never the set reported)."""
+    design = [r for r in load_runs(root, SETS["design"]) if r.spec.task == "lm"]
+    if not design and name not in ("design", "tuning"):
+        return [r for r in load_runs(root, SETS["tuning"]) if r.spec.task == "lm"], "tuning"
+    return design, "design"
+
+
+def replay(name: str, root: Path, frozen: Path = FROZEN, source: Path = ROOT) -> tuple[str, list]:
+    """The one replay of the frozen set ``name`` recorded under ``root`` (:func:`evaluation.freeze.replayable`
+    checks it against the detectors' source under ``source``): writes its ``judged.json`` and ``report.md``;
+    returns the report's text and the runs replayed."""
+    manifest = replayable(name, root, frozen, source)
+    specs = [RunSpec.from_dict(e["spec"]) for run, e in manifest["runs"].items() if run not in manifest["missing"]]
+    runs = load_runs(root, specs)
+    rows = judge.rows_of(runs, AlertConfig())
+    judged = judged_runs(rows)
+    design, baseline = baseline_runs(root, name)
+    text = report_text(name, manifest, runs, rows, judged, design, baseline)
+    write_json(frozen / name / "judged.json", {"set": name, "replayed_at": now(), "replayed_at_commit": head(source),
+                                               "detector_hash": manifest["detector_hash"],
+                                               "missing": manifest["missing"], "runs": judged})
+    (frozen / name / "report.md").write_text(text + "\n")
+    return text, runs
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", type=Path)
-    parser.add_argument("--set", default="report", choices=sorted(SETS))
+    parser.add_argument("--set", required=True, choices=sorted(SETS))
+    parser.add_argument("--frozen", type=Path, default=FROZEN, help="the frozen sets' folder")
     parser.add_argument("--figure", type=Path, help="write the calibration figure here")
     args = parser.parse_args()
-    runs = load_runs(args.runs, SETS[args.set])
-    # the configuration-only baseline is fitted on the design runs of the GPT, or where those are not recorded
-    # under RUNS on the tuning set's (never on the set reported)
-    design = [r for r in load_runs(args.runs, SETS["design"]) if r.spec.task == "lm"]
-    baseline = "design"
-    if not design and args.set not in ("design", "tuning"):
-        design, baseline = [r for r in load_runs(args.runs, SETS["tuning"]) if r.spec.task == "lm"], "tuning"
-    print(f"{args.set}: {len(runs)} runs of {len(SETS[args.set])} planned\n")
-    rows = judge.rows_of(runs, AlertConfig())
-    for title, table in (("Collapse runs", judge.collapse_table), ("The twin test", judge.damage_table),
-                         ("collapse_warning away from the boundary", warning_table),
-                         ("Eureka runs", judge.eureka_table), ("Eureka runs one by one", judge.eureka_runs_table),
-                         ("Healthy runs", judge.healthy_table),
-                         ("Collapse runs one by one", judge.runs_table)):
-        print(f"### {title}\n\n" + "\n".join(table(rows)) + "\n")
-    print("### The plateau's signals on the Eureka runs\n\n" + "\n".join(judge.plateau_signals_table(runs)) + "\n")
-    collapsing = [r for r in runs if r.spec.task in ("lm", "vit") and r.spec.steps <= 400]
-    fs = [f for r in collapsing for f in forecasts(r)]
-    design_fs = [f for r in design if r.spec.task in ("lm", "vit") and r.spec.steps <= 400 for f in forecasts(r)]
-    print("### collapse_risk\n\n" + "\n".join(risk_tables(fs, design_fs, baseline)) + "\n")
+    try:
+        text, runs = replay(args.set, args.runs, args.frozen)
+    except Refused as refused:
+        raise SystemExit(f"refused: {refused}") from None
+    print(text)
     if args.figure:
-        figure(fs, args.figure)
+        collapsing = [r for r in runs if r.spec.task in ("lm", "vit") and r.spec.steps <= 400]
+        figure([f for r in collapsing for f in forecasts(r)], args.figure)
         print(f"figure: {args.figure}")
 
 

@@ -8,7 +8,7 @@ The samples: every recorded run of the set that can collapse (the GPT and the Vi
 a Monitor with a closer look on would sample spectra and attention together (every 10 steps, every 2 in the
 first 30), with the update ratios the default cadence measures (every 100 steps): the features
 of :mod:`diag.detectors.risk` per head. The label of a head (layer) at step ``t``: its malignant episode, by the
-one definition of the states (:mod:`evaluation.truth`), is established at a step in ``(t, t + horizon]``;
+ground truth's states (:mod:`evaluation.truth`), is established at a step in ``(t, t + horizon]``;
 samples of a head (layer) already established are left out (the risk is of an onset).
 
 ``fit``: a logistic regression per head (standardised features, L2 with C = 0.1, scikit-learn), then a
@@ -76,7 +76,7 @@ def samples_of(run: Run, cfg: RiskConfig | None = None, horizon: int = HORIZON, 
     else where the default cadence alone samples (attention every 50 steps, spectra every 20)."""
     cfg = cfg or RiskConfig()
     st = StatesConfig()
-    heads, layers = malignant_episodes(run, st)
+    heads, layers = malignant_episodes(run)
     trends: dict[str, HeadTrend] = {}
     due = dense_steps if dense else sparse_steps
     out = []

@@ -20,7 +20,9 @@ Tasks, each trained by the one training loop of ``hooks.demo`` (``train_steps``)
 Each run is recorded with the Monitor at ``every=1`` (``--every``; 0: the default cadence, the Monitor as a
 user attaches it), its detectors wrapped by a :class:`evaluation.record.Recorder` that writes every observation
 to ``observations.jsonl`` (:mod:`evaluation.recording`); ``run.json`` holds the spec, every step's loss and
-learning rate, and the task's own outcome (held-out accuracy for the Eureka task). The detectors are replayed
+learning rate, the task's own outcome (held-out accuracy for the Eureka task) and ``recorded``: the commit it was
+recorded at, the files of ``diag/``, ``hooks/`` and ``evaluation/`` that differed from it, and the recording's
+start and end (:mod:`evaluation.provenance`). The detectors are replayed
 offline on these files (:mod:`evaluation.detectors`) for any threshold and any coarser cadence.
 """
 
@@ -34,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from evaluation.provenance import now, recording_stamp
 from evaluation.spec import RunSpec
 
 __all__ = ["Claimed", "claim", "record", "train"]
@@ -98,10 +101,12 @@ def record(spec: RunSpec, root: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     claim(out)
     torch.set_num_threads(spec.threads)
+    recorded = {**recording_stamp(), "start": now()}  # the code it is recorded with (evaluation.freeze checks it)
     result = train(spec, out)
     schedule = spec.lr_schedule
     lrs = [spec.lr * schedule(s) for s in range(spec.steps)]
-    (out / "run.json").write_text(json.dumps({"config": asdict(spec), "lrs": lrs, **result}))
+    recorded["end"] = now()
+    (out / "run.json").write_text(json.dumps({"config": asdict(spec), "lrs": lrs, **result, "recorded": recorded}))
     return out
 
 

@@ -1,9 +1,11 @@
 """Ground truth, never from the detectors' state: what each recorded run did.
 
-* **Attention states** (:func:`states`): :func:`diag.detectors.states.episodes_of` over the attention logged at
-  every step: the one definition of the three states, per head and per layer, that the live detector uses.
-  An *established collapse* is a layer's malignant episode (its ``opened`` step); a run *collapses* when one of
-  its layers does.
+* **Attention states** (:func:`states`): the evaluation's own implementation of the state definitions
+  (:mod:`evaluation.groundtruth`, written apart from the detectors' and checked on hand-labelled cases) over the
+  attention logged at every step: every episode of the four states, per head and per layer. An *established
+  collapse* is a layer's malignant episode (its ``opened`` step, the layer's *onset*); a run *collapses* when one
+  of its layers does. :func:`onsets` gives each layer's (or head's) onsets, against which the replay matches
+  that layer's (head's) own records.
 * **Damage** (:func:`damage`): the twin test. A run is *damaged by its attention* when its final loss (the mean
   of its last 50 steps) is above its QK-norm twin's (same seed, learning rate and schedule) by more than
   ``DAMAGE_MARGIN`` of the twin's; the damage begins where the two losses separate for good (the first step
@@ -36,12 +38,12 @@ from pathlib import Path
 
 import numpy as np
 
-from diag.detectors.config import StatesConfig
-from diag.detectors.states import StateEpisode, episodes_of
+from evaluation.groundtruth import Definition, Episode, episodes
 from evaluation.record import load_observations
 from evaluation.spec import RunSpec
 
-__all__ = ["Run", "load_run", "load_runs", "states", "malignant_episodes", "collapse_onset", "damage", "accuracy_jump",
+__all__ = ["Run", "load_run", "load_runs", "states", "onsets", "malignant_episodes", "collapse_onset", "damage",
+           "accuracy_jump",
            "accuracy_rise", "settled", "stuck_with_twin", "context_free_loss", "at_context_free"]
 
 DAMAGE_MARGIN = 0.05  # final loss 5% over the twin's: clearly worse (run-to-run spread of twins is ~1%)
@@ -86,32 +88,40 @@ def load_runs(root: Path, specs: list[RunSpec] | None = None) -> list[Run]:
     return [load_run(root / s.name) for s in specs if (root / s.name / "run.json").exists()]
 
 
-def states(run: Run, cfg: StatesConfig | None = None) -> list[StateEpisode]:
-    """Every attention-state episode of the run from its every-step attention (cached per config)."""
-    cfg = cfg or StatesConfig()
+def states(run: Run, definition: Definition | None = None) -> list[Episode]:
+    """Every attention-state episode of the run from its every-step attention (cached per definition)."""
+    definition = definition or Definition()
     cache = run.__dict__.setdefault("_states", {})
-    if cfg not in cache:
-        cache[cfg] = episodes_of(run.obs, cfg)
-    return cache[cfg]
+    if definition not in cache:
+        cache[definition] = episodes(run.obs, definition)
+    return cache[definition]
 
 
 Episodes = dict[str, list[tuple[int, int | None]]]  # head or layer -> [(opened, until or None)]
 
 
-def malignant_episodes(run: Run, cfg: StatesConfig | None = None) -> tuple[Episodes, Episodes]:
+def malignant_episodes(run: Run) -> tuple[Episodes, Episodes]:
     """(per head, per layer) the steps each malignant episode of the run opened and ended (None: still open)."""
     heads: Episodes = defaultdict(list)
     layers: Episodes = defaultdict(list)
-    for e in states(run, cfg):
+    for e in states(run):
         if e.state == "malignant":
             (heads if "/" in e.where else layers)[e.where].append((e.opened, e.until))
     return heads, layers
 
 
-def collapse_onset(run: Run, cfg: StatesConfig | None = None, scope: str = "layer") -> int | None:
+def onsets(run: Run, scope: str = "layer") -> dict[str, list[Episode]]:
+    """Each layer's (``scope="head"``: each head's) malignant episodes in the order they opened."""
+    out: dict[str, list[Episode]] = defaultdict(list)
+    for e in states(run):
+        if e.state == "malignant" and ("/" in e.where) == (scope == "head"):
+            out[e.where].append(e)
+    return dict(out)
+
+
+def collapse_onset(run: Run, scope: str = "layer") -> int | None:
     """The first step at which a layer (or, ``scope="head"``, a head) of the run is established malignant."""
-    steps = [e.opened for e in states(run, cfg) if e.state == "malignant" and ("/" in e.where) == (scope == "head")]
-    return min(steps, default=None)
+    return min((e[0].opened for e in onsets(run, scope).values()), default=None)
 
 
 def _mean(xs: list[float]) -> float:
