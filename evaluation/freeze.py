@@ -7,7 +7,7 @@
 
 1. **Freeze** writes ``evaluation/frozen/SET/manifest.json``: the time, the commit checked out (the detectors'
    and the seeds'; refused while ``diag/``, ``hooks/`` or ``evaluation/`` have uncommitted changes), the
-   detectors' configuration (every ``AlertConfig`` field, the closer look's ``CloserLookConfig``), a hash of the
+   detectors' configuration (every ``AlertConfig`` field; the closer look has none of its own), a hash of the
    detectors' source (:func:`evaluation.provenance.detector_hash`), and per run of the set (evaluation/seeds.py)
    its RunSpec and the hash of it. A set is frozen once.
 2. **Recording** (:mod:`evaluation.plan`) writes into each run's ``run.json`` the commit it ran at, the files
@@ -68,11 +68,11 @@ def write_json(path: Path, data: dict) -> None:
 
 
 def detectors_config() -> dict:
-    """The configuration the replay runs the detectors with: AlertConfig's defaults and the closer look's."""
+    """The configuration the replay runs the detectors with: AlertConfig's defaults (the closer look follows the
+    detectors' own reasons and has no configuration of its own)."""
     from diag.detectors import AlertConfig
-    from hooks.monitor.cadence import CloserLookConfig
 
-    return {"alerts": AlertConfig().fields(), "closer_look": asdict(CloserLookConfig())}
+    return {"alerts": AlertConfig().fields()}
 
 
 def freeze(name: str, specs: list[RunSpec], frozen: Path = FROZEN, root: Path = ROOT) -> dict:

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CODE = ("diag", "hooks", "evaluation")  # what trains, monitors and records a run
 FROZEN = "evaluation/frozen"  # the frozen sets' manifests and results: written after the freeze, never code
 # what the replay runs: the detectors (their thresholds, the risk model) and the closer look of the default cadence
-DETECTOR_SOURCES = ("diag/detectors", "hooks/monitor/cadence.py")
+DETECTOR_SOURCES = ("diag/detectors", "diag/math/attention.py", "hooks/monitor/cadence.py")
 
 
 def now() -> str:
