@@ -240,10 +240,11 @@ class AttentionStates(Detector):
         self.nearing: dict[str, int] = {}
 
     def near(self) -> str | None:
-        """A head inside or between the malignant lines, not a sink and not established, that came there at most
-        twice ``collapse_dwell`` steps ago: attention at every step settles it (the dwell is judged on the steps
-        the state lasts, not on samples 50 steps apart). Longer, a head hovering at a line is sampled at the
-        cadence (a healthy model's heads can hover for thousands of steps)."""
+        """A head inside or between the malignant lines, not a sink, of a layer not in the malignant state, that
+        came there at most twice ``collapse_dwell`` steps ago: attention at every step settles its dwell, and its
+        layer's (a layer's collapse is established at a sample where its heads hold the state together; samples
+        50 steps apart can miss it). Longer, a head hovering at a line is sampled at the cadence (a healthy
+        model's heads can hover for thousands of steps)."""
         span = 2 * self.cfg.collapse_dwell
         recent = [(since, key) for key, since in self.nearing.items() if self.step - since < span]
         if not recent:
@@ -286,20 +287,20 @@ class AttentionStates(Detector):
         return alerts
 
     def _near(self, step: int, label: str, m: dict) -> None:
-        """Note the heads of ``label`` that are inside or between the malignant lines at this sample and neither
-        established in it nor sinks, each from the first sample of its stay there."""
+        """Note the heads of ``label`` that are inside or between the malignant lines at this sample, not sinks,
+        while the layer is not in the malignant state, each from the first sample of its stay there."""
         rows = float(m["attn_rows"][0])
         u = float(m["attn_entropy_uniform"][0]) if "attn_entropy_uniform" in m else math.inf
         n = len(m["attn_entropy"])
         shares = m["attn_sink"].tolist() if "attn_sink" in m else [0.0] * n
-        malignant, sinks = self.machine.heads["malignant"], self.machine.heads["sink"]
+        sinks, collapsed = self.machine.heads["sink"], self.layer_in("malignant", label)
         for h, (e, r, share) in enumerate(zip(m["attn_entropy"].tolist(), m["attn_rank"].tolist(), shares)):
             key = head_key(label, h, n)
             share = share if math.isfinite(share) else 0.0
             sink, _ = tests("sink", e, r, rows, u, self.cfg, share)
             _, outside = tests("malignant", e, r, rows, u, self.cfg, share)
             measured = math.isfinite(e) and math.isfinite(r)  # a sample that is not finite passes neither test
-            if measured and not outside and not sink and not malignant.active(key) and not sinks.active(key):
+            if measured and not outside and not sink and not sinks.active(key) and not collapsed:
                 self.nearing.setdefault(key, step)
             else:
                 self.nearing.pop(key, None)

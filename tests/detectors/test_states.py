@@ -175,27 +175,29 @@ def test_the_held_episodes_survive_a_resume():
     assert out == whole and len(whole) == 6  # the head's three records and the one-head layer's three
 
 
-def test_a_head_near_the_lines_asks_for_attention_at_every_step_until_it_is_settled():
-    """A head inside or between the malignant lines, not established and not a sink, asks for attention at every
-    step (``near``) for up to twice the dwell from its first sample there; not once it is established, beyond the
-    exit lines, a sink, or after hovering that long."""
+def test_a_head_near_the_lines_asks_for_attention_at_every_step_for_twice_the_dwell():
+    """A head inside or between the malignant lines, not a sink, of a layer not collapsed, asks for attention at
+    every step (``near``) for twice the dwell from its first sample there (long enough to establish the head and
+    its layer); not beyond the exit lines, as a sink, in a collapsed layer, or after hovering that long."""
     det = AttentionStates(StatesConfig())
-    det.observe(Observation(90, None, {"L00": normal(2)}))
+    det.observe(Observation(90, None, {"L00": normal(3)}))
     assert det.near() is None
-    det.observe(Observation(100, None, {"L00": attn([0.1, 2.0], [2.0, 40.0])}))
+    det.observe(Observation(100, None, {"L00": attn([0.1, 2.0, 2.0], [2.0, 40.0, 40.0])}))
     assert det.near() == "L00/H00 came near the malignant lines at step 100"
-    det.observe(Observation(104, None, {"L00": attn([0.1, 2.0], [2.0, 40.0])}))
-    assert det.near() is not None
-    det.observe(Observation(110, None, {"L00": attn([0.1, 2.0], [2.0, 40.0])}))  # established: 2 samples, 10 steps
-    assert det.near() is None
-    det.observe(Observation(120, None, {"L01": attn([0.1, 2.0], [2.0, 40.0])}))
+    det.observe(Observation(110, None, {"L00": attn([0.1, 2.0, 2.0], [2.0, 40.0, 40.0])}))  # established
+    assert det.holds("malignant", "L00/H00") and det.near() is not None  # its layer waits for a second head
+    det.observe(Observation(120, None, {"L00": attn([0.1, 2.0, 2.0], [2.0, 40.0, 40.0])}))
+    assert det.near() is None  # twice the dwell: back to the cadence
+    det.observe(Observation(121, None, {"L01": attn([0.1, 2.0], [2.0, 40.0])}))
     det.observe(Observation(122, None, {"L01": attn([2.0, 2.0], [40.0, 40.0])}))  # beyond the exit line: cleared
     assert det.near() is None
     det.observe(Observation(130, None, {"L02": attn([0.6, 0.1], [5.0, 1.1], sink=[0.1, 0.9])}))  # between; a sink
     assert det.near() == "L02/H00 came near the malignant lines at step 130"
     det.observe(Observation(150, None, {"L02": attn([0.6, 0.1], [5.0, 1.1], sink=[0.1, 0.9])}))
-    assert det.near() is None  # hovering for twice the dwell: back to the cadence
-    assert det.nearing == {"L02/H00": 130}
+    assert det.near() is None and det.nearing == {"L00/H00": 100, "L02/H00": 130}  # hovering, noted
+    for step in (200, 201, 210, 211):  # both heads of L03 collapse: the layer is in the state, nothing near
+        det.observe(Observation(step, None, {"L03": attn([0.1, 0.1], [2.0, 2.0]) if step > 200 else normal(2)}))
+    assert det.layer_in("malignant", "L03") and not [k for k in det.nearing if k.startswith("L03")]
 
 
 def test_flapping_inside_the_exit_line_is_one_episode():
