@@ -135,6 +135,7 @@ class _Machine:
         self.n_heads: dict[str, int] = {}  # layer label -> its heads (as sampled)
         self.first: dict[str, int] = {}  # layer label -> the step of its first attention sample
         self.first_unknown = False  # resumed from a state that did not keep it: no episode is a baseline
+        self.sparse_first: set[str] = set()  # heads sparse at their layer's first sample (sinks, a baseline state)
 
     def baseline(self, label: str, since: int | None) -> bool:
         """Whether an episode of layer ``label`` that began at ``since`` is the model's baseline."""
@@ -142,6 +143,7 @@ class _Machine:
 
     def step(self, step: int, label: str, m: dict[str, np.ndarray]) -> list[tuple[str, str, Opened | Closed]]:
         """The events of one layer's sample: (state, head key or layer label, event)."""
+        first = label not in self.first
         self.first.setdefault(label, -1 if self.first_unknown else step)
         rows = float(m["attn_rows"][0])
         self.n_heads[label] = n = len(m["attn_entropy"])
@@ -150,6 +152,8 @@ class _Machine:
         out = []
         for h, (e, r, share) in enumerate(zip(m["attn_entropy"].tolist(), m["attn_rank"].tolist(), shares)):
             key = head_key(label, h, n)
+            if first and not self.first_unknown and math.isfinite(e) and e <= self.cfg.sparse_entropy:
+                self.sparse_first.add(key)
             for state, episodes in self.heads.items():
                 inside, outside = tests(state, e, r, rows, u, self.cfg, share if math.isfinite(share) else 0.0)
                 if state == "benign" and self.heads["malignant"].since(key) is not None:
@@ -188,7 +192,7 @@ class _Machine:
 
     def state_dict(self) -> dict:
         return {"heads": {s: e.state_dict() for s, e in self.heads.items()}, "layers": self.layers,
-                "layer_since": self.layer_since, "first": self.first}
+                "layer_since": self.layer_since, "first": self.first, "sparse_first": sorted(self.sparse_first)}
 
     def load_state_dict(self, state: dict) -> None:
         for s, e in state.get("heads", {}).items():
@@ -198,6 +202,7 @@ class _Machine:
                             for s in STATES}
         self.first = {k: int(v) for k, v in state.get("first", {}).items()}
         self.first_unknown = "first" not in state
+        self.sparse_first = set(state.get("sparse_first", []))
 
 
 def _has_attention(m: dict) -> bool:
@@ -266,6 +271,11 @@ class AttentionStates(Detector):
     def baseline(self, label: str, since: int | None) -> bool:
         """Whether an episode of layer ``label`` that began at ``since`` is the model's baseline."""
         return self.machine.baseline(label, since)
+
+    def sparse_at_start(self, key: str) -> bool:
+        """Whether the head ``key`` was sparse (a sink, or a state of the model's baseline) at its layer's first
+        sample: a pretrained model's specialised head, whose focus is where it started, not a trend."""
+        return key in self.machine.sparse_first
 
     def observe(self, obs: Observation) -> list[Alert]:
         alerts: list[Alert] = []
