@@ -187,8 +187,12 @@ class _Machine:
             self.layer_since[state][label] = sinces[need - 1]
             return [(state, label, Opened(sinces[need - 1]))]
         self.layer_since[state].pop(label, None)
-        ends = [e.until for st, w, e in events if st == state and isinstance(e, Closed)]  # where its exit began
-        return [(state, label, Closed(-1, min(ends, default=step)))]
+        # where its state ended: at the exit of the head that took it below the heads it needs (of those that
+        # closed at this sample, in the order their exits began)
+        ends = sorted(e.until for st, w, e in events if st == state and "/" in w and w.startswith(label + "/")
+                      and isinstance(e, Closed))
+        before = len(active) + len(ends)
+        return [(state, label, Closed(-1, ends[before - need] if 0 <= before - need < len(ends) else step))]
 
     def state_dict(self) -> dict:
         return {"heads": {s: e.state_dict() for s, e in self.heads.items()}, "layers": self.layers,

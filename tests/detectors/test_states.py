@@ -134,20 +134,37 @@ def test_a_sink_is_its_own_state_and_never_malignant():
     assert {e.state for e in episodes} == {"sink", "malignant"}
 
 
-def test_live_detector_and_ground_truth_agree_on_a_noisy_run_at_every_step():
-    """Random walks around the lines: the detector fed every step opens and closes exactly the episodes
-    that episodes_of finds (one definition, not two)."""
+def test_the_records_announce_each_episode_of_the_machine_on_a_noisy_run():
+    """Random walks around the lines: the records the detector fed every step raises open exactly the episodes
+    episodes_of finds (its first two per key: the second announced as recurring, then held)."""
     rng = np.random.default_rng(0)
     e = np.clip(0.6 + np.cumsum(rng.normal(0, 0.08, (400, 3)), 0), 0.01, 4.0)
     r = np.clip(8.0 + np.cumsum(rng.normal(0, 0.8, (400, 3)), 0), 1.0, 64.0)
     script = [(s, attn(e[s], r[s])) for s in range(400)]
     alerts, episodes = run(script)
     opened = sorted((a.where, a.since, a.step) for a in alerts if a.status == "firing" and "+" not in a.where)
-    # the records announce each key's first two episodes (the second as recurring, then held)
     announced = [ep for ep in episodes
                  if [e for e in episodes if (e.where, e.state) == (ep.where, ep.state)].index(ep) < 2]
     assert opened == sorted((ep.where, ep.since, ep.opened) for ep in announced)
     assert len(episodes) >= 4  # the walk does cross the lines
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_detector_and_the_evaluations_second_implementation_find_the_same_episodes(seed):
+    """The same definition written twice (diag.detectors.states and evaluation.groundtruth, which imports
+    nothing of the detectors): random walks of 4 heads' entropy, rank and sink share around every line, at
+    every step and at every 3rd, give the same episodes (state, where, since, opened, until, baseline)."""
+    from evaluation import groundtruth
+
+    rng = np.random.default_rng(seed)
+    e = np.clip(0.6 + np.cumsum(rng.normal(0, 0.1, (500, 4)), 0), 0.01, 4.0)
+    r = np.clip(6.0 + np.cumsum(rng.normal(0, 0.9, (500, 4)), 0), 1.0, 64.0)
+    share = np.clip(0.4 + np.cumsum(rng.normal(0, 0.05, (500, 4)), 0), 0.0, 1.0)
+    for every in (1, 3):
+        obs = [Observation(s, None, {"L00": attn(e[s], r[s], sink=share[s])}) for s in range(0, 500, every)]
+        mine = {(x.state, x.where, x.since, x.opened, x.until, x.baseline) for x in episodes_of(obs, StatesConfig())}
+        theirs = {(x.state, x.where, x.since, x.opened, x.until, x.baseline) for x in groundtruth.episodes(obs)}
+        assert mine == theirs and len(mine) >= 3
 
 
 def test_a_head_that_keeps_returning_gets_three_records_and_its_scalars_the_rest():

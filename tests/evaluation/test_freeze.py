@@ -29,7 +29,8 @@ def git(root, *args):
 def repo(tmp_path):
     """A checkout holding a detector, the closer look and a seeds file, committed."""
     root = tmp_path / "repo"
-    for rel in ("diag/detectors/states.py", "hooks/monitor/cadence.py", "evaluation/seeds.py"):
+    for rel in ("diag/detectors/states.py", "diag/math/attention.py", "hooks/monitor/cadence.py",
+                "evaluation/seeds.py"):
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text("LINE = 0.5\n")
     git(root.parent, "init", "-q", str(root))
@@ -63,7 +64,7 @@ def test_freeze_writes_the_manifest_once_and_only_from_committed_code(tmp_path, 
     manifest = freeze("s", SPECS, frozen, repo)
     assert manifest["detector_commit"] == head(repo) and manifest["detector_hash"] == detector_hash(repo)
     assert manifest["runs"]["lm-lr0.005-s0"]["config_hash"] == spec_hash(manifest["runs"]["lm-lr0.005-s0"]["spec"])
-    assert manifest["config"]["alerts"]["sparse_entropy"] == 0.5 and "watch_every" in manifest["config"]["closer_look"]
+    assert manifest["config"]["alerts"]["sparse_entropy"] == 0.5 and "sink_share" in manifest["config"]["alerts"]
     assert json.loads((frozen / "s" / "manifest.json").read_text()) == manifest
     with pytest.raises(Refused, match="frozen already"):
         freeze("s", SPECS, frozen, repo)
