@@ -83,10 +83,9 @@ class LossMeans:
 
 def at_default_cadence(obs: list[Observation], det: Detectors, losses: list[float] | None = None):
     """Feed ``det`` what a Monitor at its default cadence would: each family at its own period, plus the closer
-    look the detectors ask for (``CloserLook.heed``: attention every 10 steps while they watch, every step while a
-    state is being confirmed, every ``watch_every`` steps, 1, while a layer is one head short of a collapse), the
-    mean loss since the last loss sample with each (:class:`LossMeans`). Yields (the observation they were given,
-    the alerts it raised)."""
+    look the detectors ask for (``CloserLook.heed``: attention at every step while a head is near the malignant
+    lines, with every loss sample while a layer is at risk), the mean loss since the last loss sample with each
+    (:class:`LossMeans`). Yields (the observation they were given, the alerts it raised)."""
     cadence = resolve_cadence(None, None, SIGNALS)
     closer = CloserLook(cadence)
     means = LossMeans(obs, losses)

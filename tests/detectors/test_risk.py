@@ -11,7 +11,16 @@ import pytest
 
 from diag.detectors import AlertConfig, Detectors, Observation
 from diag.detectors.config import RiskConfig, StatesConfig
-from diag.detectors.risk import FEATURES, TAU, CollapseRisk, HeadTrend, RiskModel, layer_features, layer_logit
+from diag.detectors.risk import (
+    FEATURES,
+    MODEL_FILE,
+    TAU,
+    CollapseRisk,
+    HeadTrend,
+    RiskModel,
+    layer_features,
+    layer_logit,
+)
 from diag.detectors.states import AttentionStates
 
 F = {name: i for i, name in enumerate(FEATURES)}
@@ -168,7 +177,18 @@ def test_the_shipped_model_reads_and_the_detectors_log_the_risk():
         det.observe(Observation(step, None, {"L00": sample([0.1, 0.12], [0.3, 0.3], [3.0, 3.0], [60, 60],
                                                            [2.0, 2.0])}))
     p = det.scalars()["collapse_risk"]["L00"]
-    assert 0.0 <= p <= 1.0
+    # by hand, from the file: each head's logit on its standardised features, the layer's from the smaller (both
+    # heads needed), its sigmoid, then the isotonic map
+    shipped = json.loads(MODEL_FILE.read_text())
+    trend = HeadTrend(RiskConfig().risk_window)
+    for step in (0, 10):
+        m = sample([0.1, 0.12], [0.3, 0.3], [3.0, 3.0], [60, 60], [2.0, 2.0])
+        trend.add(step, m)
+    x = layer_features(trend, 10, m, RiskConfig().update_fresh)
+    z = ((x - np.array(shipped["mean"])) / np.array(shipped["scale"])) @ np.array(shipped["weights"]) + shipped["bias"]
+    raw = 1.0 / (1.0 + math.exp(-(shipped["layer_scale"] * z.min() + shipped["layer_bias"])))
+    assert p == pytest.approx(float(np.interp(raw, *shipped["calibration"])), rel=1e-12)
+    assert 0.0 < p < 0.2  # two heads far from every line, sigma_1 grown 1.2x: no warning
 
 
 def test_risk_resumes_from_its_state():

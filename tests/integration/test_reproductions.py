@@ -10,7 +10,9 @@ attention states' ground truth is the detectors' own definition (tests/detectors
 
 from __future__ import annotations
 
+import json
 import math
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -98,7 +100,17 @@ def test_grid_label_is_the_digit_the_indicator_names(data):
             assert torch.equal(cells[c], data.train_images[idx[b, c]])
         named = 1 + int(data.train_labels[idx[b, 0]]) % 3
         assert int(label[b]) == int(data.train_labels[idx[b, named]])
-    assert set(data.train_labels.tolist()).isdisjoint([]) and len(data.val_labels) == 449  # the fixed split
+    # the fixed split: every image of the set in exactly one part (an image the set holds twice may be in both)
+    assert len(data.train_labels) + len(data.val_labels) == 1797 and len(data.val_labels) == 449
+    from collections import Counter
+
+    from sklearn.datasets import load_digits
+
+    twice = {k for k, n in Counter(x.tobytes() for x in (load_digits().images / 16.0).astype("float32")).items()
+             if n > 1}
+    train = {x.numpy().astype("float32").tobytes() for x in data.train_images}
+    val = {x.numpy().astype("float32").tobytes() for x in data.val_images}
+    assert train & val <= twice
 
 
 def test_blind_accuracy_by_enumeration(data):
@@ -316,3 +328,52 @@ def test_the_context_free_loss_is_the_entropy_of_the_corpus_bytes_and_a_plateau_
     assert not at_context_free(run("bert", [h] * 200 + [0.8 * h] * 100), 300)  # the 100 steps before it count
     assert at_context_free(run("bert", [h] * 200 + [0.8 * h] * 100), 200)
     assert at_context_free(run("vit", [h] * 300), 300) is None  # classes, not bytes: no such level
+
+
+# ------------------------------------------------------------------ a collapse, end to end
+
+
+@pytest.fixture(scope="module")
+def collapse_and_twin(tmp_path_factory):
+    """The reproduction's GPT without warmup at lr 7e-3 (seed 1), and its QK-norm twin, recorded at every step as
+    the evaluation records them (one torch thread: the run's rounding is the evaluation's)."""
+    from evaluation.lm import train_spec
+    from evaluation.truth import load_run
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        runs = {}
+        for twin in ("", "qknorm"):
+            spec = RunSpec("lm", 1, 7e-3, 300, twin=twin)
+            out = tmp_path_factory.mktemp(spec.name)
+            info = train_spec(spec, out)
+            (out / "run.json").write_text(json.dumps({"config": asdict(spec), **info}))
+            runs[twin or "plain"] = load_run(out)
+    finally:
+        torch.set_num_threads(threads)
+    return runs["plain"], runs["qknorm"]
+
+
+def test_a_reproduced_collapse_is_warned_before_its_damage_and_its_twin_is_not(collapse_and_twin):
+    """The plain run's loss ends clearly above its QK-norm twin's (the twin test: damaged, from some step on), a
+    layer of it collapses by the evaluation's own ground truth, and the detectors at the Monitor's default cadence
+    (evaluation.detectors.replay) raise a collapse record on that layer (a malignant_collapse, collapse_warning
+    or collapse_damage) before the damage begins. The twin, undamaged, gets none of them."""
+    from diag.detectors import AlertConfig
+    from evaluation.detectors import replay
+    from evaluation.truth import onsets
+
+    run, twin = collapse_and_twin
+    damaged, begins = damage(run, twin)
+    assert damaged and begins is not None
+    layer_onsets = onsets(run)
+    assert layer_onsets, "the reproduction's attention collapses"
+    kinds = ("malignant_collapse", "collapse_warning", "collapse_damage")
+    alerts = [a for a in replay(run.obs, AlertConfig(), "default", run.losses)
+              if a.kind in kinds and a.status == "firing" and a.level != "info"]
+    first = min((a.step for a in alerts if a.where.split("/")[0] in layer_onsets), default=None)
+    assert first is not None and first < begins, (first, begins, layer_onsets)
+    twin_alerts = [a for a in replay(twin.obs, AlertConfig(), "default", twin.losses)
+                   if a.kind in kinds and a.level != "info"]
+    assert damage(twin, run)[0] is False and twin_alerts == []
