@@ -82,12 +82,12 @@ def _scalar_gather_bytes(ranks: int, heads_q: list[int], grads: list[int], every
     """The all-gather of per-head scalars at a sampled step: per rank one float64 buffer of the widest rank's width:
     a header, then per layer a refused flag and, per family, a flag and its values (``grads`` values: the gradient
     norms of its query and key/value heads, or beside FSDP2 the sums of squares of its rows for every head of
-    its block; 4 spectral scalars and D singular values per query head it computes; 3 attention statistics and the
-    uniform entropy per head of its block, and the valid rows)."""
+    its block; 4 spectral scalars and D singular values per query head it computes; 5 attention statistics (entropy,
+    rank, max logit, sink share and its position) and the uniform entropy per head of its block, and the valid rows)."""
     block = H // 2
 
     def width(q: int, g: int) -> int:
-        rest = (1 + 4 * q + q * D) + (1 + 4 * block + 1) if every_family else 0
+        rest = (1 + 4 * q + q * D) + (1 + 6 * block + 1) if every_family else 0
         return 1 + LAYERS * (1 + (1 + g) + rest)
 
     return ranks * max(width(q, g) for q, g in zip(heads_q, grads)) * F64
