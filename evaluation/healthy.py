@@ -32,12 +32,13 @@ import transformers
 from evaluation.recording import recording
 from evaluation.spec import RunSpec
 from hooks import Monitor
-from hooks.demo import adamw, load_text, train_steps
+from evaluation.lm import corpus as text_of
+from hooks.demo import adamw, train_steps
 
 __all__ = ["build", "train_spec", "normsoftmax_attention"]
 
 transformers.logging.set_verbosity_error()
-SHAPE = {"layers": 4, "heads": 4, "width": 128, "context": 128}
+SHAPE = {"layers": 4, "heads": 4, "width": 128, "context": 128, "batch": 8}  # a spec's 0s
 VOCAB = 256  # bytes; the masked models' [MASK] is id 256
 MASK_ID = VOCAB
 TEMPERATURE = 0.5
@@ -72,18 +73,24 @@ def normsoftmax_attention(module, query, key, value, attention_mask, scaling=Non
 transformers.AttentionInterface.register("normsoftmax", normsoftmax_attention)
 
 
-def build(name: str) -> torch.nn.Module:
-    layers, heads, width, context = (SHAPE[k] for k in ("layers", "heads", "width", "context"))
+def build(name: str, layers: int = 4, heads: int = 4, width: int = 128, context: int = 128,
+          twin: str = "") -> torch.nn.Module:
+    """The family ``name`` at these sizes, from its config (nothing downloaded); ``twin="qknorm"`` (LLaMA only): the
+    same LLaMA with q and k normalised per head (HF Qwen3: LLaMA with an RMSNorm on q and k, which at one seed
+    starts from the same weights), the twin that cannot collapse."""
     common = {"hidden_size": width, "intermediate_size": 4 * width, "num_hidden_layers": layers,
               "num_attention_heads": heads}
+    if twin == "qknorm" and name != "llama":
+        raise ValueError(f"build({name!r}, twin='qknorm'): only llama has a QK-norm twin here (HF Qwen3)")
     if name == "gpt2":
         cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=context, n_embd=width, n_layer=layers,
                                       n_head=heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         return transformers.GPT2LMHeadModel(cfg)
-    if name == "llama":
-        cfg = transformers.LlamaConfig(vocab_size=VOCAB, num_key_value_heads=2, max_position_embeddings=context,
-                                       **common)
-        return transformers.LlamaForCausalLM(cfg)
+    if name == "llama":  # 2 key/value heads: grouped-query attention
+        kind = transformers.Qwen3Config if twin == "qknorm" else transformers.LlamaConfig
+        cfg = kind(vocab_size=VOCAB, num_key_value_heads=2, head_dim=width // heads, tie_word_embeddings=False,
+                   max_position_embeddings=context, **common)
+        return (transformers.Qwen3ForCausalLM if twin == "qknorm" else transformers.LlamaForCausalLM)(cfg)
     if name == "bert":
         cfg = transformers.BertConfig(vocab_size=VOCAB + 1, max_position_embeddings=context,
                                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **common)
@@ -110,10 +117,10 @@ def build(name: str) -> torch.nn.Module:
 
 class Batches:
     """The task of each family: next bytes (GPT-2, LLaMA), masked bytes (BERT, ModernBERT, RoFormer), digit classes
-    (ViT)."""
+    (ViT); ``batch`` sequences of ``context`` bytes of ``corpus`` (the ViT: 64 images)."""
 
-    def __init__(self, name: str, seed: int) -> None:
-        self.name = name
+    def __init__(self, name: str, seed: int, context: int = 128, batch: int = 8, corpus: str = "stdlib") -> None:
+        self.name, self.context, self.batch = name, context, batch
         self.gen = torch.Generator().manual_seed(seed)
         if name == "vit":
             from sklearn.datasets import load_digits
@@ -122,19 +129,24 @@ class Batches:
             self.images = torch.tensor(digits.images / 16.0, dtype=torch.float32)[:, None]  # (N, 1, 8, 8)
             self.labels = torch.tensor(digits.target, dtype=torch.long)  # (N,)
         else:
-            self.data = torch.frombuffer(bytearray(load_text().encode()), dtype=torch.uint8).long()
+            self.data = torch.frombuffer(bytearray(text_of(corpus).encode()), dtype=torch.uint8).long()
 
     def __call__(self) -> dict:
         if self.name == "vit":
             at = torch.randint(0, len(self.labels), (64,), generator=self.gen)
             return {"pixel_values": self.images[at], "labels": self.labels[at]}
-        context = SHAPE["context"]
-        at = torch.randint(0, self.data.numel() - context - 1, (8,), generator=self.gen)
-        ids = torch.stack([self.data[i : i + context] for i in at.tolist()])  # (8, T)
+        context = self.context
+        at = torch.randint(0, self.data.numel() - context - 1, (self.batch,), generator=self.gen)
+        ids = torch.stack([self.data[i : i + context] for i in at.tolist()])  # (B, T)
         if self.name not in MASKED:
             return {"input_ids": ids, "labels": ids}
         masked = torch.rand(ids.shape, generator=self.gen) < 0.15
         return {"input_ids": ids.masked_fill(masked, MASK_ID), "labels": ids.masked_fill(~masked, -100)}
+
+
+def sizes(spec: RunSpec) -> dict[str, int]:
+    """The spec's layers, heads, width, context and batch, each the default's (:data:`SHAPE`) where it names none."""
+    return {k: getattr(spec, k) or v for k, v in SHAPE.items()}
 
 
 def train_spec(spec: RunSpec, out: Path) -> dict:
@@ -143,12 +155,15 @@ def train_spec(spec: RunSpec, out: Path) -> dict:
         raise ValueError("RunSpec(model='roformer', twin='normsoftmax'): RoFormer computes its attention in its own "
                          "code, not through a transformers attention function, so it has no NormSoftmax twin; "
                          "leave --normsoftmax out, or take modernbert (rotary positions too) for a twin")
+    size = sizes(spec)
     torch.manual_seed(spec.seed)
-    model = build(spec.model)
+    model = build(spec.model, size["layers"], size["heads"], size["width"], size["context"],
+                  twin="qknorm" if spec.twin == "qknorm" else "")
     model.config._attn_implementation = "normsoftmax" if spec.twin == "normsoftmax" else "sdpa"
     optimizer = adamw(model, spec.lr)
-    batches = Batches(spec.model, spec.seed)
+    batches = Batches(spec.model, spec.seed, size["context"], size["batch"], spec.corpus)
+    autocast = torch.bfloat16 if spec.autocast == "bf16" else None
     with recording(Monitor(model, every=spec.every or None), out / "observations.jsonl") as monitor:
         losses = train_steps(model, batches, lambda batch: model(**batch).loss, optimizer, spec.steps,
-                             schedule=spec.lr_schedule, clip=1.0, monitor=monitor)
+                             schedule=spec.lr_schedule, clip=1.0, autocast=autocast, monitor=monitor)
     return {"losses": losses, "final_loss": float(sum(losses[-50:]) / len(losses[-50:])) if losses else math.nan}

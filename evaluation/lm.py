@@ -3,7 +3,7 @@
 The GPT of ``hooks.demo`` (4 layers of 2 heads, d_model 128, context 128, batch 16, AdamW betas 0.9/0.95,
 weight decay 0.1) on the standard library's source (``corpus="stdlib"``) or on the English text of Python's own
 documentation (``corpus="pydoc"``: ``pydoc_data.topics``), with the spec's learning-rate schedule, optionally
-with QK-norm (the twin that cannot collapse) and at another width, depth and context.
+with QK-norm (the twin that cannot collapse) and at another width, depth, context and batch.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ def corpus(name: str) -> str:
 def train_spec(spec: RunSpec, out: Path) -> dict:
     """Train the run, recorded into ``out``; returns its every-step losses."""
     data, vocab = encode(corpus(spec.corpus))
-    context = {"block_size": spec.context} if spec.context else {}
-    cfg = GPTConfig(vocab_size=vocab, qk_norm=spec.twin == "qknorm", **spec.shape, **context)
+    sizes = {k: v for k, v in (("block_size", spec.context), ("batch_size", spec.batch)) if v}
+    cfg = GPTConfig(vocab_size=vocab, qk_norm=spec.twin == "qknorm", **spec.shape, **sizes)
     torch.manual_seed(spec.seed)
     gen = torch.Generator().manual_seed(spec.seed)
     model = GPT(cfg)

@@ -9,21 +9,26 @@ Tasks, each trained by the one training loop of ``hooks.demo`` (``train_steps``)
   128, context 128, batch 16, AdamW betas 0.9/0.95, weight decay 0.1) on the standard library's source
   (``--corpus stdlib``) or on the English text of Python's own documentation (``--corpus pydoc``), with a
   constant learning rate or a linear warmup then cosine decay, optionally with QK-norm (LayerNorm on q and k
-  per head: the twin that cannot collapse) and at another width, depth and context. The collapse reproduction.
+  per head: the twin that cannot collapse) and at another width, depth, context and batch. The collapse
+  reproduction, and at context 512 with 8 heads a healthy family.
 * ``vit`` (:mod:`evaluation.eureka`): the Eureka task's ViT: softmax or NormSoftmax attention, any learning
   rate and warmup, optionally QK-norm; the Eureka reproduction, and at a high learning rate without warmup
   a ViT that may collapse.
 * ``hf`` (:mod:`evaluation.healthy`): a Hugging Face model built from a config: GPT-2, LLaMA with grouped-query
-  attention, BERT-style masked language models, a ViT classifier; optionally NormSoftmax attention (the
-  causal twin of a language-model plateau).
+  attention, BERT-style masked language models, a ViT classifier, at any size, context and batch, optionally
+  under bf16 autocast; optionally NormSoftmax attention (the causal twin of a language-model plateau) or, for
+  LLaMA, QK-norm (HF Qwen3: the twin that cannot collapse).
+* ``finetune`` (:mod:`evaluation.finetune`): a byte-level GPT-2 or LLaMA that starts with attention sinks, built
+  in (:mod:`evaluation.sinks`), fine-tuned on English prose.
 
 Each run is recorded with the Monitor at ``every=1`` (``--every``; 0: the default cadence, the Monitor as a
 user attaches it), its detectors wrapped by a :class:`evaluation.record.Recorder` that writes every observation
 to ``observations.jsonl`` (:mod:`evaluation.recording`); ``run.json`` holds the spec, every step's loss and
-learning rate, the task's own outcome (held-out accuracy for the Eureka task) and ``recorded``: the commit it was
-recorded at, the files of ``diag/``, ``hooks/`` and ``evaluation/`` that differed from it, and the recording's
-start and end (:mod:`evaluation.provenance`). The detectors are replayed
-offline on these files (:mod:`evaluation.detectors`) for any threshold and any coarser cadence.
+learning rate, the task's own outcome (held-out accuracy for the Eureka task), the seconds the run took (wall
+clock and CPU) and ``recorded``: the commit it was recorded at, the files of ``diag/``, ``hooks/`` and
+``evaluation/`` that differed from it, and the recording's start and end (:mod:`evaluation.provenance`). The
+detectors are replayed offline on these files (:mod:`evaluation.detectors`) for any threshold and any coarser
+cadence.
 """
 
 from __future__ import annotations
@@ -31,13 +36,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from dataclasses import asdict, fields
 from pathlib import Path
 
 import torch
 
 from evaluation.provenance import now, recording_stamp
-from evaluation.spec import RunSpec
+from evaluation.spec import TASKS, RunSpec
 
 __all__ = ["Claimed", "claim", "record", "train"]
 
@@ -49,6 +55,8 @@ def train(spec: RunSpec, out: Path) -> dict:
         from evaluation import lm as task
     elif spec.task == "vit":
         from evaluation import eureka as task
+    elif spec.task == "finetune":
+        from evaluation import finetune as task
     else:
         from evaluation import healthy as task
     return task.train_spec(spec, out)
@@ -102,17 +110,20 @@ def record(spec: RunSpec, root: Path) -> Path:
     claim(out)
     torch.set_num_threads(spec.threads)
     recorded = {**recording_stamp(), "start": now()}  # the code it is recorded with (evaluation.freeze checks it)
+    wall, cpu = time.perf_counter(), time.process_time()
     result = train(spec, out)
+    seconds = {"wall": time.perf_counter() - wall, "cpu": time.process_time() - cpu}  # what the run cost
     schedule = spec.lr_schedule
     lrs = [spec.lr * schedule(s) for s in range(spec.steps)]
     recorded["end"] = now()
-    (out / "run.json").write_text(json.dumps({"config": asdict(spec), "lrs": lrs, **result, "recorded": recorded}))
+    (out / "run.json").write_text(json.dumps({"config": asdict(spec), "lrs": lrs, "seconds": seconds, **result,
+                                              "recorded": recorded}))
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("task", choices=("lm", "vit", "hf"))
+    parser.add_argument("task", choices=TASKS)
     parser.add_argument("--out", type=Path, required=True, help="the folder of runs; this one goes in a sub-folder")
     for f in fields(RunSpec):
         if f.name == "task":

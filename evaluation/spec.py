@@ -1,5 +1,6 @@
 """What one training run of the evaluation is: a :class:`RunSpec` (its task, seed, learning rate and schedule,
-twin, shape, corpus, threads and the Monitor's interval), and the folder name that says it."""
+twin, shape, corpus, context and batch, precision, threads and the Monitor's interval, what the run is for),
+and the folder name that says it."""
 
 from __future__ import annotations
 
@@ -7,34 +8,55 @@ from dataclasses import dataclass, fields
 
 from hooks.demo import Schedule
 
-__all__ = ["RunSpec"]
+__all__ = ["PURPOSES", "TASKS", "RunSpec"]
+
+TASKS = ("lm", "vit", "hf", "finetune")
+# what a run is for, which says how it is judged: a collapse run against its attention's states and its QK-norm
+# twin, a Eureka run against its accuracy jump, a healthy run (no warning or critical record may reach it), a
+# fine-tune of a model that starts with attention sinks (healthy too, its sinks a baseline state)
+PURPOSES = ("collapse", "eureka", "healthy", "sinks")
 
 
 @dataclass(frozen=True)
 class RunSpec:
-    task: str  # "lm", "vit" or "hf"
+    task: str  # "lm", "vit", "hf" or "finetune"
     seed: int
     lr: float
     steps: int
     warmup: int = 0
     schedule: str = "constant"  # or "cosine": linear warmup, then cosine decay to 0
-    twin: str = ""  # "", "qknorm" (LayerNorm on q and k per head) or "normsoftmax"
+    twin: str = ""  # "", "qknorm" (q and k normalised per head) or "normsoftmax"
     layers: int = 0  # 0: the task's default shape
     heads: int = 0
     width: int = 0
-    corpus: str = "stdlib"  # lm: "stdlib" or "pydoc"
-    context: int = 0  # lm: the context length (0: the demo's 128)
-    model: str = ""  # hf: "gpt2", "llama", "bert", "modernbert", "roformer" or "vit"
+    corpus: str = "stdlib"  # lm, hf, finetune: "stdlib" or "pydoc"
+    context: int = 0  # lm, hf, finetune: the context length (0: the task's default)
+    model: str = ""  # hf: "gpt2", "llama", "bert", "modernbert", "roformer" or "vit"; finetune: "gpt2" or "llama"
     threads: int = 1  # torch threads: another reduction order gives the same run other rounding
     every: int = 1  # the Monitor's interval (0: its default cadence)
+    batch: int = 0  # lm, hf, finetune: sequences per step (0: the task's default)
+    autocast: str = ""  # hf: "bf16" trains under torch.autocast(dtype=torch.bfloat16) on the CPU
+    sinks: str = ""  # finetune: "built" (sinks implanted by evaluation.sinks)
+    purpose: str = ""  # one of PURPOSES; "": the task's (lm: collapse, vit: eureka past 1,000 steps, hf: healthy)
 
     def __post_init__(self) -> None:
-        if self.task not in ("lm", "vit", "hf"):
-            raise ValueError(f"RunSpec.task={self.task!r}: expected 'lm', 'vit' or 'hf'")
-        if self.schedule not in ("constant", "cosine"):
-            raise ValueError(f"RunSpec.schedule={self.schedule!r}: expected 'constant' or 'cosine'")
-        if self.twin not in ("", "qknorm", "normsoftmax"):
-            raise ValueError(f"RunSpec.twin={self.twin!r}: expected '', 'qknorm' or 'normsoftmax'")
+        for name, allowed in (("task", TASKS), ("schedule", ("constant", "cosine")),
+                              ("twin", ("", "qknorm", "normsoftmax")), ("autocast", ("", "bf16")),
+                              ("sinks", ("", "built")), ("purpose", ("",) + PURPOSES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"RunSpec.{name}={getattr(self, name)!r}: expected one of {allowed}")
+        if (self.task == "finetune") != bool(self.sinks):
+            raise ValueError(f"RunSpec(task={self.task!r}, sinks={self.sinks!r}): a fine-tune names the sinks its "
+                             "model starts with ('built'), and only a fine-tune does")
+        if not self.purpose:
+            object.__setattr__(self, "purpose", self._task_purpose())
+
+    def _task_purpose(self) -> str:
+        if self.task == "finetune":
+            return "sinks"
+        if self.task == "hf":
+            return "healthy"
+        return "eureka" if self.task == "vit" and self.steps > 1000 else "collapse"
 
     @property
     def lr_schedule(self) -> Schedule:
@@ -50,7 +72,8 @@ class RunSpec:
     @property
     def name(self) -> str:
         """A folder name that says what differs from the task's default, and the seed."""
-        parts = [self.task if self.task != "hf" else f"hf-{self.model}", f"lr{self.lr:g}"]
+        head = {"hf": f"hf-{self.model}", "finetune": f"ft-{self.model}-{self.sinks}"}.get(self.task, self.task)
+        parts = [head, f"lr{self.lr:g}"]
         if self.warmup:
             parts.append(f"w{self.warmup}")
         if self.schedule != "constant":
@@ -63,6 +86,10 @@ class RunSpec:
             parts.append(self.corpus)
         if self.context:
             parts.append(f"ctx{self.context}")
+        if self.batch:
+            parts.append(f"b{self.batch}")
+        if self.autocast:
+            parts.append(self.autocast)
         if self.threads != 1:
             parts.append(f"t{self.threads}")
         return "-".join(parts) + f"-s{self.seed}"

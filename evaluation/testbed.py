@@ -1,0 +1,92 @@
+"""The runs closer to the ones people train: long contexts, many heads, grouped-query attention with rotary
+positions, bf16 autocast, warmup + cosine, fine-tunes of models that start with attention sinks.
+
+Every model has 4 layers of 8 heads (d_head 16), width 128. Four kinds of run:
+
+* **sink fine-tunes** (``RunSpec(task="finetune")``, :mod:`evaluation.finetune`): a byte-level GPT-2 and a LLaMA
+  (grouped-query attention, rotary positions) that start with attention sinks, built in
+  (:func:`evaluation.sinks.built`; sinks grown by training from scratch did not emerge at these sizes within
+  3,000 steps),
+  fine-tuned healthily on English prose: AdamW 3e-4, 30 warmup steps then cosine decay, clipping at 1, 300
+  steps, the GPT-2 at context 1,024 (batch 2), the LLaMA at 512 (batch 4);
+* **healthy runs from scratch** at context 512 or more: the demo's nanoGPT, Hugging Face GPT-2 (context 1,024,
+  batch 2), LLaMA (grouped-query attention, rotary positions; under bf16 autocast on the CPU) and ModernBERT (a
+  masked language model), each at a constant 1e-3 and under 50 warmup steps then cosine decay, 500 steps;
+* **the nanoGPT collapse sweep** at context 128 (:mod:`evaluation.lm`: 4 layers of 2 heads, batch 16, 300
+  steps, no warmup) at learning rates away from the boundary and at it, each with its QK-norm twin;
+* **the LLaMA collapse sweep** at context 512 (batch 4, 200 steps, no warmup), learning rates on both sides of
+  its collapse boundary, each with its QK-norm twin (HF Qwen3: LLaMA with an RMSNorm on q and k per head).
+
+The fine-tunes and the healthy runs are recorded with the Monitor as users attach it (``Monitor(model)``: its
+default cadence, ``every=0``), the sweeps at every step (the ground truth's attention and the replays at
+coarser cadences).
+"""
+
+from __future__ import annotations
+
+from evaluation.spec import RunSpec
+
+__all__ = ["LLAMA_LRS", "SINKS", "testbed"]
+
+SHAPE = {"layers": 4, "heads": 8, "width": 128}
+FINETUNE = {"lr": 3e-4, "steps": 300, "warmup": 30, "schedule": "cosine", "corpus": "pydoc", "every": 0}
+SINKS = ("built",)  # the kinds of sink the fine-tunes start from
+FINETUNE_CONTEXT = {"gpt2": (1024, 2), "llama": (512, 4)}  # (context, batch): 2,048 tokens a step
+HEALTHY_STEPS, HEALTHY_WARMUP, HEALTHY_LR = 500, 50, 1e-3
+HEALTHY = {  # family -> what its runs are given beside the shape
+    "nanogpt": {"task": "lm", "context": 512, "batch": 4, "purpose": "healthy"},
+    "gpt2": {"task": "hf", "model": "gpt2", "context": 1024, "batch": 2},
+    "llama": {"task": "hf", "model": "llama", "context": 512, "batch": 4, "autocast": "bf16"},
+    "modernbert": {"task": "hf", "model": "modernbert", "context": 512, "batch": 4},
+}
+LM_STEPS = 300
+LLAMA_STEPS = 200
+LLAMA_LRS = (3e-3, 1e-2, 3e-2)  # chosen on the design runs: the boundary lies between the first two
+
+
+def finetunes(seeds: range, sinks: tuple[str, ...]) -> list[RunSpec]:
+    """Each family, each kind of sink (``"built"``), each seed."""
+    out = []
+    for sink in sinks:
+        for model, (context, batch) in FINETUNE_CONTEXT.items():
+            out += [RunSpec("finetune", s, model=model, sinks=sink, context=context, batch=batch, **FINETUNE)
+                    for s in seeds]
+    return out
+
+
+def healthy(seeds: range) -> list[RunSpec]:
+    """Each family, at a constant learning rate and under warmup + cosine decay, each seed."""
+    out = []
+    for kw in HEALTHY.values():
+        kw = dict(kw)
+        task = kw.pop("task")
+        for s in seeds:
+            out.append(RunSpec(task, s, HEALTHY_LR, HEALTHY_STEPS, every=0, **SHAPE, **kw))
+            out.append(RunSpec(task, s, HEALTHY_LR, HEALTHY_STEPS, warmup=HEALTHY_WARMUP, schedule="cosine",
+                               every=0, **SHAPE, **kw))
+    return out
+
+
+def lm_sweep(seeds: range, lrs: tuple[float, ...]) -> list[RunSpec]:
+    """The nanoGPT at context 128 at each rate and seed, each with its QK-norm twin."""
+    return [RunSpec("lm", s, lr, LM_STEPS, twin=twin) for s in seeds for lr in lrs for twin in ("", "qknorm")]
+
+
+def llama_sweep(seeds: range, lrs: tuple[float, ...]) -> list[RunSpec]:
+    """The LLaMA at context 512 at each rate and seed, each with its QK-norm twin."""
+    return [RunSpec("hf", s, lr, LLAMA_STEPS, twin=twin, model="llama", context=512, batch=4, purpose="collapse",
+                    **SHAPE) for s in seeds for lr in lrs for twin in ("", "qknorm")]
+
+
+def eureka(seeds: range) -> list[RunSpec]:
+    """The test bed's Eureka runs: evaluation/eureka.py's implementations; none are planned here."""
+    return []
+
+
+def testbed(finetune_seeds: range, sinks: tuple[str, ...], healthy_seeds: range, lm_seeds: range,
+            lm_lrs: tuple[float, ...], llama_seeds: range, llama_lrs: tuple[float, ...],
+            eureka_seeds: range) -> list[RunSpec]:
+    """A set of the test bed's runs: the sink fine-tunes, the healthy runs, the two collapse sweeps, the Eureka
+    runs."""
+    return (finetunes(finetune_seeds, sinks) + healthy(healthy_seeds) + lm_sweep(lm_seeds, lm_lrs)
+            + llama_sweep(llama_seeds, llama_lrs) + eureka(eureka_seeds))
