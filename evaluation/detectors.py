@@ -47,6 +47,9 @@ FAMILY_OF = {"grad_": "grads", "qk_": "spectra", "attn_": "attention", "update_"
 PLATEAU_MARGIN = 0.05  # held-out accuracy within 0.05 of the no-indicator ceiling: still on the plateau
 EVAL_EVERY = 20  # steps between held-out evaluations of the Eureka task
 
+# the runs judged as healthy: no warning or critical record may reach them (a fine-tune's sinks are its baseline)
+HEALTHY = ("healthy", "sinks")
+
 
 def family(metric: str) -> str:
     return next(f for prefix, f in FAMILY_OF.items() if metric.startswith(prefix))
@@ -114,7 +117,7 @@ def replay_run(run: Run, cfg: AlertConfig, every) -> list:
 
 
 def everys(run: Run) -> tuple:
-    return ("default",) if run.spec.task == "hf" else EVERYS
+    return ("default",) if run.spec.purpose in HEALTHY or run.spec.every == 0 else EVERYS
 
 
 def first(alerts: list, kind: str, attr: str = "step", scope: str | None = None) -> int | None:
@@ -133,7 +136,7 @@ def twin_of(run: Run, runs: dict[str, Run]) -> Run | None:
     """The QK-norm (language models, ViT) or NormSoftmax (Hugging Face language models) twin of a run."""
     from dataclasses import replace
 
-    kind = "normsoftmax" if run.spec.task == "hf" else "qknorm"
+    kind = "normsoftmax" if run.spec.purpose in HEALTHY else "qknorm"
     if run.spec.twin:
         return None
     return runs.get(replace(run.spec, twin=kind, threads=1).name)
@@ -242,16 +245,16 @@ def judge_hf(run: Run, cfg: AlertConfig, every, twin: Run | None) -> dict:
 
 
 def judge(run: Run, cfg: AlertConfig, every, twin: Run | None) -> dict:
-    if run.spec.task == "hf":
+    if run.spec.purpose in HEALTHY:
         return judge_hf(run, cfg, every, twin)
-    if run.spec.task == "vit" and run.spec.steps > 1000:
+    if run.spec.purpose == "eureka":
         return judge_eureka(run, cfg, every, twin)
     return judge_collapse(run, cfg, every, twin)
 
 
 def rows_of(runs: list[Run], cfg: AlertConfig, cadences=None) -> list[dict]:
     by_name = {r.name: r for r in runs}
-    return [{"kind": "hf" if r.spec.task == "hf" else "eureka" if r.spec.steps > 1000 else "collapse",
+    return [{"kind": "hf" if r.spec.purpose in HEALTHY else r.spec.purpose, "purpose": r.spec.purpose,
              **judge(r, cfg, every, twin_of(r, by_name))}
             for r in runs for every in (cadences or everys(r)) if every in everys(r)]
 

@@ -84,9 +84,13 @@ class EurekaConfig:
 
 
 class DigitGrid:
-    """2x2 grids of sklearn digits; cell 0 is the indicator, cell 1 + (indicator % 3) the label."""
+    """2x2 grids of sklearn digits; cell 0 is the indicator, cell 1 + (indicator % candidates) the label (3
+    candidates: any of the other cells; 2: the top-right or bottom-left one, the bottom-right cell a distractor)."""
 
-    def __init__(self, held_out: float = 0.25) -> None:
+    def __init__(self, held_out: float = 0.25, candidates: int = 3) -> None:
+        if candidates not in (2, 3):
+            raise ValueError(f"DigitGrid(candidates={candidates!r}): expected 2 or 3 candidate cells")
+        self.candidates = candidates
         digits = load_digits()
         images = torch.tensor(digits.images / 16.0, dtype=torch.float32)  # (1797, 8, 8) in [0, 1]
         labels = torch.tensor(digits.target, dtype=torch.long)  # (1797,)
@@ -95,14 +99,13 @@ class DigitGrid:
         self.train_images, self.train_labels = images[order[n_val:]], labels[order[n_val:]]
         self.val_images, self.val_labels = images[order[:n_val]], labels[order[:n_val]]
 
-    @staticmethod
-    def compose(images: Tensor, labels: Tensor, idx: Tensor) -> tuple[Tensor, Tensor]:
+    def compose(self, images: Tensor, labels: Tensor, idx: Tensor) -> tuple[Tensor, Tensor]:
         """idx (B, 4) digit indices -> grids (B, 16, 16) and labels (B,)."""
         cells = images[idx]  # (B, 4, 8, 8)
         top = torch.cat([cells[:, 0], cells[:, 1]], dim=2)  # (B, 8, 16)
         bottom = torch.cat([cells[:, 2], cells[:, 3]], dim=2)  # (B, 8, 16)
         grid = torch.cat([top, bottom], dim=1)  # (B, 16, 16)
-        which = 1 + labels[idx[:, 0]] % 3  # (B,) the cell the indicator names
+        which = 1 + labels[idx[:, 0]] % self.candidates  # (B,) the cell the indicator names
         return grid, labels[idx.gather(1, which[:, None])[:, 0]]
 
     def batch(self, n: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
@@ -228,18 +231,20 @@ def train_spec(spec: RunSpec, out: Path) -> dict:
 
 
 def blind_accuracy(data: DigitGrid | None = None) -> float:
-    """Validation accuracy of an oracle that knows the classes of the three candidate cells but not the indicator.
+    """Validation accuracy of an oracle that knows the classes of the candidate cells but not the indicator.
 
     It answers the most frequent candidate class: right for sure when that class is the label and appears at
-    least twice, 1/3 in expectation when the three classes differ. This is the accuracy ceiling of the plateau.
+    least twice, 1/k in expectation when the k candidates' classes differ. This is the accuracy ceiling of the
+    plateau.
     """
     data = data or DigitGrid()
     idx = torch.randint(len(data.val_labels), (1000, 4), generator=torch.Generator().manual_seed(99))
     _, label = data.compose(data.val_images, data.val_labels, idx)  # the same draws as validation()
     total = 0.0
-    for cands, y in zip(data.val_labels[idx[:, 1:]].tolist(), label.tolist()):
+    k = data.candidates
+    for cands, y in zip(data.val_labels[idx[:, 1:1 + k]].tolist(), label.tolist()):
         top = max(set(cands), key=cands.count)
-        total += (1.0 / 3.0) if len(set(cands)) == 3 else float(y == top)
+        total += 1.0 / k if len(set(cands)) == k else float(y == top)
     return total / len(label)
 
 

@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 import transformers
 
+from evaluation.lm import corpus as text_of
 from evaluation.recording import recording
 from evaluation.spec import RunSpec
 from hooks import Monitor
-from evaluation.lm import corpus as text_of
 from hooks.demo import adamw, train_steps
 
 __all__ = ["build", "train_spec", "normsoftmax_attention"]

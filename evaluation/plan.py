@@ -19,7 +19,8 @@ from evaluation.runs import Claimed, record
 from evaluation.seeds import SETS
 from evaluation.spec import RunSpec
 
-COST = {"lm": 1.0, "vit": 0.15, "hf": 0.25}  # rough seconds per step at the run's cadence, for the order only
+# rough seconds per step at the run's cadence, for the order only
+COST = {"lm": 1.0, "vit": 0.15, "hf": 0.25, "finetune": 0.5}
 
 
 def missing(name: str, root: Path) -> list[RunSpec]:

@@ -53,6 +53,8 @@ def train(spec: RunSpec, out: Path) -> dict:
     and the learning rates. The task's module is imported here: a Hugging Face run alone needs transformers."""
     if spec.task == "lm":
         from evaluation import lm as task
+    elif spec.task == "vit" and spec.model == "hfvit":
+        from evaluation import eureka_hf as task
     elif spec.task == "vit":
         from evaluation import eureka as task
     elif spec.task == "finetune":

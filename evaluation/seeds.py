@@ -21,8 +21,8 @@ family out (:func:`evaluation.tune.tune_one`).
 
 The test bed closer to users' runs (:mod:`evaluation.testbed`: contexts of 512 and 1,024, 8 heads, grouped-query
 attention with rotary positions, bf16 autocast, fine-tunes of models that start with attention sinks) has its
-own pair: **design-users** (seeds 20-22), the runs its kinds were developed on, and **users** (seeds 300-309),
-held out: committed before any of its runs was recorded.
+own pair: **design-users** (seeds 20-22), the runs its kinds were developed on, and **users** (seeds 300-301),
+held out: frozen (:mod:`evaluation.freeze`) before any of its runs was recorded.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ DESIGN_SEEDS = range(0, 6)
 TUNING_SEEDS = range(10, 16)
 LM_LRS = (2e-3, 3e-3, 5e-3, 7e-3, 1e-2)  # no warmup; 5e-3 is the boundary: about half the runs collapse
 BOUNDARY_LR = 5e-3
-AWAY_LRS = tuple(lr for lr in LM_LRS if lr != BOUNDARY_LR)
 LM_STEPS = 300
 EUREKA_STEPS = 2000
 HF_STEPS = 1000
@@ -135,16 +134,17 @@ SETS: dict[str, list[RunSpec]] = {
     # 10 Eureka seeds
     **{f"report{n}": _report(range(100 + 10 * n, 110 + 10 * n)) for n in range(8, 12)},
     # the test bed's kinds, a few of each: 2 seeds of the fine-tunes, 1 of the healthy families, the nanoGPT sweep
-    # at every rate and the LLaMA sweep at its three, each with its twin
+    # at every rate and the LLaMA sweep at its three, each with its twin, 2 Eureka seeds on each implementation
     "design-users": testbed.testbed(finetune_seeds=range(20, 22), sinks=testbed.SINKS, healthy_seeds=range(20, 21),
                                     lm_seeds=range(20, 21), lm_lrs=LM_LRS, llama_seeds=range(21, 22),
                                     llama_lrs=testbed.LLAMA_LRS, eureka_seeds=range(20, 22)),
-    # held out: the sink fine-tunes (2 families x the kinds of sink x 2 seeds), the 16 healthy runs, the nanoGPT
-    # sweep with twins away from its boundary (8 seeds) and at it (4), the LLaMA sweep with twins (3 seeds)
-    "users": testbed.testbed(finetune_seeds=range(300, 302), sinks=testbed.SINKS, healthy_seeds=range(300, 302),
-                             lm_seeds=range(300, 308), lm_lrs=AWAY_LRS, llama_seeds=range(300, 303),
-                             llama_lrs=testbed.LLAMA_LRS, eureka_seeds=range(300, 310))
-    + testbed.lm_sweep(range(300, 304), (BOUNDARY_LR,)),
+    # held out, sized to be recorded in about an hour on 2 cores: the sink fine-tunes (2 families x 2 seeds), the 8
+    # healthy runs (4 families x 2 schedules), the nanoGPT sweep with twins on both sides of its boundary (1 seed)
+    # and at it (2), the LLaMA sweep at its two highest rates with twins, 2 Eureka seeds on each implementation
+    "users": testbed.testbed(finetune_seeds=range(300, 302), sinks=testbed.SINKS, healthy_seeds=range(300, 301),
+                             lm_seeds=range(300, 301), lm_lrs=(2e-3, 7e-3, 1e-2), llama_seeds=range(300, 301),
+                             llama_lrs=testbed.LLAMA_LRS[1:], eureka_seeds=range(300, 302))
+    + testbed.lm_sweep(range(300, 302), (BOUNDARY_LR,)),
 }
 
 

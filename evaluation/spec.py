@@ -31,7 +31,8 @@ class RunSpec:
     width: int = 0
     corpus: str = "stdlib"  # lm, hf, finetune: "stdlib" or "pydoc"
     context: int = 0  # lm, hf, finetune: the context length (0: the task's default)
-    model: str = ""  # hf: "gpt2", "llama", "bert", "modernbert", "roformer" or "vit"; finetune: "gpt2" or "llama"
+    model: str = ""  # hf: "gpt2", "llama", "bert", "modernbert", "roformer" or "vit"; finetune: "gpt2" or "llama";
+    # vit: "" (evaluation.eureka) or "hfvit" (evaluation.eureka_hf)
     threads: int = 1  # torch threads: another reduction order gives the same run other rounding
     every: int = 1  # the Monitor's interval (0: its default cadence)
     batch: int = 0  # lm, hf, finetune: sequences per step (0: the task's default)
@@ -72,7 +73,8 @@ class RunSpec:
     @property
     def name(self) -> str:
         """A folder name that says what differs from the task's default, and the seed."""
-        head = {"hf": f"hf-{self.model}", "finetune": f"ft-{self.model}-{self.sinks}"}.get(self.task, self.task)
+        head = {"hf": f"hf-{self.model}", "finetune": f"ft-{self.model}-{self.sinks}",
+                "vit": f"vit-{self.model}" if self.model else "vit"}.get(self.task, self.task)
         parts = [head, f"lr{self.lr:g}"]
         if self.warmup:
             parts.append(f"w{self.warmup}")

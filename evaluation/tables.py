@@ -129,18 +129,22 @@ def _avg(values: list[float]) -> str:
 
 def plateau_signals_table(runs: list[Run]) -> list[str]:
     """The entry tests' signals of ``eureka_plateau`` on the Eureka runs, averaged over steps 200 to the accuracy
-    jump (the whole run without one), every 10 steps: what tells a NormSoftmax plateau from a softmax one."""
-    from diag.detectors.plateau import _uniformity
+    jump (the whole run without one), every 10 steps: the most uniform layer's least uniform head (entropy over
+    uniform's) and the least Q/K:V gradient ratio of a layer: what tells a NormSoftmax plateau from a softmax one."""
+    from diag.detectors.plateau import _layer_signals
 
-    out = _header("run", "attention", "jump", "attention entropy / uniform's", "Q/K:V gradient ratio")
+    out = _header("run", "attention", "jump", "most uniform layer: least head's entropy / uniform's",
+                  "least Q/K:V gradient ratio of a layer")
     for run in runs:
         if run.spec.task != "vit" or run.spec.steps <= 1000:
             continue
         jump = accuracy_jump(run.info)
         end = jump if jump is not None else run.spec.steps
         obs = [o for o in run.obs if 200 <= o.step < end and o.step % 10 == 0 and o.loss is not None]
-        u = [x for x in (_uniformity(o) for o in obs) if x == x]
-        q = [float(m["grad_ratio_qk_v"][0]) for o in obs for m in o.layers.values() if "grad_ratio_qk_v" in m]
+        signals = [_layer_signals(o).values() for o in obs]
+        u = [max((v[1] for v in s if v[1] == v[1]), default=float("nan")) for s in signals]
+        q = [min((v[0] for v in s if v[0] == v[0]), default=float("nan")) for s in signals]
+        u, q = [x for x in u if x == x], [x for x in q if x == x]
         out.append(f"| {run.name} | {run.spec.twin or 'softmax'} | {'-' if jump is None else jump} | {_avg(u)} | "
                    f"{_avg(q)} |")
     return out

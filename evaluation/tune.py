@@ -29,10 +29,9 @@ The choices, each printed as a table of every value tried (``--only depth``: the
   every value from 0.2 up, off included, flags every plateau with no healthy alert, because
   ``plateau_max_growth`` already holds the healthy runs' windows; the shipped 0.25 keeps the test as a second
   line over the largest motion a plateau needed, 0.19 (docs/alerts.md#defaults).
-* ``plateau_max_growth``, how much sigma_1(Wq^T Wk) may grow over a plateau's window, ``plateau_min_frac``, how
-  high over the first loss a plateau sits, and ``plateau_min_update``, how small the Q/K updates may have become
-  against their largest window's: the same score, each with the other fields at their defaults, and each also
-  chosen leaving every healthy family out.
+* ``plateau_max_growth``, how much sigma_1(Wq^T Wk) may grow over a plateau's window, and
+  ``plateau_min_update``, how small the Q/K updates may have become against their largest window's: the same
+  score, each with the other fields at their defaults, and each also chosen leaving every healthy family out.
 """
 
 from __future__ import annotations
@@ -51,7 +50,6 @@ WARN_RISK = (0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5)
 WARN_SAMPLES = (1, 2, 3, 4, 5)
 QK_MOTION = (0.06, 0.08, 0.1, 0.12, 0.15, 0.2, 0.25, 0.3, 0.4, 0.6, float("inf"))
 MAX_GROWTH = (1.2, 1.3, 1.35, 1.5, 2.0, float("inf"))
-MIN_FRAC = (0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.55)
 MIN_UPDATE = (0.0, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4)
 EUREKA_DEPTH = (0.34, 0.355, 0.365, 0.375, 0.38, 0.385, 0.39, 0.395, 0.4, 0.425)
 
@@ -172,9 +170,9 @@ def _middle(scores: dict[float, int]) -> float:
 
 
 def tune_one(runs: list[Run], name: str, values: tuple[float, ...]) -> tuple[float, list[str], dict[str, float]]:
-    """One plateau field (``plateau_qk_motion``, ``plateau_max_growth``, ``plateau_min_frac``,
-    ``plateau_min_update``) with the others at their defaults: the score of :func:`plateau_score`; ties go to the
-    value in the middle of the best ones; also chosen leaving each healthy family out."""
+    """One plateau field (``plateau_qk_motion``, ``plateau_max_growth``, ``plateau_min_update``) with the others
+    at their defaults: the score of :func:`plateau_score`; ties go to the value in the middle of the best ones;
+    also chosen leaving each healthy family out."""
     table = [f"| {name} | Eureka plateaus flagged before the jump (runs x cadences) | plateau alerts on "
              "healthy runs without a real plateau | score |", "|---|---|---|---|"]
     rows = {v: plateau_rows(runs, name, v) for v in values}
@@ -232,7 +230,7 @@ def main() -> None:
         print("\n".join(table) + f"\n\nwarn_risk: {value:g}, warn_samples: {samples}\n")
     if args.only in (None, "plateau"):
         for name, values in (("plateau_qk_motion", QK_MOTION), ("plateau_max_growth", MAX_GROWTH),
-                             ("plateau_min_frac", MIN_FRAC), ("plateau_min_update", MIN_UPDATE)):
+                             ("plateau_min_update", MIN_UPDATE)):
             value, table, left_out = tune_one(runs, name, values)
             print("\n".join(table) + f"\n\n{name}: {value:g}")
             print("chosen leaving each healthy family out: " + ", ".join(f"{k} {v:g}" for k, v in left_out.items()))

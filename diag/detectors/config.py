@@ -129,13 +129,12 @@ class PlateauConfig(Checked):
 
     plateau_window: Annotated[int, Kind(2, whole="steps", meaning="a number of steps")] = 200
     plateau_rel: Positive = 0.125  # the mean losses of the window's halves differ by at most 12.5%
-    plateau_qk_ratio: Positive = 0.5  # grad_ratio_qk_v below this: the softmax-induced plateau
-    plateau_min_frac: Positive = 0.45  # a plateau sits at this fraction of the first sampled loss or above
+    plateau_qk_ratio: Positive = 0.5  # a stuck layer's grad_ratio_qk_v at most this: the softmax-induced plateau
     # above the Eureka plateaus' motions on the evaluation's consulted runs (0.08-0.19), so that a plateau is
     # flagged at every cadence alike (docs/alerts.md#defaults)
     plateau_qk_motion: Positive = 0.25  # ln sigma_1(Wq^T Wk) growth per unit of Q/K update ratio (inf: off) ...
     plateau_max_growth: Factor = 1.35  # ... and sigma_1(Wq^T Wk) grew at most 1.35x over the window (inf: off)
-    plateau_uniformity: Share = 0.72  # ... and attention entropy at least this fraction of uniform's (0: off)
+    plateau_uniformity: Share = 0.72  # ... and each of its heads keeps this share of uniform's entropy (0: off)
     plateau_min_update: Share = 0.25  # ... and the Q/K updates at least this share of their largest window's (0: off)
     eureka_depth: Annotated[float, Kind(0, 1, hi_open=True, meaning="the drop's depth as a fraction of the "
                                         "plateau's level")] = 0.385

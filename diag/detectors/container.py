@@ -89,10 +89,10 @@ class Detectors(Detector):
             raise ConfigError(f"Detectors.load_state_dict: state version {version} is newer than this attnscope "
                               f"reads ({STATE_VERSION}); upgrade attnscope or start the detectors afresh")
         if version == 1:
-            log.warning("diag: detector state of format 1 (before episodes): the spike EMA, the non-finite "
-                        "memory and the first loss carry over; attention states, the collapse risk and the "
+            log.warning("diag: detector state of format 1 (before episodes): the spike EMA and the non-finite "
+                        "memory carry over; attention states, the collapse risk and the "
                         "plateau window start afresh")
-            keep = ("ema", "emvar", "n_loss", "nonfinite", "first_loss")
+            keep = ("ema", "emvar", "n_loss", "nonfinite")
             state = {k: state[k] for k in keep if k in state}
         elif version == 2:
             log.warning("diag: detector state of format 2 (before collapse_risk): the collapse risk starts afresh")

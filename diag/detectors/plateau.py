@@ -2,16 +2,16 @@
 
 Windows are in steps. The loss is, where the Monitor measured it, the mean loss of the steps since the previous
 sample (``Observation.loss_mean``: ten batches at the default cadence, not one), else the sampled step's. A
-plateau: the mean losses of the two halves of the last ``plateau_window`` steps differ by
-at most ``plateau_rel``, the level (the window's least-squares trend at this step) is at least
-``plateau_min_frac`` of the first loss (a converged run is not stuck), and the Q/K-to-V
-gradient ratio, averaged over layers and the window, is at most ``plateau_qk_ratio``; and, where the
-window holds them, ``sigma_1(Wq^T Wk)`` moved at most ``plateau_qk_motion`` per unit of the Q/K update ratios
-applied meanwhile (:func:`_motion`: the heads' geometric mean growth, schedule-free), that growth is at most
-``plateau_max_growth`` over the window, and
-the attention entropy is at least ``plateau_uniformity`` of uniform's: attention is what stopped learning (a
-flat loss while the query/key product still grows, or with attention already focused, is another state); and
-the window's mean Q/K update ratio is at least ``plateau_min_update`` of the largest window's (the learning rate
+plateau is recognised by its mechanism (Hoffmann et al.: attention that has not learned where to look gets
+softmax-damped Q/K gradients and cannot start to), not by where the loss sits: the mean losses of the two halves
+of the last ``plateau_window`` steps differ by at most ``plateau_rel``, and at least one layer is **stuck**: its
+Q/K-to-V gradient ratio, averaged over the window, is at most ``plateau_qk_ratio`` and every one of its heads
+keeps an attention entropy of at least ``plateau_uniformity`` of uniform's (the window's mean of the layer's
+least uniform head: no head of the layer has learned to select); and, where the window holds them, the stuck
+layers' ``sigma_1(Wq^T Wk)`` moved at most ``plateau_qk_motion`` per unit of the Q/K update ratios applied
+meanwhile (:func:`_motion`: the heads' geometric mean growth, schedule-free) and grew at most
+``plateau_max_growth`` over the window (a flat loss while the query/key product still grows is another state);
+and the window's mean Q/K update ratio is at least ``plateau_min_update`` of the largest window's (the learning rate
 has not decayed away: a schedule's tail is flat because training stopped). The
 plateau is an episode, ``since`` the first sample of the window inside its band (at most ``1 + plateau_rel``
 times the level); while it lasts its trend is refitted. The Eureka-moment: the loss, the median of the samples
@@ -74,30 +74,53 @@ def _log_sigma(obs: Observation) -> dict[str, list[float]] | None:
     return out or None
 
 
-def _uniformity(obs: Observation) -> float:
-    """The attention entropy as a fraction of uniform attention's over the same keys, averaged over layers and
-    heads, or NaN without attention."""
-    values = []
-    for m in obs.layers.values():
-        if "attn_entropy" not in m or "attn_entropy_uniform" not in m:
-            continue
-        entropy = np.atleast_1d(np.asarray(m["attn_entropy"], float))
-        uniform = np.atleast_1d(np.asarray(m["attn_entropy_uniform"], float))
-        if entropy.size and uniform.size and np.isfinite(uniform[0]) and uniform[0] > 0:
-            values.append(float(np.mean(entropy)) / float(uniform[0]))
-    values = [v for v in values if math.isfinite(v)]
-    return float(np.mean(values)) if values else math.nan
+def _layer_signals(obs: Observation) -> dict[str, list[float]]:
+    """Per layer ``[Q/K-to-V gradient ratio, attention entropy of its least uniform head as a fraction of
+    uniform's]``, NaN where the sample does not hold the signal."""
+    out = {}
+    for label, m in obs.layers.items():
+        ratio = float(m["grad_ratio_qk_v"][0]) if "grad_ratio_qk_v" in m else math.nan
+        least = math.nan
+        if "attn_entropy" in m and "attn_entropy_uniform" in m:
+            entropy = np.atleast_1d(np.asarray(m["attn_entropy"], float))
+            uniform = float(np.atleast_1d(np.asarray(m["attn_entropy_uniform"], float))[0])
+            if entropy.size and np.isfinite(entropy).all() and math.isfinite(uniform) and uniform > 0:
+                least = float(entropy.min()) / uniform
+        if math.isfinite(ratio) or math.isfinite(least):
+            out[label] = [ratio, least]
+    return out
 
 
-def _growth(points: list[list]) -> float:
-    """The geometric mean, over the heads whose sigma_1 is known at both, of the growth of sigma_1(Wq^T Wk)
-    between the window's first and last samples that have spectra (NaN if fewer than 2, or no head in common: a
-    layer whose spectra failed at one end does not count)."""
+def stuck_layers(points: list[list], qk_ratio: float, uniformity: float) -> dict[str, tuple[float, float]]:
+    """The layers stuck over the window ``points``: ``{label: (mean Q/K-to-V ratio, mean uniformity of the least
+    uniform head)}`` for each layer whose mean ratio is at most ``qk_ratio`` and whose mean least uniformity is at
+    least ``uniformity`` (``uniformity`` 0: not asked, a layer without attention samples may be stuck)."""
+    values: dict[str, tuple[list[float], list[float]]] = {}
+    for p in points:
+        for label, (ratio, least) in (p[5] or {}).items():
+            r, u = values.setdefault(label, ([], []))
+            if math.isfinite(ratio):
+                r.append(ratio)
+            if math.isfinite(least):
+                u.append(least)
+    out = {}
+    for label, (r, u) in values.items():
+        ratio, least = (float(np.mean(v)) if v else math.nan for v in (r, u))
+        if ratio <= qk_ratio and (uniformity == 0 or least >= uniformity):
+            out[label] = (ratio, least)
+    return out
+
+
+def _growth(points: list[list], layers: set[str] | None = None) -> float:
+    """The geometric mean, over the heads (of ``layers``, or all) whose sigma_1 is known at both, of the growth
+    of sigma_1(Wq^T Wk) between the window's first and last samples that have spectra (NaN if fewer than 2, or no
+    head in common: a layer whose spectra failed at one end does not count)."""
     have = [p[4] for p in points if p[4]]
     if len(have) < 2:
         return math.nan
     first, last = have[0], have[-1]
-    changes = [b - a for label in first.keys() & last.keys() for a, b in zip(first[label], last[label])
+    labels = first.keys() & last.keys() & (layers if layers is not None else first.keys())
+    changes = [b - a for label in labels for a, b in zip(first[label], last[label])
                if math.isfinite(a) and math.isfinite(b)]
     return float(np.exp(np.mean(changes))) if changes else math.nan
 
@@ -114,13 +137,13 @@ def _mean_update(updates: list[list[float]], last: float) -> float:
     return sum(u * w for (_, u), w in zip(ratios, weights)) / sum(weights)
 
 
-def _motion(points: list[list], updates: list[list[float]]) -> tuple[float, float]:
-    """(growth, motion): the growth of sigma_1(Wq^T Wk) over the window (:func:`_growth`) and how far that is per
-    unit of the Q/K update ratios the optimizer applied meanwhile, ``ln(growth) / (steps * mean update ratio)``:
-    ~0 when the steps Q and K take are noise (Hoffmann et al.'s plateau), near the alignment of a head learning
-    otherwise. Schedule-free: a decaying learning rate shrinks the growth and the updates alike. NaN without
-    two spectra samples or an update ratio in the window."""
-    growth = _growth(points)
+def _motion(points: list[list], updates: list[list[float]], layers: set[str] | None = None) -> tuple[float, float]:
+    """(growth, motion): the growth of sigma_1(Wq^T Wk) of ``layers`` over the window (:func:`_growth`) and how far
+    that is per unit of the Q/K update ratios the optimizer applied meanwhile,
+    ``ln(growth) / (steps * mean update ratio)``: ~0 when the steps Q and K take are noise (Hoffmann et al.'s
+    plateau), near the alignment of a head learning otherwise. Schedule-free: a decaying learning rate shrinks the
+    growth and the updates alike. NaN without two spectra samples or an update ratio in the window."""
+    growth = _growth(points, layers)
     have = [p[0] for p in points if p[4]]
     if not math.isfinite(growth) or growth <= 0 or len(have) < 2:
         return growth, math.nan
@@ -136,14 +159,13 @@ def _mean(points: list[list[float]], column: int) -> float:
 
 
 class Plateau(Detector):
-    """The loss history ``losses``: ``[[step, loss, qk_ratio, entropy, ln_sigma1, uniformity], ...]`` over the
-    window (``ln_sigma1``: ``{layer: [ln sigma_1 per head]}`` or None, :func:`_log_sigma`); ``recent`` and
-    ``below`` keep the first four fields."""
+    """The loss history ``losses``: ``[[step, loss, qk_ratio, entropy, ln_sigma1, layers], ...]``
+    over the window (``ln_sigma1``: ``{layer: [ln sigma_1 per head]}`` or None, :func:`_log_sigma`; ``layers``:
+    :func:`_layer_signals`); ``recent`` and ``below`` keep the first four fields."""
 
     def __init__(self, cfg: PlateauConfig) -> None:
         self.cfg = cfg
         self.losses: list[list[float]] = []
-        self.first_loss: float | None = None
         # while one lasts: {"since", "a", "b", "noise", "ratio", "entropy", "level"}
         self.plateau: dict | None = None
         self.below: list[list[float]] = []  # the samples whose smoothed loss is under the moment's line ...
@@ -166,12 +188,12 @@ class Plateau(Detector):
         loss = obs.loss if obs.loss_mean is None else obs.loss_mean
         if loss is None or not math.isfinite(loss):
             return []
-        self.first_loss = loss if self.first_loss is None else self.first_loss
         self.start = obs.step if self.start is None else self.start
         ratios = [float(m["grad_ratio_qk_v"][0]) for m in obs.layers.values() if "grad_ratio_qk_v" in m]
         entropies = [float(np.mean(m["attn_entropy"])) for m in obs.layers.values() if "attn_entropy" in m]
         point = [float(obs.step), loss, float(np.mean(ratios)) if ratios else math.nan,
-                 float(np.mean(entropies)) if entropies else math.nan, _log_sigma(obs), _uniformity(obs)]
+                 float(np.mean(entropies)) if entropies else math.nan, _log_sigma(obs),
+                 _layer_signals(obs)]
         if self.plateau is not None:
             return self._moment(obs.step, point)
         self.losses = [p for p in self.losses if p[0] > obs.step - self.cfg.plateau_window] + [point]
@@ -183,7 +205,6 @@ class Plateau(Detector):
             return []
         a, b, noise = fit_trend(self.losses)
         level = a + b * step
-        ratio = _mean(self.losses, 2)
         mid = step - window / 2
         halves = ([p[1] for p in self.losses if p[0] <= mid], [p[1] for p in self.losses if p[0] > mid])
         first, second = (float(np.mean(h)) if h else math.nan for h in halves)
@@ -192,15 +213,14 @@ class Plateau(Detector):
         # plateau
         rise_noise = 2.0 * noise * math.sqrt(sum(1.0 / max(len(h), 1) for h in halves))
         flat = first - second <= self.cfg.plateau_rel * first and second - first <= rise_noise
-        high = self.first_loss is not None and level >= self.cfg.plateau_min_frac * self.first_loss
-        (growth, motion), uniformity = _motion(self.losses, self.updates), _mean(self.losses, 5)
+        stuck = stuck_layers(self.losses, self.cfg.plateau_qk_ratio, self.cfg.plateau_uniformity)
+        (growth, motion) = _motion(self.losses, self.updates, set(stuck)) if stuck else (math.nan, math.nan)
         # what the alert claims is measured, or the test is switched off: a missing signal (no spectra, no update
         # ratio, no attention in the window) is missing, not a pass
         still = math.isinf(self.cfg.plateau_qk_motion) or motion <= self.cfg.plateau_qk_motion
         # ... and it did not grow much in all (a window over the run's first steps, whose update ratios are as
         # large as the weights, can show a query/key product grown 3-7x as a small motion per unit of them)
         settled = math.isinf(self.cfg.plateau_max_growth) or growth <= self.cfg.plateau_max_growth
-        diffuse = self.cfg.plateau_uniformity == 0 or uniformity >= self.cfg.plateau_uniformity
         # ... and the optimizer still moves Q and K: a loss that went flat because the learning rate decayed
         # (a cosine schedule's tail, whose Q/K updates are a few percent of what they were) has stopped training,
         # it is not stuck (Hugging Face GPT-2 under warmup + cosine goes flat over its last steps, and its
@@ -210,29 +230,33 @@ class Plateau(Detector):
             self.peak_update = max(self.peak_update or 0.0, update)
         moving = (self.cfg.plateau_min_update == 0 or not math.isfinite(update) or self.peak_update is None
                   or update >= self.cfg.plateau_min_update * self.peak_update)
-        if not (flat and high and ratio <= self.cfg.plateau_qk_ratio and still and settled and diffuse and moving):
+        if not (flat and stuck and still and settled and moving):
             return []
+        ratio = float(np.mean([r for r, _ in stuck.values()]))
+        uniformity = min(u for _, u in stuck.values())
         # the plateau began where the loss came down into its band (a window flat to plateau_rel may still hold
         # the end of the fall before it); how fast it sinks is measured from there
         band = level * (1.0 + self.cfg.plateau_rel)
         since = int(next((p[0] for p in self.losses if p[1] <= band), self.losses[0][0]))
         on = [p for p in self.losses if p[0] >= since]
-        self.plateau = {"since": since, "a": a, "b": b, "noise": noise, "ratio": ratio,
+        self.plateau = {"since": since, "a": a, "b": b, "noise": noise, "ratio": _mean(self.losses, 2),
                         "entropy": _mean(self.losses, 3), "level": level}
         slope = fit_trend(on)[1] if len(on) >= MIN_POINTS else b
         sinking = -100.0 * slope / level if level > 0 else 0.0  # the fall per 100 steps, relative
+        names = ", ".join(sorted(stuck))
         evidence = [f"Q/K gradients are {ratio:.2f}x of V's"]
+        if math.isfinite(uniformity):
+            evidence.append(f"every head keeps at least {uniformity:.0%} of uniform attention entropy")
         if math.isfinite(motion):
             evidence.append(f"sigma_1(Wq^T Wk) moved {motion:.2f} per unit of the Q/K updates (grew x{growth:.2f})")
-        if math.isfinite(uniformity):
-            evidence.append(f"attention entropy is at {uniformity:.0%} of uniform")
         slow = (f" The loss still sinks {sinking:.1%} per 100 steps, as Eureka plateaus do before their moment; on "
                 "a language model whose loss keeps falling steadily, read this as attention learning slowly."
                 if sinking >= 0.005 else "")
         return [Alert(step, "eureka_plateau", "warning", "", (
             f"the loss has been on a plateau near {level:.4g} since step {since} (the mean losses of the halves of "
-            f"the last {window} steps differ by {(first - second) / first:.1%}) while "
-            f"{', '.join(evidence)}: the model may be stuck before a Eureka-moment.{slow} What to do: {TODO}"),
+            f"the last {window} steps differ by {(first - second) / first:.1%}) while attention in {names} has not "
+            f"learned where to look ({', '.join(evidence)}): the model may be stuck before a Eureka-moment.{slow} "
+            f"What to do: {TODO}"),
             {"loss": level, "grad_ratio_qk_v": ratio, "noise": noise, "qk_sigma1_growth": growth,
              "qk_motion": motion,
              "attn_uniformity": uniformity, "loss_sink_per_100": sinking},
@@ -305,19 +329,18 @@ class Plateau(Detector):
         # the plateau's entry tests have a key of their own
         return {"losses": [p[1] for p in self.losses], "loss_points": [[p[0], p[2], p[3]] for p in self.losses],
                 "loss_signals": [[p[4], p[5]] for p in self.losses],
-                "first_loss": self.first_loss, "plateau": self.plateau, "below": self.below, "below_gap": self.gap,
+                "plateau": self.plateau, "below": self.below, "below_gap": self.gap,
                 "loss_start": self.start,
                 "recent": self.recent, "plateau_updates": self.updates, "plateau_peak_update": self.peak_update}
 
     def load_state_dict(self, state: dict) -> None:
         points = state.get("loss_points", [])  # format 1 has losses but no points: the window starts afresh
-        # a state saved before the entry tests read sigma_1 and the uniformity has no "loss_signals": unknown,
-        # as if those signals had not been sampled
-        signals = state.get("loss_signals") or [[None, math.nan]] * len(points)
+        # a state without "loss_signals", or with a layer-free second field: unknown, as if those signals had not
+        # been sampled
+        signals = state.get("loss_signals") or [[None, None]] * len(points)
         self.losses = [[p[0], loss, p[1], p[2], sig if isinstance(sig, dict) else None,
-                        float(u) if isinstance(u, (int, float)) else math.nan]
-                       for loss, p, (sig, u) in zip(state.get("losses", []), points, signals)]
-        self.first_loss = state.get("first_loss")
+                        {k: [float(x) for x in v] for k, v in layers.items()} if isinstance(layers, dict) else {}]
+                       for loss, p, (sig, layers) in zip(state.get("losses", []), points, signals)]
         self.plateau = state.get("plateau") if isinstance(state.get("plateau"), dict) else None
         self.below = [list(p) for p in state.get("below", [])]
         self.gap = 1 if state.get("below_gap") == 1 and self.below else 0

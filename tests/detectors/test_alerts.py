@@ -117,16 +117,37 @@ def test_slowly_sinking_plateau_is_flagged():
     assert out[0].values["loss"] == pytest.approx(a + b * 21) and out[1].since == 34
 
 
-def test_converged_low_loss_is_not_a_plateau():
-    # flat at 0.1 after starting at 2.3: below plateau_min_frac (0.25) of the first loss, so a finished run,
-    # not a stuck one; the same flat stretch at 1.1 (48% of the start) is a plateau (plateau_window=20: 20
-    # samples at every=1)
-    losses = [2.3, 1.0, 0.3] + [0.1] * 30
-    assert _plateau_run(Detectors(AlertConfig(plateau_window=20)), losses, ratio=0.05) == []
-    out = _plateau_run(Detectors(AlertConfig(plateau_window=20)), [2.3, 1.5] + [1.1] * 30, ratio=0.05)
-    assert kinds(out) == [(20, "eureka_plateau", "")]
-    out = _plateau_run(Detectors(AlertConfig(plateau_window=20, plateau_min_frac=0.01)), losses, ratio=0.05)
-    assert kinds(out) == [(22, "eureka_plateau", "")]
+def _two_layers(ratios, uniformities):
+    """Two layers of 2 heads: each layer's Q/K:V gradient ratio and its heads' attention entropy as fractions of
+    uniform's (3.0 nats over the same keys)."""
+    return {f"L0{i}": {**STILL, "grad_ratio_qk_v": np.array([r]), "attn_entropy": 3.0 * np.array(u)}
+            for i, (r, u) in enumerate(zip(ratios, uniformities))}
+
+
+def test_a_plateau_is_recognised_by_a_stuck_layer_wherever_the_loss_sits():
+    """A flat loss is a plateau when a layer is stuck (small Q/K gradients, every head near uniform attention), at
+    any level against the first loss: at 35% of it (a model that still chooses between two candidates, about
+    ln 2 of ln 10) as at 48%; beside a layer that learned to select, the stuck one is named. A run whose loss is
+    as flat but whose layers all hold a head that selects (one head at 0.5 of uniform), or whose Q/K gradients
+    are large, is not stuck (plateau_window=20: 20 samples at every=1)."""
+    cfg = AlertConfig(plateau_window=20)
+
+    def flagged(losses, ratios, uniformities):
+        det, out = Detectors(cfg), []
+        for i, loss in enumerate(losses):
+            out += det.observe(Observation(i, loss, _two_layers(ratios, uniformities)))
+        return [a for a in out if a.kind == "eureka_plateau" and a.status == "firing"]
+
+    low, high = [2.3, 1.5, 0.9] + [0.8] * 30, [2.3, 1.5] + [1.1] * 30
+    stuck = ([0.2, 0.3], [[0.95, 0.9], [0.9, 0.85]])
+    assert [a.step for a in flagged(low, *stuck)] == [20] and [a.step for a in flagged(high, *stuck)] == [20]
+    beside = flagged(low, [1.2, 0.3], [[0.4, 0.5], [0.9, 0.85]])  # L00 learned, L01 is stuck
+    assert len(beside) == 1 and "attention in L01 has not learned" in beside[0].message
+    assert beside[0].values["grad_ratio_qk_v"] == pytest.approx(0.3)
+    assert beside[0].values["attn_uniformity"] == pytest.approx(0.85)  # the stuck layer's least uniform head
+    assert flagged(low, [0.2, 0.3], [[0.95, 0.5], [0.9, 0.5]]) == []  # a head of each layer selects
+    assert flagged(low, [0.7, 0.8], [[0.95, 0.9], [0.9, 0.85]]) == []  # Q/K gradients as large as V's
+    assert flagged([2.3, 1.0, 0.3] + [0.1] * 30, [0.2, 0.3], [[0.5, 0.4], [0.45, 0.5]]) == []  # converged
 
 
 def test_nonfinite_fires_on_entry_only():

@@ -116,10 +116,9 @@ def test_a_query_key_product_that_grew_much_over_the_window_is_no_plateau_whatev
 
 
 def _decaying_run(update_of_step, cfg=None, start=600, steps=1000):
-    """A loss falling 20% per 100 steps until ``start``, flat after it (at 0.33 of the first loss: plateau_min_frac
-    0.25 here), Q/K still and gradients at 0.3x of V's; the Q/K update ratio ``update_of_step(step)``, every 10
-    steps."""
-    det, out = Detectors(cfg or AlertConfig(plateau_min_frac=0.25)), []
+    """A loss falling 20% per 100 steps until ``start``, flat after it (at 0.33 of the first loss), Q/K still and
+    gradients at 0.3x of V's; the Q/K update ratio ``update_of_step(step)``, every 10 steps."""
+    det, out = Detectors(cfg or AlertConfig()), []
     for step in range(0, steps, 10):
         loss = 1.3 * 1.2 ** (max(start - step, 0) / 100)  # 20% per 100 steps, then flat
         out += det.observe(Observation(step, loss, _layers(step, 0.3, [1.0, 2.0], 0.85, update_of_step(step))))
@@ -138,19 +137,19 @@ def test_a_loss_flat_under_a_decayed_learning_rate_is_no_plateau():
     assert [a.step for a in constant] == [670]
     cosine = [0.01 if s < 400 else 0.0005 for s in range(0, 1000, 10)]
     assert _decaying_run(lambda s: cosine[s // 10]) == []
-    off = AlertConfig(plateau_min_frac=0.25, plateau_min_update=0)
+    off = AlertConfig(plateau_min_update=0)
     assert [a.step for a in _decaying_run(lambda s: cosine[s // 10], off)] == [670]
     # huge first updates (no warmup) do not count: the largest window is taken from the second one on
     first = [0.5 if s < 100 else 0.01 for s in range(0, 1000, 10)]
     assert [a.step for a in _decaying_run(lambda s: first[s // 10])] == [670]
     # the largest window survives a resume: resumed at step 450, the decayed run is still no plateau
-    det = Detectors(AlertConfig(plateau_min_frac=0.25))
+    det = Detectors(AlertConfig())
     for step in range(0, 1000, 10):
         if step == 450:
             state = json.loads(json.dumps(det.state_dict()))
             # the window (200, 400] at step 400: 19 samples of 0.01 held 10 steps each, then one of 0.0005 (1 step)
             assert state["plateau_peak_update"] == pytest.approx((1.9 + 0.0005) / 191)
-            det = Detectors(AlertConfig(plateau_min_frac=0.25))
+            det = Detectors(AlertConfig())
             det.load_state_dict(state)
         loss = 1.3 * 1.2 ** (max(600 - step, 0) / 100)
         alerts = det.observe(Observation(step, loss, _layers(step, 0.3, [1.0, 2.0], 0.85, cosine[step // 10])))
@@ -397,7 +396,7 @@ def test_the_plateau_reads_the_mean_loss_between_samples_where_the_monitor_gives
     det = Plateau(AlertConfig().plateau)
     layers = {"L00": {**STILL, "grad_ratio_qk_v": np.array([0.3])}}
     det.observe(Observation(0, 5.0, layers, 2.0))
-    assert det.first_loss == 2.0 and det.losses[-1][1] == 2.0
+    assert det.losses[-1][1] == 2.0
     det.observe(Observation(10, 1.5, layers, float("nan")))
     assert len(det.losses) == 1
     det.observe(Observation(20, 1.5, layers))
