@@ -21,7 +21,7 @@ family out (:func:`evaluation.tune.tune_one`).
 
 The test bed closer to users' runs (:mod:`evaluation.testbed`: contexts of 512 and 1,024, 8 heads, grouped-query
 attention with rotary positions, bf16 autocast, fine-tunes of models that start with attention sinks) has its
-own pair: **design-users** (seeds 20-22), the runs its kinds were developed on, and **users** (seeds 300-301),
+own pair: **design-users** (seeds 20-22), the runs its kinds were developed on, and **users** (seeds 300-302),
 held out: frozen (:mod:`evaluation.freeze`) before any of its runs was recorded.
 """
 
@@ -138,13 +138,14 @@ SETS: dict[str, list[RunSpec]] = {
     "design-users": testbed.testbed(finetune_seeds=range(20, 22), sinks=testbed.SINKS, healthy_seeds=range(20, 21),
                                     lm_seeds=range(20, 21), lm_lrs=LM_LRS, llama_seeds=range(21, 22),
                                     llama_lrs=testbed.LLAMA_LRS, eureka_seeds=range(20, 22)),
-    # held out, sized to be recorded in about an hour on 2 cores: the sink fine-tunes (2 families x 2 seeds), the 8
-    # healthy runs (4 families x 2 schedules), the nanoGPT sweep with twins on both sides of its boundary (1 seed)
-    # and at it (2), the LLaMA sweep at its two highest rates with twins, 2 Eureka seeds on each implementation
-    "users": testbed.testbed(finetune_seeds=range(300, 302), sinks=testbed.SINKS, healthy_seeds=range(300, 301),
+    # held out, sized to be recorded in under two hours on 2 cores: the sink fine-tunes (2 families x 3 seeds), the
+    # 16 healthy runs (4 families x 2 schedules x 2 seeds), the nanoGPT sweep with twins on both sides of its
+    # boundary (1 seed) and at it (2), the LLaMA sweep at its two highest rates with twins, 2 Eureka seeds on each
+    # implementation and a NormSoftmax twin of one on each
+    "users": testbed.testbed(finetune_seeds=range(300, 303), sinks=testbed.SINKS, healthy_seeds=range(300, 302),
                              lm_seeds=range(300, 301), lm_lrs=(2e-3, 7e-3, 1e-2), llama_seeds=range(300, 301),
                              llama_lrs=testbed.LLAMA_LRS[1:], eureka_seeds=range(300, 302))
-    + testbed.lm_sweep(range(300, 302), (BOUNDARY_LR,)),
+    + testbed.lm_sweep(range(300, 302), (BOUNDARY_LR,)) + testbed.normsoftmax(range(300, 301)),
 }
 
 

@@ -25,9 +25,11 @@ coarser cadences).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from evaluation.spec import RunSpec
 
-__all__ = ["LLAMA_LRS", "SINKS", "testbed"]
+__all__ = ["LLAMA_LRS", "SINKS", "normsoftmax", "testbed"]
 
 SHAPE = {"layers": 4, "heads": 8, "width": 128}
 FINETUNE = {"lr": 3e-4, "steps": 300, "warmup": 30, "schedule": "cosine", "corpus": "pydoc", "every": 0}
@@ -89,6 +91,12 @@ def eureka(seeds: range) -> list[RunSpec]:
     the first loss, every 2nd step)."""
     return ([RunSpec("vit", s, EUREKA_LR, EUREKA_STEPS) for s in seeds]
             + [RunSpec("vit", s, HFVIT_LR, HFVIT_STEPS, model="hfvit", every=2) for s in seeds])
+
+
+def normsoftmax(seeds: range) -> list[RunSpec]:
+    """The NormSoftmax twins of :func:`eureka`'s runs of ``seeds``: the same task whose plateau NormSoftmax
+    shortens, and which the alert must still flag."""
+    return [replace(s, twin="normsoftmax") for s in eureka(seeds)]
 
 
 def testbed(finetune_seeds: range, sinks: tuple[str, ...], healthy_seeds: range, lm_seeds: range,

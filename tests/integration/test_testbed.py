@@ -97,17 +97,17 @@ def test_a_spec_says_what_its_run_is_for():
 
 
 def test_the_users_set_holds_what_the_test_bed_promises():
-    """Frozen before recording: 4 sink fine-tunes of 2 families at context 512 or more, at the default cadence; 8
-    healthy runs (4 families x 2 schedules, context 512 or more, 8 heads, one family in bf16 autocast); both
-    collapse sweeps with a QK-norm twin for every run, part of them at context 512; the Eureka task on both
-    implementations; seeds no other set uses."""
+    """Frozen before recording: 6 sink fine-tunes of 2 families at context 512 or more, at the default cadence; 16
+    healthy runs (4 families x 2 schedules x 2 seeds, context 512 or more, 8 heads, one family in bf16 autocast);
+    both collapse sweeps with a QK-norm twin for every run, part of them at context 512; the Eureka task on both
+    implementations, each with a NormSoftmax twin; seeds no other set uses."""
     users = SETS["users"]
     fine = [s for s in users if s.purpose == "sinks"]
-    assert len(fine) == 4 and {s.model for s in fine} == {"gpt2", "llama"} and all(s.context >= 512 for s in fine)
+    assert len(fine) == 6 and {s.model for s in fine} == {"gpt2", "llama"} and all(s.context >= 512 for s in fine)
     assert all(s.every == 0 for s in fine)
     healthy = [s for s in users if s.purpose == "healthy"]
     families = {(s.task, s.model) for s in healthy}
-    assert len(healthy) == 8 and len(families) == 4 and {s.schedule for s in healthy} == {"constant", "cosine"}
+    assert len(healthy) == 16 and len(families) == 4 and {s.schedule for s in healthy} == {"constant", "cosine"}
     assert all(s.context >= 512 and s.heads == 8 and s.every == 0 for s in healthy)
     assert any(s.autocast == "bf16" for s in healthy)
     collapse = [s for s in users if s.purpose == "collapse"]
@@ -115,6 +115,7 @@ def test_the_users_set_holds_what_the_test_bed_promises():
     assert any(s.context >= 512 for s in collapse) and any(s.context == 0 for s in collapse)
     eureka = [s for s in users if s.purpose == "eureka"]
     assert {s.model for s in eureka} == {"", "hfvit"}
+    assert {s.model for s in eureka if s.twin == "normsoftmax"} == {"", "hfvit"}
     seeds = {s.seed for s in users}
     others = {s.seed for name, specs in SETS.items() if name != "users" for s in specs}
     assert not seeds & others
