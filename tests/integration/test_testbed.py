@@ -120,3 +120,36 @@ def test_the_users_set_holds_what_the_test_bed_promises():
     others = {s.seed for name, specs in SETS.items() if name != "users" for s in specs}
     assert not seeds & others
     assert len({s.name for s in users}) == len(users)
+
+
+def test_the_second_eureka_implementation_records_its_attention_and_its_normsoftmax_twin_computes_normsoftmax(
+        tmp_path):
+    """The Eureka task on Hugging Face's ViT (two candidate cells): a short run records losses, held-out
+    evaluations and the attention the Monitor read; its NormSoftmax twin starts from the same weights and its
+    attention is softmax(s / (T std(s))) over the keys, checked against that formula computed by hand."""
+    from evaluation import eureka_hf
+    from evaluation.eureka import DigitGrid, EurekaConfig
+    from evaluation.runs import record
+    from evaluation.truth import load_run
+
+    run = load_run(record(RunSpec("vit", 0, 1.2e-3, 6, model="hfvit", every=2), tmp_path))
+    assert run.name == "vit-hfvit-lr0.0012-s0" and len(run.losses) == 6 and all(map(math.isfinite, run.losses))
+    assert any("attn_entropy" in m and "grad_ratio_qk_v" in m for o in run.obs for m in o.layers.values())
+    assert DigitGrid(candidates=2).candidates == 2 and 0.4 < run.info["blind"] < 0.75
+
+    shape = eureka_hf.SHAPE
+    torch.manual_seed(0)
+    soft = eureka_hf.GridViT(shape["n_layer"], shape["n_head"], shape["n_embd"], shape["patch"], "softmax")
+    torch.manual_seed(0)
+    twin = eureka_hf.GridViT(shape["n_layer"], shape["n_head"], shape["n_embd"], shape["patch"], "normsoftmax")
+    assert all(torch.equal(a, b) for a, b in zip(soft.state_dict().values(), twin.state_dict().values()))
+    layer = twin.vit.vit.layers[0].attention
+    x = torch.randn(3, 17, shape["n_embd"], dtype=torch.float64)
+    layer.double()
+    got = layer(x)[0]
+    heads, d = layer.num_attention_heads, layer.head_dim
+    q, k, v = (p(x).view(3, 17, heads, d).transpose(1, 2) for p in (layer.q_proj, layer.k_proj, layer.v_proj))
+    s = q @ k.transpose(-1, -2) / math.sqrt(d)
+    p = torch.softmax(s / (EurekaConfig.temperature * s.std(dim=-1, keepdim=True) + 1e-6), dim=-1)
+    want = layer.o_proj((p @ v).transpose(1, 2).reshape(3, 17, -1))
+    assert torch.allclose(got, want, atol=1e-10)
