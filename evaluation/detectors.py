@@ -142,9 +142,6 @@ def twin_of(run: Run, runs: dict[str, Run]) -> Run | None:
     return runs.get(replace(run.spec, twin=kind, threads=1).name)
 
 
-ALARMS = ("malignant_collapse", "collapse_warning", "collapse_damage")  # a collapse alert, for the twin test
-
-
 def collapse_matches(run: Run, alerts: list, cfg: AlertConfig) -> dict:
     """The run's collapsed layers and heads against their own records (:mod:`evaluation.matching`), its layers
     against their own warnings within the risk's horizon, and the false records of each."""
@@ -186,6 +183,8 @@ def judge_collapse(run: Run, cfg: AlertConfig, every, twin: Run | None) -> dict:
             and alarm < damage_from,
             "records": records_per_head(alerts),
             "plateau_alerts": sum(a.kind == "eureka_plateau" and a.status == "firing" for a in alerts),
+            "critical": sorted({f"{a.kind}@{a.step}:{a.where}" for a in alerts if a.status == "firing"
+                                and a.level == "critical"}),
             "bad": sorted({f"{a.kind}@{a.step}:{a.where}" for a in alerts if a.status == "firing"
                            and a.level != "info"})}
 
@@ -241,6 +240,8 @@ def judge_hf(run: Run, cfg: AlertConfig, every, twin: Run | None) -> dict:
             "context_free": context_free,
             "records": records_per_head(alerts),
             "bad": sorted({f"{a.kind}@{a.step}:{a.where}" for a in firing}),
+            "critical": sorted({f"{a.kind}@{a.step}:{a.where}" for a in firing if a.level == "critical"}),
+            "sinks": sum(a.kind == "attention_sink" and a.status == "firing" for a in alerts),
             "bad_in_state": sorted({f"{a.kind}@{a.step}:{a.where}" for a in firing if in_state(run, a)})}
 
 
