@@ -25,6 +25,7 @@ from pathlib import Path
 from diag.detectors import AlertConfig, Detectors, Observation
 from evaluation.matching import COLLAPSE, match, records_of, warning_window
 from evaluation.seeds import BOUNDARY_LR, SETS
+from evaluation.spec import EVERYS
 from evaluation.truth import (
     Run,
     accuracy_jump,
@@ -42,7 +43,6 @@ from evaluation.truth import (
 from hooks.monitor.cadence import CloserLook, resolve_cadence
 from hooks.monitor.monitor import SIGNALS
 
-EVERYS = ("default", 2, 5, 10, 20)  # "default": the Monitor's per-family cadence
 FAMILY_OF = {"grad_": "grads", "qk_": "spectra", "attn_": "attention", "update_": "updates"}
 PLATEAU_MARGIN = 0.05  # held-out accuracy within 0.05 of the no-indicator ceiling: still on the plateau
 EVAL_EVERY = 20  # steps between held-out evaluations of the Eureka task
