@@ -117,7 +117,10 @@ def replay_run(run: Run, cfg: AlertConfig, every) -> list:
 
 
 def everys(run: Run) -> tuple:
-    return ("default",) if run.spec.purpose in HEALTHY or run.spec.every == 0 else EVERYS
+    if run.spec.purpose in HEALTHY or run.spec.every == 0:
+        return ("default",)
+    # the cadences the recording holds: a run recorded every 2nd step is replayed at 2, 10 and 20, not at 5
+    return tuple(e for e in EVERYS if e == "default" or e % run.spec.every == 0)
 
 
 def first(alerts: list, kind: str, attr: str = "step", scope: str | None = None) -> int | None:
