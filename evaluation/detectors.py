@@ -25,6 +25,7 @@ from pathlib import Path
 from diag.detectors import AlertConfig, Detectors, Observation
 from evaluation.matching import COLLAPSE, match, records_of, warning_window
 from evaluation.seeds import BOUNDARY_LR, SETS
+from evaluation.spec import EVERYS
 from evaluation.truth import (
     Run,
     accuracy_jump,
@@ -42,7 +43,6 @@ from evaluation.truth import (
 from hooks.monitor.cadence import CloserLook, resolve_cadence
 from hooks.monitor.monitor import SIGNALS
 
-EVERYS = ("default", 2, 5, 10, 20)  # "default": the Monitor's per-family cadence
 FAMILY_OF = {"grad_": "grads", "qk_": "spectra", "attn_": "attention", "update_": "updates"}
 PLATEAU_MARGIN = 0.05  # held-out accuracy within 0.05 of the no-indicator ceiling: still on the plateau
 EVAL_EVERY = 20  # steps between held-out evaluations of the Eureka task
@@ -117,7 +117,10 @@ def replay_run(run: Run, cfg: AlertConfig, every) -> list:
 
 
 def everys(run: Run) -> tuple:
-    return ("default",) if run.spec.purpose in HEALTHY or run.spec.every == 0 else EVERYS
+    if run.spec.purpose in HEALTHY or run.spec.every == 0:
+        return ("default",)
+    # the cadences the recording holds: a run recorded every 2nd step is replayed at 2, 10 and 20, not at 5
+    return tuple(e for e in EVERYS if e == "default" or e % run.spec.every == 0)
 
 
 def first(alerts: list, kind: str, attr: str = "step", scope: str | None = None) -> int | None:
@@ -140,9 +143,6 @@ def twin_of(run: Run, runs: dict[str, Run]) -> Run | None:
     if run.spec.twin:
         return None
     return runs.get(replace(run.spec, twin=kind, threads=1).name)
-
-
-ALARMS = ("malignant_collapse", "collapse_warning", "collapse_damage")  # a collapse alert, for the twin test
 
 
 def collapse_matches(run: Run, alerts: list, cfg: AlertConfig) -> dict:
@@ -186,6 +186,8 @@ def judge_collapse(run: Run, cfg: AlertConfig, every, twin: Run | None) -> dict:
             and alarm < damage_from,
             "records": records_per_head(alerts),
             "plateau_alerts": sum(a.kind == "eureka_plateau" and a.status == "firing" for a in alerts),
+            "critical": sorted({f"{a.kind}@{a.step}:{a.where}" for a in alerts if a.status == "firing"
+                                and a.level == "critical"}),
             "bad": sorted({f"{a.kind}@{a.step}:{a.where}" for a in alerts if a.status == "firing"
                            and a.level != "info"})}
 
@@ -241,6 +243,8 @@ def judge_hf(run: Run, cfg: AlertConfig, every, twin: Run | None) -> dict:
             "context_free": context_free,
             "records": records_per_head(alerts),
             "bad": sorted({f"{a.kind}@{a.step}:{a.where}" for a in firing}),
+            "critical": sorted({f"{a.kind}@{a.step}:{a.where}" for a in firing if a.level == "critical"}),
+            "sinks": sum(a.kind == "attention_sink" and a.status == "firing" for a in alerts),
             "bad_in_state": sorted({f"{a.kind}@{a.step}:{a.where}" for a in firing if in_state(run, a)})}
 
 

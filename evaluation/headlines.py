@@ -33,9 +33,11 @@ def _eureka(rows: Rows, test: Callable[[dict], bool | None], twin: str = "") -> 
     return test(d)
 
 
-def _healthy(rows: Rows, test: Callable[[dict], bool]) -> bool | None:
+def _healthy(rows: Rows, test: Callable[[dict], bool], purpose: str = "healthy") -> bool | None:
+    """A healthy run from scratch (``purpose="healthy"``) or a fine-tune of a model with sinks (``"sinks"``)."""
     d = rows.get("default")
-    return None if d is None or d["kind"] != "hf" or d["twin"] else test(d)
+    return None if d is None or d["kind"] != "hf" or d["twin"] or d.get("purpose", "healthy") != purpose \
+        else test(d)
 
 
 def _with_jump(rows: Rows, test: Callable[[dict], bool]) -> bool | None:
@@ -70,6 +72,8 @@ GOALS = (
          lambda rs: _collapse(rs, lambda d: not d["quiet_warning"] if d["onset"] is None else None, away=True)),
     Goal("alert_before_damage", "runs the twin test calls damaged: a collapse alert before the damage begins",
          lambda rs: _collapse(rs, lambda d: d["alarm_before_damage"] if d["damaged"] else None)),
+    Goal("no_critical_without_damage", "collapse runs the twin test does not call damaged (twins included): no "
+         "critical record", lambda rs: _collapse(rs, lambda d: not d["critical"] if not d["damaged"] else None)),
     Goal("plateau_before_jump", "Eureka runs with a jump: the plateau flagged before it",
          lambda rs: _with_jump(rs, lambda d: d["plateau_in_time"])),
     Goal("plateau_every_cadence", "... at every cadence",
@@ -78,12 +82,20 @@ GOALS = (
          lambda rs: _with_jump(rs, lambda d: d["offset"] is not None and abs(d["offset"]) <= 2)),
     Goal("no_false_moment", "Eureka runs: no moment on the plateau, at any cadence",
          lambda rs: _eureka(rs, lambda d: all(r["false_moments"] == 0 for r in rs.values()))),
-    Goal("normsoftmax_quiet", "NormSoftmax Eureka twins: no plateau flagged",
-         lambda rs: _eureka(rs, lambda d: d["plateau"] is None, twin="normsoftmax")),
-    Goal("healthy_no_plateau", "healthy runs: no plateau alert",
-         lambda rs: _healthy(rs, lambda d: not d["plateau_alerts"])),
-    Goal("healthy_no_warning", "healthy runs: no warning or critical alert",
+    Goal("normsoftmax_flagged", "NormSoftmax Eureka twins with a jump: the plateau flagged before it",
+         lambda rs: _eureka(rs, lambda d: None if d["jump"] is None else d["plateau_in_time"], twin="normsoftmax")),
+    Goal("finetune_quiet", "fine-tunes of models with attention sinks: no warning or critical record",
+         lambda rs: _healthy(rs, lambda d: not d["bad"], "sinks")),
+    Goal("finetune_sinks_info", "... their sinks reported at info level (attention_sink)",
+         lambda rs: _healthy(rs, lambda d: d["sinks"] > 0, "sinks")),
+    Goal("finetune_no_plateau", "fine-tunes of models with attention sinks: no plateau alert",
+         lambda rs: _healthy(rs, lambda d: not d["plateau_alerts"], "sinks")),
+    Goal("healthy_no_critical", "healthy runs from scratch: no critical record",
+         lambda rs: _healthy(rs, lambda d: not d["critical"])),
+    Goal("healthy_no_warning", "healthy runs from scratch: no warning or critical alert",
          lambda rs: _healthy(rs, lambda d: not d["bad"])),
+    Goal("healthy_no_plateau", "healthy runs from scratch: no plateau alert",
+         lambda rs: _healthy(rs, lambda d: not d["plateau_alerts"])),
     Goal("records_per_head", "every run: at most 3 records of one kind on one head or layer, at every cadence",
          lambda rs: all(r["records"] <= 3 for r in rs.values())),
 )

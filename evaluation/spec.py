@@ -8,9 +8,10 @@ from dataclasses import dataclass, fields
 
 from hooks.demo import Schedule
 
-__all__ = ["PURPOSES", "TASKS", "RunSpec"]
+__all__ = ["EVERYS", "PURPOSES", "TASKS", "RunSpec"]
 
 TASKS = ("lm", "vit", "hf", "finetune")
+EVERYS = ("default", 2, 5, 10, 20)  # the cadences a run recorded every step is replayed at ("default": the Monitor's)
 # what a run is for, which says how it is judged: a collapse run against its attention's states and its QK-norm
 # twin, a Eureka run against its accuracy jump, a healthy run (no warning or critical record may reach it), a
 # fine-tune of a model that starts with attention sinks (healthy too, its sinks a baseline state)

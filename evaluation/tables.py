@@ -7,8 +7,8 @@ the boundary learning rate, the Eureka runs, the plateau's signals on them, and 
 
 from __future__ import annotations
 
-from evaluation.detectors import EVERYS
 from evaluation.seeds import BOUNDARY_LR
+from evaluation.spec import EVERYS
 from evaluation.truth import Run, accuracy_jump, context_free_loss
 
 __all__ = ["collapse_table", "damage_table", "eureka_runs_table", "eureka_table", "false_records_table",
