@@ -6,8 +6,8 @@ and returns their alerts in that order; each detector takes its own part of ``cf
 ``state_dict()`` is the union of the detectors' states (their keys are distinct; checked
 here) plus ``"version"``. Older states load what carries over: format 2 (before the collapse
 risk) the heads' attention episodes (the layers' are derived at the next sample) and every
-other detector's state; format 1 (before the detectors were split) the spike EMA, the
-non-finite memory and the first loss. The rest starts afresh, and a warning on the ``diag``
+other detector's state; format 1 (before the detectors were split) the spike EMA and the
+non-finite memory. The rest starts afresh, and a warning on the ``diag``
 logger says so.
 """
 
