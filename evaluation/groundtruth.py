@@ -12,10 +12,9 @@ observations (:func:`evaluation.record.load_observations`) and follows the defin
 2. **Tests** (:func:`tests_of`): per sample and head, each state's entry and exit test, vectorised. With the
    sparse line ``E`` (0.5 nats), the low-rank line ``R = 1 + 0.1 (rows - 1)`` and the exit factor ``f`` (1.5):
 
-   * sink: in when ``e <= E`` and ``s >= 0.5`` and ``r <= 3``; out when ``e > fE`` or ``s < 0.5 / f`` or
-     ``r > 3f``;
+   * sink: in when ``e <= E`` and ``s >= 0.5``; out when ``e > fE`` or ``s < 0.5 / f``;
    * malignant: in when ``e <= E`` and ``r <= R`` and not sink-in; out when ``e > fE`` or ``r > fR``;
-   * benign: in when ``e <= E`` and ``r > R``; out when ``e > fE``;
+   * benign: in when ``e <= E`` and ``r > R`` and not sink-in; out when ``e > fE``;
    * uniform: in when ``r <= R`` and ``e >= 0.8 u``; out when ``r > fR`` or ``e < (1 - f (1 - 0.8)) u``.
 
    A sample whose ``e`` or ``r`` is not finite passes no test; a comparison with a sink share that is not
@@ -61,7 +60,6 @@ class Definition:
     uniform_frac: float = 0.8  # of uniform attention's entropy
     exit_factor: float = 1.5  # each exit line this far beyond its entry line
     sink_share: float = 0.5  # of all queries' attention mass on one key position
-    sink_rank: float = 3.0
     collapse_persist: int = 2  # malignant: samples of the entry run ...
     collapse_dwell: int = 10  # ... spanning this many steps
     exit_samples: int = 2  # every state: samples of the exit run ...
@@ -133,12 +131,12 @@ def tests_of(x: Series, d: Definition) -> dict[str, tuple[np.ndarray, np.ndarray
     sparse, f = d.sparse_entropy, d.exit_factor
     r_line = 1.0 + d.low_rank_frac * np.maximum(x.rows - 1.0, 0.0)
     with np.errstate(invalid="ignore"):
-        sink_in = measured & (e <= sparse) & (s >= d.sink_share) & (r <= d.sink_rank)
+        sink_in = measured & (e <= sparse) & (s >= d.sink_share)
         return {
-            "sink": (sink_in, measured & ((e > f * sparse) | (s < d.sink_share / f) | (r > f * d.sink_rank))),
+            "sink": (sink_in, measured & ((e > f * sparse) | (s < d.sink_share / f))),
             "malignant": (measured & (e <= sparse) & (r <= r_line) & ~sink_in,
                           measured & ((e > f * sparse) | (r > f * r_line))),
-            "benign": (measured & (e <= sparse) & (r > r_line), measured & (e > f * sparse)),
+            "benign": (measured & (e <= sparse) & (r > r_line) & ~sink_in, measured & (e > f * sparse)),
             "uniform": (measured & (r <= r_line) & (e >= d.uniform_frac * u),
                         measured & ((r > f * r_line) | (e < (1.0 - f * (1.0 - d.uniform_frac)) * u))),
         }

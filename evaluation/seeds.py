@@ -21,8 +21,9 @@ family out (:func:`evaluation.tune.tune_one`).
 
 The test bed closer to users' runs (:mod:`evaluation.testbed`: contexts of 512 and 1,024, 8 heads, grouped-query
 attention with rotary positions, bf16 autocast, fine-tunes of models that start with attention sinks) has its
-own pair: **design-users** (seeds 20-22), the runs its kinds were developed on, and **users** (seeds 300-302),
-held out: frozen (:mod:`evaluation.freeze`) before any of its runs was recorded.
+own sets: **design-users** (seeds 20-22), the runs its kinds were developed on, and the held-out **users** (seeds
+300-302) and **users2** (seeds 310-312), each frozen (:mod:`evaluation.freeze`) before any of its runs was
+recorded.
 """
 
 from __future__ import annotations
@@ -146,6 +147,11 @@ SETS: dict[str, list[RunSpec]] = {
                              lm_seeds=range(300, 301), lm_lrs=(2e-3, 7e-3, 1e-2), llama_seeds=range(300, 301),
                              llama_lrs=testbed.LLAMA_LRS[1:], eureka_seeds=range(300, 302))
     + testbed.lm_sweep(range(300, 302), (BOUNDARY_LR,)) + testbed.normsoftmax(range(300, 301)),
+    # held out after users (a sink is one shared position holding half the mass, whatever the rank of the rest):
+    # sink fine-tunes (2 families x 3 seeds), the nanoGPT sweep on both sides of its boundary with twins (2 seeds),
+    # one Eureka seed on each implementation
+    "users2": testbed.finetunes(range(310, 313), testbed.SINKS) + testbed.lm_sweep(range(310, 312), (7e-3, 1e-2))
+    + testbed.eureka(range(310, 311)),
 }
 
 

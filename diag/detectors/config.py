@@ -87,10 +87,10 @@ class StatesConfig(Checked):
                                        "beyond the entry line)")] = 1.5
     exit_dwell: Steps = 50  # an episode ends once its exit test held this many steps (and 2 samples)
     layer_share: Fraction = 0.5  # a layer is in a state when this share of its heads (and 2 or more) are
-    # an attention sink: one key position holds at least half of every query's mass (a sink holds 0.8-1.0, the
-    # evaluation's collapsed heads at most 0.6 per sequence: docs/metrics.md#attention-sinks) ...
+    # an attention sink: one key position holds at least half of the queries' mass, averaged over the sampled
+    # sequences (sinks hold 0.83-1.0; the reproductions' collapsed heads 0.13-0.36 on their best fixed position:
+    # docs/metrics.md#attention-sinks)
     sink_share: Fraction = 0.5
-    sink_rank: Factor = 3.0  # ... and the queries share it: an effective rank of at most 3 (sinks: 1.0-2.6)
 
 
 @dataclass(frozen=True)

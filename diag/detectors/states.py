@@ -16,7 +16,7 @@ evaluation's ground truth (``evaluation/groundtruth.py``), has four parts:
 * **lines, per sample and head**: sparse when the attention entropy is at most ``sparse_entropy`` nats; low-rank
   when the effective rank is at most ``1 + low_rank_frac * (rows - 1)`` (rank 1 is the floor: every row the
   same); a sink when sparse, with at least ``sink_share`` of the queries' mass on one key position
-  (``attn_sink``) and an effective rank of at most ``sink_rank`` (the queries share that key); malignant when
+  (``attn_sink``), the same position in every sampled sequence; malignant when
   sparse and low-rank and not a sink; uniform when low-rank with an entropy of at least ``uniform_frac`` of
   uniform attention's over the same keys. An exit line sits ``exit_factor`` beyond each entry line (hysteresis).
 * **dwell, per head**: a head *enters* malignant once the entry test held at ``collapse_persist`` samples spanning
@@ -93,9 +93,9 @@ def tests(state: str, e: float, r: float, rows: float, u: float, cfg: StatesConf
         return False, False
     sparse_line, rank_line = lines(rows, cfg)
     f = cfg.exit_factor
-    sink = e <= sparse_line and share >= cfg.sink_share and r <= cfg.sink_rank
+    sink = e <= sparse_line and share >= cfg.sink_share
     if state == "sink":
-        return sink, e > f * sparse_line or share < cfg.sink_share / f or r > f * cfg.sink_rank
+        return sink, e > f * sparse_line or share < cfg.sink_share / f
     if state == "malignant":
         return e <= sparse_line and r <= rank_line and not sink, e > f * sparse_line or r > f * rank_line
     if state == "benign":

@@ -118,13 +118,16 @@ def test_states_present_when_monitoring_began_are_the_baseline_and_info():
 
 
 def test_a_sink_is_its_own_state_and_never_malignant():
-    """Most of every query's mass on one shared key (attn_sink 0.95) with rank ~1: a sink (info, at once), not a
+    """Most of every query's mass on one shared key (attn_sink 0.95): a sink (info, at once), not a
     malignant collapse, even when it appears during the run. The same entropy and rank with the mass spread over
     a few keys that differ between sequences (attn_sink 0.3) is malignant."""
     cfg = StatesConfig()
     assert attention_state(0.1, 1.1, 64, cfg, share=0.95) == "sink"
     assert attention_state(0.1, 1.1, 64, cfg, share=0.3) == "malignant"
-    assert attention_state(0.1, 5.0, 64, cfg, share=0.95) == "malignant"  # one key for many, more for the rest
+    # a built-in sink after a fine-tune: 0.93 of the mass still on position 0, the rest spread differently by
+    # each query (effective rank 4.5 of 256 rows): still a sink; and a sparse sink is never benign either
+    assert attention_state(0.4, 4.5, 256, cfg, share=0.93) == "sink"
+    assert attention_state(0.4, 30.0, 64, cfg, share=0.9) == "sink"
     script = [(s, attn([0.1, 0.1], [1.1, 1.1], sink=[0.95, 0.3])) for s in range(0, 30)]
     alerts, episodes = run(script)
     assert [(a.step, a.kind, a.level, a.where) for a in alerts if a.status == "firing"] == [
