@@ -20,7 +20,7 @@ observations (:func:`evaluation.record.load_observations`) and follows the defin
    A sample whose ``e`` or ``r`` is not finite passes no test; a comparison with a sink share that is not
    finite does not hold.
 3. **Dwell per head** (:func:`dwell`): a head enters a state once its entry test held at 2 samples spanning 10
-   steps or more (malignant; benign, uniform and sink at the first inside sample), samples passing neither test
+   steps or more (malignant and sink; benign and uniform at the first inside sample), samples passing neither test
    not breaking the run and one passing the exit test resetting it; ``since`` is the run's first sample,
    ``opened`` the sample that completes it. It leaves once the exit test held at 2 samples spanning 50 steps (an
    inside sample resets that run); ``until`` is the exit run's first sample. A head with a malignant episode
@@ -221,7 +221,7 @@ def _layer_episodes(label: str, x: Series, d: Definition) -> list[Episode]:
         inside, outside = tests[state]  # is not benign
         if state == "benign":
             inside = inside & ~np.stack([tr.held | tr.pending for tr in malignant], 1)
-        enter = (d.collapse_persist, d.collapse_dwell) if state == "malignant" else (1, 0)
+        enter = (d.collapse_persist, d.collapse_dwell) if state in ("malignant", "sink") else (1, 0)
         tracks = [dwell(x.steps, inside[:, h], outside[:, h], *enter, d.exit_samples, d.exit_dwell)
                   for h in range(n)]
         malignant = tracks if state == "malignant" else malignant

@@ -251,10 +251,11 @@ class CollapseRisk(Detector):
         return alerts
 
     def _no_forecast(self, label: str, keys: list[str]) -> np.ndarray:
-        """The heads whose features are no forecast: attention sinks, and heads that were sparse when monitoring
-        began (a pretrained model's sinks and pointer heads: their focus is the model's, not a trend of this run;
-        one that turns malignant later is still recorded as such, and its damage as collapse_damage)."""
-        return np.array([self.states.holds("sink", key) or self.states.sparse_at_start(key) for key in keys])
+        """The heads whose features are no forecast: attention sinks (held, or with a sink's share at this sample),
+        and heads that were sparse when monitoring began (a pretrained model's sinks and pointer heads: their focus
+        is the model's, not a trend of this run; one that turns malignant later is still recorded as such, and its
+        damage as collapse_damage)."""
+        return np.array([self.states.on_sink(key) or self.states.sparse_at_start(key) for key in keys])
 
     def _judge(self, step: int, label: str, p: float, heads: int) -> list[Alert]:
         collapsed = self.states.layer_in("malignant", label)

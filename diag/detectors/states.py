@@ -19,10 +19,13 @@ evaluation's ground truth (``evaluation/groundtruth.py``), has four parts:
   (``attn_sink``), the same position in every sampled sequence; malignant when
   sparse and low-rank and not a sink; uniform when low-rank with an entropy of at least ``uniform_frac`` of
   uniform attention's over the same keys. An exit line sits ``exit_factor`` beyond each entry line (hysteresis).
-* **dwell, per head**: a head *enters* malignant once the entry test held at ``collapse_persist`` samples spanning
-  ``collapse_dwell`` steps (the other states at once; samples between the lines do not break it, one beyond the
-  exit line does); it *leaves* once the exit test held at 2 samples spanning ``exit_dwell`` steps (samples between
-  the lines, or not finite, change nothing there either). ``since`` is the first sample of the dwell.
+* **dwell, per head**: a head *enters* malignant or sink once the entry test held at ``collapse_persist`` samples
+  spanning ``collapse_dwell`` steps (benign and uniform at once; samples between the lines do not break it, one
+  beyond the exit line does). A sink is a lasting feature of a head: the collapsed heads of a run at a high
+  learning rate can put half their mass on one shared position for a sample now and then (0.2-0.65 from sample
+  to sample), and one such sample does not make them sinks; it *leaves* once the exit test held at 2 samples
+  spanning ``exit_dwell`` steps (samples between the lines, or not finite, change nothing there either).
+  ``since`` is the first sample of the dwell.
 * **layers**: a layer is in a state while at least ``layer_share`` of its heads, and at least 2 when it has 2 or
   more, are in it; it enters at the step the last of those heads entered.
 * **baseline**: an episode whose dwell began at the first attention sample of its layer is the model's baseline:
@@ -127,7 +130,8 @@ class _Machine:
     def __init__(self, cfg: StatesConfig) -> None:
         self.cfg = cfg
         leave = Dwell(2, cfg.exit_dwell)
-        enter = {"malignant": Dwell(cfg.collapse_persist, cfg.collapse_dwell)}
+        persist = Dwell(cfg.collapse_persist, cfg.collapse_dwell)
+        enter = {"malignant": persist, "sink": persist}
         self.heads = {s: Episodes(enter.get(s, Dwell(1, 0)), leave) for s in STATES}
         self.layers: dict[str, dict[str, bool]] = {s: {} for s in STATES}  # state -> layer label -> in it
         self.layer_since: dict[str, dict[str, int]] = {s: {} for s in STATES}  # ... -> since, while in it
@@ -244,13 +248,15 @@ class AttentionStates(Detector):
         self.open_since: dict[str, int] = {}  # "state|where" -> since, for the layer records' resolved message
         self.step = -1  # the last step observed
         self.recurrence = Recurrence()  # at most three records per head (or layer) and state
-        # head key -> the step it came inside or between the malignant lines (not a sink, not established):
+        # head key -> the step it came inside or between the malignant lines (not an established sink):
         # sampled at every step for up to twice collapse_dwell from then (near)
         self.nearing: dict[str, int] = {}
+        self.over_sink: set[str] = set()  # heads whose last sample held sink_share on one shared position
 
     def near(self) -> str | None:
-        """A head inside or between the malignant lines, not a sink, of a layer not in the malignant state, that
-        came there at most twice ``collapse_dwell`` steps ago: attention at every step settles its dwell, and its
+        """A head inside or between the malignant lines, not an established sink, of a layer not in the malignant
+        state, that came there at most twice ``collapse_dwell`` steps ago: attention at every step settles its
+        dwell (malignant or sink: a sample over the sink line alone does not say which), and its
         layer's (a layer's collapse is established at a sample where its heads hold the state together; samples
         50 steps apart can miss it). Longer, a head hovering at a line is sampled at the cadence (a healthy
         model's heads can hover for thousands of steps)."""
@@ -276,6 +282,14 @@ class AttentionStates(Detector):
         """Whether an episode of layer ``label`` that began at ``since`` is the model's baseline."""
         return self.machine.baseline(label, since)
 
+    def on_sink(self, key: str) -> bool:
+        """Whether the head ``key`` holds a sink, or its last sample put ``sink_share`` of the queries' mass or more
+        on one position shared by the sampled sequences, sparse or not (a sink not yet established, a pretrained
+        sink whose remaining mass is spread over a long context, or a collapsed head's mass on one shared position
+        for that sample): its attention at that sample has a sink's shape, and a falling entropy there is the
+        sink tightening, no trend towards a malignant collapse."""
+        return key in self.over_sink or self.holds("sink", key)
+
     def sparse_at_start(self, key: str) -> bool:
         """Whether the head ``key`` was sparse (a sink, or a state of the model's baseline) at its layer's first
         sample: a pretrained model's specialised head, whose focus is where it started, not a trend."""
@@ -294,15 +308,17 @@ class AttentionStates(Detector):
                     events.append((s, w, e, n))
                 elif isinstance(e, Closed):  # the held episode of a recurring key ended unannounced
                     self.open_since.pop(f"{s}|{w}", None)
-            self._near(obs.step, label, m)
+            self._note(obs.step, label, m)
             heads = [(s, w, e, n) for s, w, e, n in events if "/" in w]
             alerts += group_heads(label, [self._alert(obs.step, s, w, e, m, n) for s, w, e, n in heads])
             alerts += [self._alert(obs.step, s, w, e, m, n) for s, w, e, n in events if "/" not in w]
         return alerts
 
-    def _near(self, step: int, label: str, m: dict) -> None:
-        """Note the heads of ``label`` that are inside or between the malignant lines at this sample, not sinks,
-        while the layer is not in the malignant state, each from the first sample of its stay there."""
+    def _note(self, step: int, label: str, m: dict) -> None:
+        """Note the heads of ``label`` with a sink's share at this sample (:meth:`on_sink`), and those inside or
+        between the malignant lines, not in an established sink, while the layer is not in the malignant state,
+        each from the first sample of its stay there (:meth:`near`). A sample over the sink line keeps a head near
+        until its sink is established."""
         rows = float(m["attn_rows"][0])
         u = float(m["attn_entropy_uniform"][0]) if "attn_entropy_uniform" in m else math.inf
         n = len(m["attn_entropy"])
@@ -311,10 +327,13 @@ class AttentionStates(Detector):
         for h, (e, r, share) in enumerate(zip(m["attn_entropy"].tolist(), m["attn_rank"].tolist(), shares)):
             key = head_key(label, h, n)
             share = share if math.isfinite(share) else 0.0
-            sink, _ = tests("sink", e, r, rows, u, self.cfg, share)
+            if share >= self.cfg.sink_share:
+                self.over_sink.add(key)
+            else:
+                self.over_sink.discard(key)
             _, outside = tests("malignant", e, r, rows, u, self.cfg, share)
             measured = math.isfinite(e) and math.isfinite(r)  # a sample that is not finite passes neither test
-            if measured and not outside and not sink and not sinks.active(key) and not collapsed:
+            if measured and not outside and not sinks.active(key) and not collapsed:
                 self.nearing.setdefault(key, step)
             else:
                 self.nearing.pop(key, None)

@@ -102,10 +102,11 @@ class CloserLook:
     """Attention sampled closer while the detectors ask for it (docs/cost.md#watching-closer), by how near the
     attention is to the collapse lines:
 
-    * **near** (``Detectors.near``: a head inside or between the malignant lines, not a sink, not established,
-      for up to twice the entry dwell from when it came there): attention at every step, and the spectra with
-      every loss sample. A collapse's dwell is judged on the steps it lasts, not on samples 50 steps apart: a
-      head hovering at the entropy line can sit inside it between two samples and above it at each;
+    * **near** (``Detectors.near``: a head inside or between the malignant lines, not in an established sink, of a
+      layer not yet collapsed, for up to twice the entry dwell from when it came there): attention at every step,
+      and the spectra with every loss sample. A collapse's dwell is judged on the steps it lasts, not on samples
+      50 steps apart: a head hovering at the entropy line can sit inside it between two samples and above it at
+      each;
     * **at risk** (``Detectors.at_risk``: a layer's ``collapse_risk`` at ``watch_risk`` or more, a head's
       ``sigma_1`` growing ``watch_growth``-fold within ``risk_window`` steps, an open warning, large first
       updates): attention and the spectra with every loss sample (the cadence's shortest period), so that the

@@ -429,6 +429,26 @@ def test_sinks_and_the_baseline_are_no_forecast():
     assert layer_logit(np.array([3.0, 2.0, 1.0, 0.5]), 2, excluded=np.array([True, False, False, False])) == 1.0
 
 
+@pytest.mark.parametrize("share", [0.9, 0.05])
+def test_heads_with_a_sinks_share_are_no_forecast_before_their_sink_is_established_or_when_not_sparse(share):
+    """A pretrained sink over a long context: 0.9 of the queries' mass on one shared position and the rest spread,
+    so its entropy (1.2 falling to 0.6) stays over the sparse line and it is never an established sink. Three such
+    heads of four leave no candidate for the 2 heads the layer waits for: no risk. The same heads with their mass
+    on no shared position (0.05) are forecast."""
+    states = AttentionStates(StatesConfig())
+    risk = CollapseRisk(TWO, states, 50, toy_model())
+    for step in range(0, 40, 10):
+        e = 1.2 - 0.02 * step
+        m = sample([1.0] * 4, [0.3] * 4, [e, e, e, 3.0], [3.0, 3.0, 3.0, 60.0], [9.0] * 4, keys=4.0)
+        m["attn_sink"] = np.array([share, share, share, 0.05])
+        obs = Observation(step, None, {"L00": m})
+        states.observe(obs)
+        risk.observe(obs)
+    assert not states.holds("sink", "L00/H00")
+    assert states.on_sink("L00/H00") == (share >= 0.5)
+    assert ("L00" in risk.risk) == (share < 0.5)
+
+
 def test_the_tuning_reads_every_warning_threshold_off_one_replay_exactly():
     """evaluation.tune replays a run once per ``watch_risk`` with no warning ever opening and reads the first
     ``collapse_warning`` of every ``warn_risk`` x ``warn_samples`` off the risks it judged: the same step as the

@@ -118,9 +118,9 @@ def test_states_present_when_monitoring_began_are_the_baseline_and_info():
 
 
 def test_a_sink_is_its_own_state_and_never_malignant():
-    """Most of every query's mass on one shared key (attn_sink 0.95): a sink (info, at once), not a
-    malignant collapse, even when it appears during the run. The same entropy and rank with the mass spread over
-    a few keys that differ between sequences (attn_sink 0.3) is malignant."""
+    """Most of every query's mass on one shared key (attn_sink 0.95): a sink (info, once it held for the entry
+    dwell, as a malignant head must), not a malignant collapse, even when it appears during the run. The same
+    entropy and rank with the mass spread over a few keys that differ between sequences (attn_sink 0.3) is malignant."""
     cfg = StatesConfig()
     assert attention_state(0.1, 1.1, 64, cfg, share=0.95) == "sink"
     assert attention_state(0.1, 1.1, 64, cfg, share=0.3) == "malignant"
@@ -131,10 +131,34 @@ def test_a_sink_is_its_own_state_and_never_malignant():
     script = [(s, attn([0.1, 0.1], [1.1, 1.1], sink=[0.95, 0.3])) for s in range(0, 30)]
     alerts, episodes = run(script)
     assert [(a.step, a.kind, a.level, a.where) for a in alerts if a.status == "firing"] == [
-        (0, "attention_sink", "info", "L00/H00"), (10, "malignant_collapse", "warning", "L00/H01")]
+        (10, "attention_sink", "info", "L00/H00"), (10, "malignant_collapse", "warning", "L00/H01")]
     sink = next(a for a in alerts if a.kind == "attention_sink")
     assert "key position 0 holds 0.95" in sink.message and sink.values["attn_sink"] == 0.95
     assert {e.state for e in episodes} == {"sink", "malignant"}
+
+
+def test_a_collapsed_head_over_the_sink_line_for_a_sample_is_malignant_and_stays_near():
+    """A collapsed head whose share on one shared position wanders around the sink line (0.3, then 0.6 at one
+    sample, then 0.3 again) is no sink: the sample over the line refuses the malignant test there, the sink's
+    entry dwell is not met, and the head stays near the lines (attention at every step) until its malignant
+    dwell is met. A sink must hold for the entry dwell."""
+    det = AttentionStates(StatesConfig())
+    shares = {20: 0.3, 21: 0.6, 22: 0.3, 23: 0.3}
+    alerts = []
+    for s in range(0, 40):
+        share = shares.get(s, 0.3) if s >= 20 else 0.05
+        ent, rank = (0.1, 1.1) if s >= 20 else (3.0, 40.0)
+        alerts += det.observe(Observation(s, None, {"L00": attn([ent, 3.0], [rank, 40.0], sink=[share, 0.05])}))
+        if s == 21:
+            assert det.near() is not None  # over the sink line, not yet a sink: still looked at closely
+    firing = [(a.step, a.kind, a.where) for a in alerts if a.status == "firing"]
+    assert firing == [(30, "malignant_collapse", "L00/H00")]
+    # the same head holding 0.6 for the dwell is a sink, and no longer near
+    det = AttentionStates(StatesConfig())
+    for s in range(0, 40):
+        share, ent, rank = (0.6, 0.1, 1.1) if s >= 20 else (0.05, 3.0, 40.0)
+        det.observe(Observation(s, None, {"L00": attn([ent, 3.0], [rank, 40.0], sink=[share, 0.05])}))
+    assert det.holds("sink", "L00/H00") and not det.holds("malignant", "L00/H00") and det.near() is None
 
 
 def test_the_records_announce_each_episode_of_the_machine_on_a_noisy_run():

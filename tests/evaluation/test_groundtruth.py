@@ -125,27 +125,27 @@ def test_an_episode_from_the_layers_first_sample_is_a_baseline_episode():
 
 def test_a_sink_head_is_not_malignant_and_a_head_without_a_sink_is():
     """From step 20 both heads are sparse with rank 1.5; H0 puts 0.9 of all queries' mass on one key (a sink:
-    established at its first inside sample), H1 0.1 (malignant, since 20, opened 30). One head of each: neither
-    layer state (the layer needs 2). Both heads sinks: the layer is a sink from 20."""
+    since 20, established at 30 by the same entry dwell as malignant), H1 0.1 (malignant, since 20, opened 30).
+    One head of each: neither layer state (the layer needs 2). Both heads sinks: the layer is a sink since 20."""
     sparse = (0.1, 1.5)
 
     def script(shares):
         return lambda s: ([sparse, sparse], shares) if s >= 20 else ([OUT, OUT], [0.05, 0.05])
     mixed = run(script([0.9, 0.1]), range(80))
-    assert found(mixed, "sink") == [("L00/H00", 20, 20, None, False)]
+    assert found(mixed, "sink") == [("L00/H00", 20, 30, None, False)]
     assert found(mixed, "malignant") == [("L00/H01", 20, 30, None, False)]
     both = run(script([0.9, 0.8]), range(80))
-    assert found(both, "sink") == [("L00", 20, 20, None, False), ("L00/H00", 20, 20, None, False),
-                                   ("L00/H01", 20, 20, None, False)]
+    assert found(both, "sink") == [("L00", 20, 30, None, False), ("L00/H00", 20, 30, None, False),
+                                   ("L00/H01", 20, 30, None, False)]
     assert found(both, "malignant") == []
 
 
 def test_a_sink_whose_share_falls_between_its_lines_stays_a_sink_and_its_head_becomes_malignant():
-    """H0 a sink from 20 (share 0.9); from 60 its share is 0.4: under the sink's entry line (0.5) and above its
-    exit line (0.5 / 1.5 = 0.33): the sink episode stays open, and the head, no longer sink-in, passes the
-    malignant entry test: malignant since 60, opened 70."""
+    """H0 a sink since 20 (share 0.9, established at 30); from 60 its share is 0.4: under the sink's entry line
+    (0.5) and above its exit line (0.5 / 1.5 = 0.33): the sink episode stays open, and the head, no longer
+    sink-in, passes the malignant entry test: malignant since 60, opened 70."""
     obs = run(lambda s: ([(0.1, 1.5)], [0.9 if s < 60 else 0.4]) if s >= 20 else ([OUT], [0.0]), range(100))
-    assert found(obs, "sink") == [("L00", 20, 20, None, False), ("L00/H00", 20, 20, None, False)]
+    assert found(obs, "sink") == [("L00", 20, 30, None, False), ("L00/H00", 20, 30, None, False)]
     assert found(obs, "malignant")[1] == ("L00/H00", 60, 70, None, False)
 
 
