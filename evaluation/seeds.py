@@ -22,8 +22,8 @@ family out (:func:`evaluation.tune.tune_one`).
 The test bed closer to users' runs (:mod:`evaluation.testbed`: contexts of 512 and 1,024, 8 heads, grouped-query
 attention with rotary positions, bf16 autocast, fine-tunes of models that start with attention sinks) has its
 own sets: **design-users** (seeds 20-22), the runs its kinds were developed on, and the held-out **users** (seeds
-300-302) and **users2** (seeds 310-312), each frozen (:mod:`evaluation.freeze`) before any of its runs was
-recorded.
+300-302), **users2** (seeds 310-312) and **users3** (seeds 320-322), each frozen (:mod:`evaluation.freeze`)
+before any of its runs was recorded.
 """
 
 from __future__ import annotations
@@ -152,6 +152,12 @@ SETS: dict[str, list[RunSpec]] = {
     # one Eureka seed on each implementation
     "users2": testbed.finetunes(range(310, 313), testbed.SINKS) + testbed.lm_sweep(range(310, 312), (7e-3, 1e-2))
     + testbed.eureka(range(310, 311)),
+    # held out after users2 (a sink opens after the malignant's dwell): sink fine-tunes (2 families x 3 seeds), the
+    # nanoGPT sweep on both sides of its boundary with twins (3 seeds), the LLaMA sweep at its two highest rates with
+    # twins, one Eureka seed on each implementation, the 8 healthy runs of one seed
+    "users3": testbed.finetunes(range(320, 323), testbed.SINKS) + testbed.lm_sweep(range(320, 323), (7e-3, 1e-2))
+    + testbed.llama_sweep(range(320, 321), testbed.LLAMA_LRS[1:]) + testbed.eureka(range(320, 321))
+    + testbed.healthy(range(320, 321)),
 }
 
 
