@@ -33,6 +33,7 @@ from evaluation.truth import (
     at_context_free,
     collapse_onset,
     damage,
+    load_run,
     load_runs,
     onsets,
     plateau_by_twin,
@@ -272,13 +273,18 @@ def main() -> None:
     parser.add_argument("--markdown", action="store_true", help="print the tables (evaluation.tables)")
     parser.add_argument("--json", type=Path, help="write every judged row here")
     args = parser.parse_args()
-    runs = load_runs(args.runs, SETS[args.set])
     if args.show:
-        run = next(r for r in runs if r.name == args.show)
+        path = args.runs / args.show
+        if not (path / "run.json").is_file():
+            recorded = sorted(p.parent.name for p in args.runs.glob("*/run.json")) if args.runs.is_dir() else []
+            parser.error(f"--show {args.show}: {path} holds no recorded run (no run.json); give the name of a run "
+                         f"folder under {args.runs}" + (f", one of: {', '.join(recorded)}" if recorded else ""))
+        run = load_run(path)
         every = args.every if args.every == "default" else int(args.every)
         for a in replay_run(run, AlertConfig(), every):
             print(f"{a.step:5d} {a.status:8s} {a.level:8s} {a.kind:20s} {a.where:10s} since {a.since}  {a.message}")
         return
+    runs = load_runs(args.runs, SETS[args.set])
     rows = rows_of(runs, AlertConfig())
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

@@ -4,6 +4,7 @@ collapse runs judged that way (evaluation.detectors.judge_collapse)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from diag.detectors import AlertConfig, Observation
 from diag.detectors.base import Alert
@@ -89,3 +90,19 @@ def test_a_record_on_the_wrong_layer_is_a_miss_and_a_false_record(tmp_path, monk
     row = judge.judge_collapse(run, AlertConfig(), "default", None)
     assert not row["caught"] and row["false_records"] == [{"where": "L00", "step": 105}]
     assert row["first_record"] == 105  # a record came, on another layer
+
+
+def test_show_prints_a_runs_alerts_from_its_folder_and_names_a_missing_one(tmp_path, monkeypatch, capsys):
+    """``--show RUN`` reads the run's own folder (any set); a name with no recorded run is refused with the names
+    that are there."""
+    obs = [Observation(s, 3.0, {"L00": attention(False), "L01": attention(s >= 100)}) for s in range(200)]
+    name = write_run(tmp_path, RunSpec("lm", 0, 5e-3, 200), obs).name
+    monkeypatch.setattr("sys.argv", ["detectors", str(tmp_path), "--show", name, "--every", "1"])
+    judge.main()
+    shown = capsys.readouterr().out
+    assert "malignant_collapse" in shown and "L01" in shown
+    monkeypatch.setattr("sys.argv", ["detectors", str(tmp_path), "--show", "lm-lr0.005-s9"])
+    with pytest.raises(SystemExit) as stop:
+        judge.main()
+    error = capsys.readouterr().err
+    assert stop.value.code == 2 and "lm-lr0.005-s9" in error and "no run.json" in error and name in error
