@@ -276,7 +276,7 @@ def main() -> None:
     if args.show:
         path = args.runs / args.show
         if not (path / "run.json").is_file():
-            recorded = sorted(p.parent.name for p in args.runs.glob("*/run.json")) if args.runs.is_dir() else []
+            recorded = sorted(p.parent.name for p in args.runs.glob("*/run.json"))
             parser.error(f"--show {args.show}: {path} holds no recorded run (no run.json); give the name of a run "
                          f"folder under {args.runs}" + (f", one of: {', '.join(recorded)}" if recorded else ""))
         run = load_run(path)

@@ -91,11 +91,11 @@ def test_no_test_is_named_after_the_history_of_the_project():
 
 
 @pytest.mark.parametrize("text", [
-    "# 0.12 until " + "iss" + "ue #31's eleventh session: the edge of the plateaus",
+    "# 0.12 until " + "iss" + "ue #" + "31's eleventh " + "session: the edge of the plateaus",
     "The fifth report" + " set's missed collapse, rebuilt",
-    "Changed with " + "iss" + "ue #17: this asserted a collapse_warning",
+    "Changed with " + "iss" + "ue #" + "17: this asserted a collapse_warning",
     "the per-layer charts read the per-layer runs (" + "#18)",
-    "plateau_rel: was 0.05 until" + " the third round",
+    "plateau_rel: was 0.05" + " until the" + " third round",
     "refused as a suspect head split (until 2026" + "-12-02)",
     "the step the old" + " assertion named",
     "test eighth " + "report set miss",
