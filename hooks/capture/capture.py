@@ -40,7 +40,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from diag.layouts.packings import packing_of
-from diag.math.attention import AttentionStats, stats_from_logits, valid_query_rows
+from diag.math.attention import AttentionStats, solve_ranks, stats_from_logits, valid_query_rows
 from hooks.capture.kernels import (
     Product,
     Seen,
@@ -67,6 +67,10 @@ def _attn_implementation(module) -> str | None:
         return None
     return impl if isinstance(impl, str) else None
 
+
+# Sequences with more query rows than this have their entropy and sink share read from this many rows spread
+# through them (docs/metrics.md#attention-at-long-context); shorter ones from every row.
+ENTROPY_ROWS = 1024
 
 _PRODUCTS = 4  # products remembered per module forward
 _KEY_CALLS = 4  # calls of the key projection remembered per module forward
@@ -145,16 +149,19 @@ class AttentionCapture:
     model: the root module the Monitor watches; its forward's ``attention_mask`` tells which
     query rows are padding. None: only the kernels' masks tell.
     layouts: the book that decides the layers' layouts (the Monitor's); None: one of its own.
+    entropy_rows: longer sequences have their entropy and sink share read from this many query rows spread
+    through them (:func:`diag.math.attention.stats_from_logits`); None: every row.
     """
 
     def __init__(
         self, layers: list[AttentionLayer], n_seqs: int = 2, rank_rows: int = 256, model: nn.Module | None = None,
-        layouts: LayoutBook | None = None,
+        layouts: LayoutBook | None = None, entropy_rows: int | None = ENTROPY_ROWS,
     ) -> None:
         self.layers = layers
         self.layouts = LayoutBook(layers) if layouts is None else layouts
         self.n_seqs = n_seqs
         self.rank_rows = rank_rows
+        self.entropy_rows = entropy_rows
         self.model = model
         self.results: dict[int, AttentionStats] = {}
         self.problems: dict[int, str] = {}
@@ -202,6 +209,13 @@ class AttentionCapture:
         self._skipped = {}
         results, problems = self.results, self.problems
         self.results, self.problems = {}, {}
+        try:  # every layer's ranks in as few eigensolver calls as their Grams allow
+            solve_ranks(list(results.values()))
+        except Exception as err:  # noqa: BLE001 - the other statistics are kept; the rank is NaN
+            for index, stats in results.items():
+                if stats.pending is not None:
+                    stats.rank, stats.pending = torch.full_like(stats.entropy, torch.nan), None
+                    problems.setdefault(index, f"attention rank failed: {err!r}")
         return results, problems
 
     def _root_hook(self, module, args, kwargs):
@@ -278,7 +292,8 @@ class AttentionCapture:
                 self.checked[layer.index] = verdict.checked
                 logits = seen.stats_logits()
                 rows = self._query_rows(layer, seen, logits)
-                self.results[layer.index] = stats_from_logits(logits, self.rank_rows, rows)
+                self.results[layer.index] = stats_from_logits(logits, self.rank_rows, rows, self.entropy_rows,
+                                                              solve=False)
                 if seen.note is not None:
                     self.notes[layer.index] = seen.note
                 elif verdict.checked == "shapes" and layer.layout.verify:
@@ -301,7 +316,8 @@ class AttentionCapture:
         return CapturedCall(seen, batch_first, time_first, self._mode.key_inputs, self._mode.between)
 
     def _query_rows(self, layer: AttentionLayer, seen: Seen, logits) -> Tensor | None:
-        """(n, Q) bool, False on padded query rows; None when every row counts (cross-attention)."""
+        """(n, Q) bool, False on padded query rows (all True without padding: the device decides, no host read);
+        None when every row counts (cross-attention)."""
         if layer.cross or not seen.self_attn:
             return None
         excluded = excluded_keys(logits)  # (n, Q, K)
@@ -312,4 +328,4 @@ class AttentionCapture:
             rows = valid_query_rows(excluded, mask[: excluded.shape[0]])
         else:
             rows = valid_query_rows(excluded)
-        return None if bool(rows.all()) else rows  # no padding: the statistics skip the row masking
+        return rows

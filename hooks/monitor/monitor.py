@@ -39,6 +39,7 @@ from diag.outputs.alert_sink import AlertSink
 from diag.outputs.records import per_head_default
 from diag.outputs.sinks import FanOut, JsonlSink, Record, Sink, TensorBoardSink, check_logdir
 from diag.outputs.tb_views import TensorBoardViews, image_options
+from hooks.capture.capture import ENTROPY_ROWS
 from hooks.layout.discover import AttentionLayer, discover
 from hooks.monitor.cadence import SIGNALS, CloserLook, resolve_cadence
 from hooks.monitor.sampling import Sampler
@@ -71,6 +72,9 @@ class Monitor:
         sec_top: s of the spectral energy concentration SEC_s.
         attn_seqs: the first ``attn_seqs`` sequences of the batch are analysed.
         attn_rank_rows: the attention rank reads this many query rows, spread through the sequence.
+        attn_entropy_rows: in sequences with more query rows, the attention entropy and sink share are read from
+            this many rows spread through the sequence, and the max logit in float32 (1,024 by default: every row
+            of shorter contexts; docs/metrics.md#attention-at-long-context). None: every row, in float64.
         sinks: more sinks (objects with write/flush/close).
         alerts: detector thresholds; ``on_alert``: called with each Alert.
         stop_on_critical: raise ``TrainingHalted`` from ``step`` on a critical alert.
@@ -105,6 +109,7 @@ class Monitor:
         sec_top: int = DEFAULT_SEC_TOP,
         attn_seqs: int = 2,
         attn_rank_rows: int = 256,
+        attn_entropy_rows: int | None = ENTROPY_ROWS,
         sinks: Iterable[Sink] = (),
         alerts: AlertConfig | None = None,
         on_alert: Callable[[Alert], None] | None = None,
@@ -131,7 +136,8 @@ class Monitor:
         self.per_head = per_head_default(total_heads) if per_head is None else per_head
         self._warn_once = WarnOnce(log, stacklevel=3)  # (kind, message): each kind of fault reported once
         self.sampler = Sampler(model, self.layers, self.signals, sec_top=sec_top, attn_seqs=attn_seqs,
-                               attn_rank_rows=attn_rank_rows, per_head=self.per_head, warn=self._warn_once,
+                               attn_rank_rows=attn_rank_rows, attn_entropy_rows=attn_entropy_rows,
+                               per_head=self.per_head, warn=self._warn_once,
                                grad_scaler=grad_scaler)
         self.capture, self.layouts = self.sampler.capture, self.sampler.layouts
         self._weights, self._loss_mean = self.sampler.weights, self.sampler.loss_mean

@@ -26,6 +26,7 @@ from diag.errors import ConfigError
 from diag.math.attention import AttentionStats
 from diag.outputs.records import LayerArrays, attention_metrics, build_record, host_arrays
 from diag.outputs.sinks import Record
+from hooks.capture.capture import ENTROPY_ROWS
 from hooks.capture.compiled import EagerCapture
 from hooks.layout.book import LayoutBook
 from hooks.layout.discover import AttentionLayer
@@ -64,10 +65,14 @@ class Sampler:
 
     def __init__(self, model: nn.Module, layers: Sequence[AttentionLayer], signals: frozenset[str], *, sec_top: int,
                  attn_seqs: int, attn_rank_rows: int, per_head: bool, warn: Warn,
+                 attn_entropy_rows: int | None = ENTROPY_ROWS,
                  grad_scaler: torch.amp.GradScaler | None = None) -> None:
         for name, value in (("sec_top", sec_top), ("attn_seqs", attn_seqs), ("attn_rank_rows", attn_rank_rows)):
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"Monitor({name}={value!r}): expected an integer >= 1")
+        if attn_entropy_rows is not None and (not isinstance(attn_entropy_rows, int) or attn_entropy_rows < 2):
+            raise ConfigError(f"Monitor(attn_entropy_rows={attn_entropy_rows!r}): expected an integer >= 2, or None "
+                              "for every query row")
         if grad_scaler is not None and not callable(getattr(grad_scaler, "is_enabled", None)):
             raise ConfigError(f"Monitor(grad_scaler=...): expected a torch.amp.GradScaler, got "
                               f"{type(grad_scaler).__name__}")
@@ -79,7 +84,8 @@ class Sampler:
         # under tensor parallelism each rank's kernel computes its own block of heads, which the book checks
         local = [layer.on_this_rank() for layer in self.layers]
         self.layouts = LayoutBook(local, watching="attention" in signals)
-        self.capture = EagerCapture(local, attn_seqs, attn_rank_rows, model=model, layouts=self.layouts)
+        self.capture = EagerCapture(local, attn_seqs, attn_rank_rows, model=model, layouts=self.layouts,
+                                    entropy_rows=attn_entropy_rows)
         self.loss_mean = LossMean()  # every step's loss, for the mean of those between two loss samples
 
     @property
