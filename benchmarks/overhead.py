@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/overhead.py --models 4x256 --only 2 --paired --reps 5 --everys default  # paired steps
     .venv/bin/python benchmarks/overhead.py --models small --reps 5
     .venv/bin/python benchmarks/overhead.py --models medium --only 1 --reps 1   # 24 layers x 1024
+    .venv/bin/python benchmarks/overhead.py --only 6 --reps 3 --threads 1   # attention at 128 .. 8,192 tokens
     python benchmarks/overhead.py --device cuda --models small medium --only 1 2 3 --reps 3   # on a GPU
 
 Prints, for each GPT-2-shaped model given (Hugging Face, sdpa attention, random
@@ -27,9 +28,11 @@ to it; run with ``--threads 1`` so it counts one core's work) or wall time:
      first sample, then warm);
   5. peak resident memory of a training run with the Monitor (every=1, all signals)
      and without, each in its own child process, alternated;
-  6. attention capture cost as the sequence grows (128 .. 2,048 tokens, batch 1,
-     a 2-layer model of GPT-2-small width): capture time against the same forward
-     and backward without it.
+  6. attention capture cost as the sequence grows (128 .. 8,192 tokens, batch 1, a
+     2-layer GPT-2 of d_model 256 and 8 heads by default): the capture's time per
+     sampled layer against the same model's forward and backward without it, with the
+     default long-context reading (entropy from ``attn_entropy_rows`` spread rows, max
+     logit in float32) and with every row in float64.
 """
 
 from __future__ import annotations
@@ -66,6 +69,36 @@ def clock() -> float:
 
 CLOCK = "cpu"
 DEVICE = "cpu"
+DATA = "fixed"
+
+
+class Batches:
+    """The training batches, 4 x 128 tokens, the same sequence of them for every model trained (``--data``):
+
+    * ``fixed``: one batch of random tokens, trained on at every step;
+    * ``text``: windows of the Python standard library's source (characters), a new batch every step, each
+      sequence's labels its own next characters: the model learns;
+    * ``stuck``: the same text windows with the labels of other, independent windows: nothing beyond the
+      characters' frequencies can be learned, so the loss stops falling within a few dozen steps and stays
+      (a plateau).
+    """
+
+    def __init__(self, data: str = "fixed", seed: int = 0) -> None:
+        self.data, self.gen = data, torch.Generator().manual_seed(seed)
+        if data == "fixed":
+            self.fixed = torch.randint(0, 8192, (4, 128), generator=self.gen).to(DEVICE)
+        else:
+            from hooks.demo.data import encode, load_text
+
+            self.text, _ = encode(load_text(1_000_000))
+
+    def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input ids, labels) of the next step (labels as Hugging Face takes them: shifted inside)."""
+        if self.data == "fixed":
+            return self.fixed, self.fixed
+        starts = torch.randint(len(self.text) - 129, (8 if self.data == "stuck" else 4,), generator=self.gen)
+        windows = torch.stack([self.text[i : i + 128] for i in starts.tolist()]).to(DEVICE)
+        return windows[:4], windows[4:] if self.data == "stuck" else windows[:4]
 
 
 def load() -> str:
@@ -127,11 +160,12 @@ def train_steps(model, monitor, steps: int, start: int, parts: list | None = Non
     seconds inside that forward) per step."""
     captured = timed_capture(monitor) if monitor is not None else [0.0]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ids = torch.randint(0, 8192, (4, 128), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    batches = Batches(DATA)
     times = []
     for step in range(start, start + steps):
+        ids, labels = batches()
         t0 = clock()
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
         t1 = clock()
         if monitor is not None:
@@ -152,14 +186,15 @@ def train_paired(plain_model, model, monitor, steps: int) -> tuple[float, float,
     Pairing each watched step with a plain step taken right before it cancels the machine's drifts (another
     process's load, frequency changes) that make two back-to-back windows differ by a percent or more."""
     captured = timed_capture(monitor)
-    ids = torch.randint(0, 8192, (4, 128), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    batches = Batches(DATA)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-4) for m in (plain_model, model)]
     plain = watched = 0.0
     parts = []
     for step in range(steps):
+        ids, labels = batches()
         for which, (m, opt) in enumerate(zip((plain_model, model), opts)):
             t0 = clock()
-            loss = m(input_ids=ids, labels=ids).loss
+            loss = m(input_ids=ids, labels=labels).loss
             loss.backward()
             t1 = clock()
             if which:
@@ -352,33 +387,42 @@ def memory(size: str, reps: int, threads: int) -> None:
           f"(each median of {reps} child processes); ratio {watched / plain:.3f} {load()}")
 
 
-def attention_scaling(reps: int, lengths: tuple[int, ...]) -> None:
+def attention_scaling(reps: int, lengths: tuple[int, ...], width: int, heads: int) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
+    from hooks.capture.capture import ENTROPY_ROWS
+
     torch.manual_seed(0)
-    cfg = GPT2Config(n_layer=2, n_head=12, n_embd=768, vocab_size=8192, n_positions=max(lengths))
+    layers = 2
+    cfg = GPT2Config(n_layer=layers, n_head=heads, n_embd=width, vocab_size=8192, n_positions=max(lengths))
     model = GPT2LMHeadModel._from_config(cfg, attn_implementation="sdpa")
     monitor = Monitor(model, every=1, signals=("attention",), sinks=[MemorySink()])
-    print("6. attention capture vs sequence length (2 layers x 12 heads, d_model 768, batch 1, sdpa):")
-    previous = None
+    print(f"6. attention capture vs sequence length ({layers} layers x {heads} heads, d_model {width}, sdpa, "
+          f"batch 1: one sequence captured): per sampled layer, as a share of the whole "
+          f"model's forward and backward without the Monitor; default: entropy and sink share from "
+          f"{ENTROPY_ROWS} rows spread through longer sequences, max logit in float32; every row: all of it in "
+          f"float64 {load()}")
     for n in lengths:
         ids = torch.randint(0, 8192, (1, n), generator=torch.Generator().manual_seed(n))
         _fwd_bwd(model, ids)
-        costs, plains = [], []
+        costs: dict[str, list[float]] = {"default": [], "every row": []}
+        plains = []
         for _ in range(reps):
-            monitor.capture.arm()
-            armed = _fwd_bwd(model, ids)
-            results, problems = monitor.capture.take()
-            plain = _fwd_bwd(model, ids)
-            costs.append(armed - plain)
-            plains.append(plain)
-            model.zero_grad(set_to_none=True)
-        assert len(results) == 2 and not problems, problems
-        cost, plain = statistics.median(costs), statistics.median(plains)
-        growth = "" if previous is None else f"; x{cost / previous[0]:.1f} capture, x{plain / previous[1]:.1f} step"
-        print(f"   {n:5d} tokens: step {plain * 1e3:7.0f} ms, capture {cost * 1e3:7.0f} ms "
-              f"({cost / plain * 100:5.1f}% of the step{growth})")
-        previous = (cost, plain)
+            for name, rows in (("default", ENTROPY_ROWS), ("every row", None)):
+                monitor.capture.entropy_rows = rows
+                monitor.capture.arm()
+                armed = _fwd_bwd(model, ids)
+                results, problems = monitor.capture.take()
+                plain = _fwd_bwd(model, ids)
+                costs[name].append((armed - plain) / layers)
+                plains.append(plain)
+                model.zero_grad(set_to_none=True)
+            assert len(results) == layers and not problems, problems
+        plain = statistics.median(plains)
+        shown = ", ".join(f"{name} {statistics.median(c) * 1e3:7.0f} ms = {statistics.median(c) / plain:6.3f}x"
+                          for name, c in costs.items())
+        print(f"   {n:5d} tokens: forward+backward {plain * 1e3:7.0f} ms; capture per sampled layer: {shown} "
+              f"(median of {reps}) {load()}")
     monitor.close()
 
 
@@ -390,7 +434,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--everys", nargs="+", default=["default", "1", "10", "100"],
                         help="'default' (the per-family cadence) and/or integers")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[128, 256, 512, 1024, 2048])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 1024, 2048, 4096, 8192])
+    parser.add_argument("--width", type=int, default=256, help="item 6: d_model")
+    parser.add_argument("--heads", type=int, default=8, help="item 6: attention heads")
     parser.add_argument("--only", nargs="+", choices=["1", "2", "3", "4", "5", "6"], default=None,
                         help="run only these items (item 3 and 4 need item 2's step time: it runs too)")
     parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
@@ -398,12 +444,15 @@ def main() -> None:
     parser.add_argument("--paired", action="store_true",
                         help="item 2 with paired steps (a watched and a plain copy of the model, one step of "
                              "each in turn) instead of back-to-back windows")
+    parser.add_argument("--data", choices=["fixed", "text", "stuck"], default="fixed",
+                        help="items 2-4: one random batch at every step (default), the standard library's source "
+                             "as text, or that text with the labels of other windows (a loss that is stuck)")
     parser.add_argument("--device", default="cpu",
                         help="the device the model trains on (cuda: wall time after a synchronisation; items 1-4)")
     parser.add_argument("--memory-child", choices=["plain", "monitored"], help=argparse.SUPPRESS)
     args = parser.parse_args()
-    global CLOCK, DEVICE
-    CLOCK, DEVICE = args.clock, args.device
+    global CLOCK, DEVICE, DATA
+    CLOCK, DEVICE, DATA = args.clock, args.device, args.data
     if DEVICE != "cpu" and (set(args.only or "123456") - set("1234")):
         parser.error("--device other than cpu measures items 1-4 only: pass --only with some of 1 2 3 4")
     torch.set_num_threads(args.threads)
@@ -428,7 +477,7 @@ def main() -> None:
         if "5" in only:
             memory(size, args.reps, args.threads)
     if "6" in only:
-        attention_scaling(args.reps, tuple(args.lengths))
+        attention_scaling(args.reps, tuple(args.lengths), args.width, args.heads)
 
 
 if __name__ == "__main__":
