@@ -230,3 +230,89 @@ def test_stop_on_critical_agrees_across_ranks(tmp_path):
     for step, names in counted.items():
         assert names == (["c10d.broadcast_"] * 2 if step % EVERY == 0 and step < STEPS else []), (step, names)
 
+
+# 4 layers of 4 heads of 8 (c_attn 96 x 32, c_proj 32 x 32), 8 sequences a step (2 per rank on 4 ranks); every step
+# logs the loss, gradient norms every 2 steps, spectra every 3, attention and update ratios every 6: step 2 samples
+# gradients alone, step 3 spectra alone, steps 0 and 6 everything (update ratios measured at 1 and 7)
+WIDE = ("--batch", "8", "--layers", "4", "--heads", "4", "--n-embd", "32", "--every", "0",
+        "--cadence", '{"loss": 1, "grads": 2, "spectra": 3, "attention": 6, "updates": 6}')
+WIDE_SHAPES = [(96, 32), (32, 32)]
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory) -> dict[int, Path]:
+    """The WIDE run in one process and under FSDP2 on 2 and 4 ranks."""
+    runs = {}
+    for ranks in (1, 2, 4):
+        out = tmp_path_factory.mktemp(f"wide{ranks}")
+        _run("single" if ranks == 1 else "fsdp", out, *WIDE, ranks=ranks)
+        runs[ranks] = out
+    return runs
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_fsdp_ranks_log_the_single_process_numbers_wide(wide, ranks):
+    """FSDP2 on 2 and 4 ranks: every logged value (per head and per layer) is the one-process value; every rank's
+    ``monitor.last`` holds the same weight-side values."""
+    ref, got = _metrics(wide[1]), _metrics(wide[ranks])
+    assert set(got) == set(ref)
+    assert {step for step, tag in ref if tag.startswith("grad_norm_q")} == {0, 2, 4, 6}
+    assert {step for step, tag in ref if tag.startswith("qk_sigma1")} == {0, 3, 6}
+    assert {step for step, tag in ref if tag.startswith("update_ratio_o")} == {0, 6}
+    bad = [(k, ref[k], got[k]) for k in ref if k[1] != "loss" and not _close(ref[k], got[k])]
+    assert not bad, f"{len(bad)} of {len(ref)} values differ, e.g. {bad[:5]}"
+    last = [json.loads((wide[ranks] / f"last_rank{r}.json").read_text()) for r in range(ranks)]
+    shared = [t for t in last[0] if t.startswith(GLOBAL)]
+    assert shared and all(_close(last[0][t], other[t], 1e-9) for other in last[1:] for t in shared)
+
+
+def _received(out: Path, ranks: int, step: int) -> list[int]:
+    return [sum(c[2] for c in steps[step]) for steps in _per_rank(out, ranks)]
+
+
+def test_fsdp_bytes_per_rank_fall_with_the_ranks(wide):
+    """Bytes each rank receives per sample: a gradient sample moves one all-reduce of per-head float64 scalars,
+    the same size at any world; a spectra or update sample receives, per rank, the layers it owns (4 layers: 2 on 2
+    ranks, 1 on 4) and the scalars, so it falls about as 1/world; the call that measures the update ratios
+    likewise."""
+    scalars = {"grads": _scalars(4, 4, 8, spectra=False), "spectra": _scalars(4, 4, 8, grads=False),
+               "all": _scalars(4, 4, 8)}
+    qkv, qkvo = WIDE_SHAPES[:1], WIDE_SHAPES
+    table = {}
+    for world in (2, 4):
+        per_rank = _per_rank(wide[world], world)
+        for rank, steps in enumerate(per_rank):
+            assert steps[2] == [[ALL_REDUCE, scalars["grads"], 8 * scalars["grads"]]]  # gradients: scalars only
+            _check_owned(steps[3], rank, world, 4, _packed(qkv, world))  # spectra: Q/K/V to the owner
+            assert steps[3][-1] == [ALL_REDUCE, scalars["spectra"], 8 * scalars["spectra"]]
+            for step in (0, 1):  # everything (W_O too, for the update ratios); the ratios' dW
+                _check_owned(steps[step], rank, world, 4, _packed(qkvo, world))
+            assert steps[0][-1] == [ALL_REDUCE, scalars["all"], 8 * scalars["all"]]
+            assert steps[1][-1] == [ALL_REDUCE, 4 * 8, 8 * 4 * 8]
+            assert [steps[s] for s in (4, 5)] == [[[ALL_REDUCE, scalars["grads"], 8 * scalars["grads"]]], []]
+        table[world] = {what: max(_received(wide[world], world, step))
+                        for what, step in (("grads", 2), ("spectra", 3), ("all", 0), ("ratios", 1))}
+    print(f"\nbytes received per rank (max over ranks): {table}")
+    for what in ("spectra", "all", "ratios"):
+        assert table[4][what] <= 0.6 * table[2][what], (what, table)
+    assert table[4]["grads"] == table[2]["grads"] == 8 * scalars["grads"]
+
+
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+def test_fsdp_hugging_face_layouts_log_the_single_process_numbers(model, tmp_path_factory):
+    """GPT-2's Conv1D c_attn, stored (E, 3E): FSDP2 shards its input rows, so each head is a block of columns split
+    over both ranks; LLaMA: separate q/k/v projections with 2 key/value heads. The gradient norms from per-head sums
+    of squares of each rank's shards, the spectra and update ratios from each layer's owner, equal one process's;
+    no gradient is gathered (each gather carries the layer's weights only)."""
+    extra = ("--model", model, "--heads", "4", "--n-embd", "32")
+    single, fsdp = tmp_path_factory.mktemp(f"single_{model}"), tmp_path_factory.mktemp(f"fsdp_{model}")
+    _run("single", single, *extra)
+    _run("fsdp", fsdp, *extra)
+    ref, got = _metrics(single), _metrics(fsdp)
+    assert set(got) == set(ref)
+    assert {"qk_sigma1", "grad_norm_q", "grad_norm_k", "update_ratio_o"} <= {tag.split("/")[0] for _, tag in ref}
+    bad = [(k, ref[k], got[k]) for k in ref if k[1] != "loss" and not _close(ref[k], got[k])]
+    assert not bad, f"{len(bad)} of {len(ref)} values differ, e.g. {bad[:5]}"
+    shapes = [(32, 96), (32, 32)] if model == "gpt2" else [(32, 32), (16, 32), (16, 32), (32, 32)]
+    for rank, steps in enumerate(_per_rank(fsdp, 2)):
+        _check_owned(steps[0], rank, 2, LAYERS, _packed(shapes, 2))
