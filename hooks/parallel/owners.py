@@ -106,8 +106,10 @@ class ShardSquares:
         if any(p.grad is None for p in params.values()):
             return None
         segments = self._segments.get(layer.index)
-        if segments is None:
-            segments = _segments(lay, {n: tuple(p.shape) for n, p in params.items()})
+        if segments is None:  # computed once per layer, kept on the gradients' device
+            device = next(iter(params.values())).grad.device
+            segments = {n: (hd, seg.to(device)) for n, (hd, seg) in
+                        _segments(lay, {n: tuple(p.shape) for n, p in params.items()}).items()}
             self._segments[layer.index] = segments
         h, g = lay.n_heads, lay.kv_heads
         total = 0
@@ -123,7 +125,7 @@ def _head_squares(local: Tensor, hd: int, seg: Tensor, offset: Sequence[int], se
     ``offset``: each index along the heads' dim ``hd`` goes to its segment ``seg[offset[hd] + i]``."""
     others = [i for i in range(local.dim()) if i != hd]
     per = torch.linalg.vector_norm(local, dim=others, dtype=torch.float64).square()  # (local.shape[hd],)
-    ids = seg[offset[hd] : offset[hd] + local.shape[hd]].to(local.device)
+    ids = seg[offset[hd] : offset[hd] + local.shape[hd]]
     return torch.zeros(segments, dtype=torch.float64, device=local.device).index_add_(0, ids, per)
 
 
