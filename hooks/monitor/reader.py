@@ -2,10 +2,12 @@
 the update ratio), as whole tensors in float32 or better.
 
 Plain parameters (one process, DDP) are read in place: nothing is gathered or copied. Only DTensors go to
-:mod:`hooks.parallel.gather`: FSDP2's are gathered one layer at a time, so at most one layer's gathered weights
-exist at a time; under tensor parallelism each rank reads its own block of heads. Only the parameters a layout
-names are read, and only when the Monitor asks: on steps that sample gradients, spectra or update ratios, and at
-the call after an update-ratio sample.
+:mod:`hooks.parallel.gather`: HSDP's (and FSDP2's beside tensor parallelism) are gathered one layer at a time, so
+at most one layer's gathered weights exist at a time; under tensor parallelism each rank reads its own block of
+heads. Layers under FSDP2 alone are not read here: :class:`hooks.monitor.weightside.WeightSide` sends each one to
+its owner rank (:mod:`hooks.parallel.owners`). Only the parameters a layout names are read, and only when the
+Monitor asks: on steps that sample gradients, spectra or update ratios, and at the call after an update-ratio
+sample.
 """
 
 from __future__ import annotations

@@ -10,6 +10,13 @@ is this rank's shards of the layer's weights (1/world of them), dW is taken shar
 by shard with no collective, and the whole dW of one layer at a time is gathered
 only when the ratios are measured.
 
+Under FSDP2 alone (a 1-D mesh over every rank, :func:`hooks.parallel.owners.fsdp_alone`) nothing is
+gathered to every rank: the gradient norms come from per-head sums of squares of each rank's own shards,
+layer ``i``'s shards are gathered to its owner rank ``i % world`` alone, which computes its spectra, its
+sigma_1(W) and ||W||_F (its tracker lives there) and later its update ratios from dW gathered to it, and one
+all-reduce of float64 scalars per sample (another where update ratios are measured) gives every rank every
+layer's values (:mod:`hooks.parallel.owners`). HSDP and FSDP2 beside tensor parallelism keep the paths above.
+
 Only what the step's families need is read: weights for spectra and update
 ratios, gradients for the gradient norms; a step that samples only the loss
 reads nothing.
@@ -25,17 +32,20 @@ from torch import Tensor
 
 from diag.catalog.metrics import METRICS, family_metrics
 from diag.layouts.vocab import QKVLayout, split_projections, split_qkv
-from diag.math.metrics import grad_metrics, layer_spectra
+from diag.math.metrics import grad_metrics, grad_ratio, layer_spectra
 from diag.math.norms import frobenius
 from diag.math.updates import UpdateTracker
 from hooks.layout.discover import AttentionLayer
 from hooks.monitor.reader import QKVReader, kept_dim
-from hooks.parallel.gather import gather_like, local_shards
+from hooks.parallel.gather import gather_like, gather_to, local_shards
 from hooks.parallel.headgather import HeadGather, grad_squares, tp_reduce
+from hooks.parallel.owners import ScalarSum, ShardSquares, fsdp_alone, owner_of
 
 __all__ = ["WeightSide", "ShardSnapshot", "PendingUpdate", "AppliedUpdate", "nan_spectra"]
 
 Warn = Callable[[str, str], None]  # (kind, message): reported once per kind
+SPECTRA = family_metrics("spectra")
+FAILED = -1  # the ScalarSum key of the spectra-failed flag (no layer has this index)
 
 
 @dataclass
@@ -46,6 +56,7 @@ class ShardSnapshot:
     params: dict[str, Tensor]
     local: dict[str, Tensor]
     keep: int | None = None  # under tensor parallelism its mesh dim: what is gathered is this rank's block
+    owner: int | None = None  # FSDP2 alone: the mesh coordinate of the rank the layer's dW is gathered to
 
 
 @dataclass
@@ -88,6 +99,8 @@ class WeightSide:
         self.reader = QKVReader(self.layers, grads="grads" in signals, output="updates" in signals,
                                 gathered_grads=lambda layer: not self._from_rows(layer))
         self.trackers: dict[int, UpdateTracker] = {}  # group position -> its warm-started tracker
+        self.position = {layer.index: i for i, layer in enumerate(self.layers)}  # FSDP2 alone: owner_of's input
+        self.squares = ShardSquares()
         self.pending: PendingUpdate | None = None
         self.applied: AppliedUpdate | None = None
 
@@ -98,7 +111,14 @@ class WeightSide:
         if not (weights or grads):
             return out, False
         groups, snapshots, norms, failed = self.reader.groups(), [], [], False
+        owned = [len(group) == 1 and fsdp_alone(group[0]) for group in groups]  # FSDP2 alone: one owner per layer
+        shared = ScalarSum() if any(owned) and due & {"grads", "spectra"} else None
+        if shared is not None and "spectra" in due:
+            shared.field(FAILED, "spectra_failed")
         for g, group in enumerate(groups):
+            if owned[g]:
+                self._owned(step, g, group[0], due, shared, snapshots, norms)
+                continue
             read = self.reader.read(group, weights=weights, grads=grads)  # (weights, grads) per layer
             if grads:
                 self._grads(group, [gr for _, gr in read], out)
@@ -119,9 +139,79 @@ class WeightSide:
                 snapshots.append(whole if shards is None else ShardSnapshot(params, shards, keep))
                 del whole  # sharded: only this rank's shards are kept until the step after
             del read, qkv  # under FSDP2: this layer's gathered weights go before the next is gathered
+        if shared is not None:
+            failed |= self._share(shared, [group[0] for group, mine in zip(groups, owned) if mine], due, out)
         if "updates" in due:
             self.pending = PendingUpdate(step, groups, snapshots, norms)
         return out, failed
+
+    def _owned(self, step: int, g: int, layer: AttentionLayer, due: frozenset[str], shared: ScalarSum | None,
+               snapshots: list, norms: list) -> None:
+        """FSDP2 alone: this rank's part of layer ``layer`` (group ``g``): the per-head sums of squares of its shards
+        of the gradients; the layer's shards gathered to its owner, which computes the spectra and sigma_1(W),
+        ||W||_F; this rank's shards kept for the update. Values go into ``shared`` (summed by :meth:`_share`)."""
+        i, lay = layer.index, layer.layout
+        if "grads" in due:
+            shared.field(i, "grads")  # ranks that had gradients
+            for role, heads in (("q", lay.n_heads), ("k", lay.kv_heads), ("v", lay.kv_heads)):
+                shared.field(i, f"grad_sq_{role}", (heads,))
+            squares = self.squares(layer) if self.reader.grads else None
+            if squares is not None:
+                shared.add(i, "grads", 1.0)
+                for name, value in squares.items():
+                    shared.add(i, name, value)
+        if "spectra" in due:  # the owner's values, zeros from the other ranks
+            for m in SPECTRA:
+                shared.field(i, m, (lay.n_heads, lay.head_dim) if METRICS[m].per == "spectrum" else (lay.n_heads,))
+        if not due & {"spectra", "updates"}:
+            return
+        params = layer.weights() if "updates" in due else layer.params()
+        owner = owner_of(self.position[i], layer)
+        whole = gather_to(list(params.values()), owner)  # None on every rank but the owner
+        norm = None
+        if whole is not None:
+            whole = dict(zip(params, whole))
+            if "spectra" in due:
+                wq, wk, _ = split_qkv(whole, lay, paired=True)
+                metrics: dict[int, dict[str, Tensor]] = {i: {}}
+                if not self._spectra(step, [layer], [(wq, wk)], metrics):
+                    shared.add(FAILED, "spectra_failed", 1.0)
+                for m in SPECTRA:
+                    shared.add(i, m, metrics[i][m])
+                del wq, wk
+            if "updates" in due:
+                tracker = self._tracker(g, [layer])
+                stacks = tracker.snapshot([_projections(whole, layer)])
+                norm = tracker.norms_before(stacks)  # kept on the owner until the ratios are measured
+                del stacks
+            del whole
+        if "updates" in due:
+            weights = layer.weights()
+            norms.append(norm)
+            snapshots.append(ShardSnapshot(weights, local_shards(weights), None, owner))
+
+    def _share(self, shared: ScalarSum, layers: list[AttentionLayer], due: frozenset[str], out: dict) -> bool:
+        """The all-reduce of :meth:`_owned`'s values, and every owned layer's metrics from it (the same on every
+        rank); returns whether the spectra failed on some owner."""
+        device = next(iter(layers[0].params().values())).device
+        shared.reduce(device)
+        keys = [(layer.index, "grads") for layer in layers] if "grads" in due else []
+        keys += [(FAILED, "spectra_failed")] if "spectra" in due else []
+        flags = shared.flags(keys)  # one host read
+        world = next(iter(layers[0].params().values())).device_mesh.size()
+        for layer, count in zip(layers, flags if "grads" in due else [None] * len(layers)):
+            values = out[layer.index]
+            if count is not None and count < world:
+                self.warn("no-grad", f"diag: {layer.name} has no .grad at a sampled step; "
+                          "call monitor.step after loss.backward()")
+            elif count is not None:
+                norms = {f"grad_norm_{r}": shared.get(layer.index, f"grad_sq_{r}").sqrt() for r in "qkv"}
+                values.update(norms)
+                values["grad_ratio_qk_v"] = grad_ratio(norms["grad_norm_q"], norms["grad_norm_k"],
+                                                       norms["grad_norm_v"])
+            if "spectra" in due:
+                values.update({m: shared.get(layer.index, m) for m in SPECTRA})
+        return "spectra" in due and flags[-1] > 0
 
     def advance(self) -> None:
         """The step after a snapshot: dW of the pending snapshot, read from the weights now (under FSDP2
@@ -145,8 +235,13 @@ class WeightSide:
         """The update ratios of the advanced snapshot: (the step they belong to, {layer index: metrics})."""
         applied, self.applied = self.applied, None
         out: dict[int, dict[str, Tensor]] = {}
+        shared, owned = ScalarSum(), []
         for g, group in enumerate(applied.groups):
             snapshot, delta = applied.snapshots[g], applied.deltas[g]
+            if isinstance(snapshot, ShardSnapshot) and snapshot.owner is not None:  # FSDP2 alone: dW to the owner
+                self._measure_owned(g, group[0], snapshot, applied.norms[g], shared)
+                owned.append(group[0])
+                continue
             if isinstance(snapshot, ShardSnapshot):  # the whole -dW of this layer, one gather (every rank)
                 whole = gather_like(snapshot.params, snapshot.local, snapshot.keep)
                 snapshot.local = {}  # spent
@@ -155,7 +250,29 @@ class WeightSide:
                 del whole
             for layer, metrics in zip(group, self.trackers[g].finish(snapshot, delta, applied.norms[g], len(group))):
                 out[layer.index] = metrics
+        if owned:  # every owner's ratios to every rank: one all-reduce
+            shared.reduce(next(iter(owned[0].params().values())).device)
+            for layer in owned:
+                out[layer.index] = {name: shared.get(layer.index, name) for name in _update_names(layer)}
         return applied.step, out
+
+    def _measure_owned(self, g: int, layer: AttentionLayer, snapshot: ShardSnapshot, norms: list | None,
+                       shared: ScalarSum) -> None:
+        """FSDP2 alone: the layer's -dW shards gathered to its owner, which measures the ratios with its tracker and
+        adds them to ``shared``; every rank declares the fields."""
+        names = _update_names(layer)
+        for name in names:
+            shared.field(layer.index, name)
+        whole = gather_like(snapshot.params, snapshot.local, dst=snapshot.owner)
+        snapshot.local = {}  # spent
+        if whole is None:
+            return
+        tracker = self.trackers[g]
+        stacks = tracker.snapshot([_projections(whole, layer)])
+        del whole
+        metrics = tracker.finish(stacks, [chunk.before for chunk in stacks], norms, 1)[0]
+        for name in names:
+            shared.add(layer.index, name, metrics[name])
 
     def _grads(self, group: list[AttentionLayer], grads: list, out: dict) -> None:
         for layer, gr in zip(group, grads):
@@ -212,6 +329,12 @@ def nan_spectra(wq: Tensor) -> dict[str, Tensor]:
     heads, dim = wq.shape[0], wq.shape[1]
     return {m: torch.full((heads, dim) if METRICS[m].per == "spectrum" else (heads,), torch.nan, dtype=torch.float64,
                           device=wq.device) for m in family_metrics("spectra")}
+
+
+def _update_names(layer: AttentionLayer) -> list[str]:
+    """The update-ratio metrics of a layer: both ratios of W_Q, W_K, W_V, and W_O where the layout names it."""
+    matrices = "qkvo" if layer.layout.o is not None else "qkv"
+    return [f"update_{kind}_{x}" for x in matrices for kind in ("ratio", "fro")]
 
 
 def _layout(layer: AttentionLayer) -> QKVLayout:

@@ -18,7 +18,8 @@ from torch import Tensor
 
 from hooks.parallel.dtensors import is_dtensor
 
-__all__ = ["widened", "gather_kind", "gathers", "gather_full", "local_shards", "gather_like", "all_gather_rows"]
+__all__ = ["widened", "gather_kind", "gathers", "gather_full", "gather_to", "local_shards", "gather_like",
+           "all_gather_rows"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -118,6 +119,18 @@ def gather_full(tensors: Sequence[Tensor], keep: Sequence[int | None] | None = N
     return out  # type: ignore[return-value]
 
 
+def gather_to(tensors: Sequence[Tensor], dst: int) -> list[Tensor] | None:
+    """The whole tensors, in float32 or better, on the rank at coordinate ``dst`` of their mesh dim only (None on
+    the others): the packed buffer of :func:`gather_full`, sent with one ``gather`` instead of an all-gather, so only
+    ``dst`` receives the shards. Every tensor is a DTensor that :func:`gather_full` packs, all on one (mesh, mesh
+    dim); every rank of that dim calls it with the same tensors and the same ``dst``."""
+    tensors = [t.detach() for t in tensors]
+    plans = [_plan(t, None) for t in tensors]
+    if any(p.kind != "gather" or (p.mesh, p.mesh_dim) != (plans[0].mesh, plans[0].mesh_dim) for p in plans):
+        raise RuntimeError("gather_to needs DTensors sharded on one mesh dim, all on the same one")
+    return _gather_sharded(tensors, plans, dst)
+
+
 def local_shards(tensors: dict[str, Tensor], keep: int | None = None) -> dict[str, Tensor] | None:
     """Copies of this rank's shards, in float32 or better, when every tensor is a DTensor that :func:`gather_full`
     packs (one mesh dim besides ``keep`` shards it); else None. No collective: what the update-ratio snapshot
@@ -128,21 +141,27 @@ def local_shards(tensors: dict[str, Tensor], keep: int | None = None) -> dict[st
     return {name: widened(t.detach().to_local()).clone() for name, t in tensors.items()}
 
 
-def gather_like(like: dict[str, Tensor], locals_: dict[str, Tensor], keep: int | None = None) -> dict[str, Tensor]:
+def gather_like(like: dict[str, Tensor], locals_: dict[str, Tensor], keep: int | None = None,
+                dst: int | None = None) -> dict[str, Tensor] | None:
     """The whole tensors (blocks, with ``keep``) whose shards on this rank are ``locals_``, each sharded as the
-    DTensor of the same name in ``like`` (from :func:`local_shards`): one all-gather, as :func:`gather_full`.
-    Every rank calls it."""
+    DTensor of the same name in ``like`` (from :func:`local_shards`): one all-gather, as :func:`gather_full`; with
+    ``dst``, one gather to that coordinate of the mesh dim (:func:`gather_to`: None on the other ranks). Every rank
+    calls it."""
     from torch.distributed.tensor import DTensor
 
     names = list(locals_)
     shards = [DTensor.from_local(locals_[n], like[n].device_mesh, like[n].placements, run_check=False,
                                  shape=like[n].shape, stride=like[n].stride()) for n in names]
+    if dst is not None:
+        whole = gather_to(shards, dst)
+        return None if whole is None else dict(zip(names, whole))
     return dict(zip(names, gather_full(shards, [keep] * len(shards))))
 
 
-def _gather_sharded(shards: list[Tensor], plans: list[_Plan]) -> list[Tensor]:
+def _gather_sharded(shards: list[Tensor], plans: list[_Plan], dst: int | None = None) -> list[Tensor] | None:
     """One all_gather over the mesh dim of ``plans`` (all the same) for DTensors sharded on it (see
-    :func:`gather_full`)."""
+    :func:`gather_full`); with ``dst`` (a coordinate on that dim), one gather to that rank alone, and None on the
+    others."""
     mesh, mesh_dim = plans[0].mesh, plans[0].mesh_dim
     size, coord = mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
     dtype = torch.float32
@@ -164,8 +183,16 @@ def _gather_sharded(shards: list[Tensor], plans: list[_Plan]) -> list[Tensor]:
         if flat.numel() <= slot:
             buf[offset : offset + flat.numel()] = flat.to(dtype)
         offset += slot
-    gathered = torch.empty(size * buf.numel(), dtype=dtype, device=buf.device)
-    all_gather_rows(gathered, buf, group=mesh.get_group(mesh_dim))
+    group = mesh.get_group(mesh_dim)
+    if dst is None:
+        gathered = torch.empty(size * buf.numel(), dtype=dtype, device=buf.device)
+        all_gather_rows(gathered, buf, group=group)
+    else:  # every rank's buffer to dst alone: only dst receives (and holds) the layer
+        parts = [torch.empty_like(buf) for _ in range(size)] if coord == dst else None
+        dist.gather(buf, parts, dst=dist.get_global_rank(group, dst), group=group)
+        if parts is None:
+            return None
+        gathered = torch.cat(parts)
     rows = gathered.view(size, -1)
     rows = rows[rows[:, 0].long().argsort()]  # mesh coordinate order = shard order
     full, offset = [], header

@@ -1,15 +1,17 @@
-"""DDP and FSDP2 on CPU (gloo, 2 processes via torchrun) give the single process's numbers.
+"""DDP and FSDP2 on CPU (gloo, 2 and 4 processes via torchrun) give the single process's numbers.
 
-tests/hooks/parallel/dist_worker.py trains the same tiny nanoGPT on the same global batches in
+tests/hooks/parallel/dist_worker.py trains the same tiny model on the same global batches in
 three ways; rank 0's metrics.jsonl must equal the single process's within float
 tolerance, tag for tag, except the loss (each rank logs the loss it passes: its
-own half of the batch); the update ratios of W_O (``c_proj``, sharded unevenly like
+own part of the batch); the update ratios of W_O (``c_proj``, sharded unevenly like
 ``c_attn``) among them. The worker counts the collectives issued inside every
-``monitor.step``: none under DDP; under FSDP2 one all-gather per layer on a sampled
-step (that layer's Q/K/V and O weights and Q/K/V gradients packed: never more than one
-layer's gathered weights at a time) and one per layer where the update ratios are measured
-(that layer's dW, taken shard by shard from a snapshot of this rank's shards only), none on
-other steps.
+``monitor.step`` on every rank, with the bytes each wrote on that rank: none under DDP; under
+FSDP2 alone, on a step that samples spectra or update ratios, one ``gather`` per layer of that
+layer's shards to its owner rank (layer i to rank i % world: the only rank that receives them)
+and one all-reduce of float64 scalars; on a step that samples only the loss and the gradient
+norms, that all-reduce alone (per-head sums of squares of each rank's shards: no gradient
+moves); where the update ratios are measured, one gather per layer of its dW to its owner and
+one all-reduce of the ratios; nothing on other steps.
 """
 
 from __future__ import annotations
@@ -36,16 +38,16 @@ GLOBAL = ("qk_", "grad_", "update_")  # the same on every rank: weights, reduced
 TEARDOWN_ABORT = "terminate called without an active exception"
 
 
-def _run(mode: str, out: Path, *extra: str) -> None:
+def _run(mode: str, out: Path, *extra: str, ranks: int = 2) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     if mode == "single":
         cmd = [sys.executable, str(WORKER), mode, str(out), *extra]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
                str(WORKER), mode, str(out), *extra]
     for attempt in (1, 2):
         done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-        written = all((out / f"losses_rank{r}.json").exists() for r in ((0,) if mode == "single" else (0, 1)))
+        written = all((out / f"losses_rank{r}.json").exists() for r in ((0,) if mode == "single" else range(ranks)))
         if done.returncode == 0 or attempt == 2 or TEARDOWN_ABORT not in done.stderr or not written:
             break
         shutil.rmtree(out)  # the same run again, in an empty folder
@@ -115,25 +117,64 @@ def test_two_ranks_log_the_single_process_numbers(mode, single, tmp_path):
     assert held == ([whole, whole] if mode == "ddp" else [LAYERS * (23 + 8) * 15 * 4, LAYERS * (22 + 7) * 15 * 4])
 
 
+def _packed(shapes: list[tuple[int, int]], world: int) -> int:
+    """Elements of the buffer each rank sends to a layer's owner (``hooks.parallel.gather.gather_to``): a header (its
+    coordinate and each shard's rows), then each shard padded to ceil(rows / world) rows."""
+    return 1 + len(shapes) + sum(math.ceil(rows / world) * cols for rows, cols in shapes)
+
+
+def _scalars(layers: int, heads: int, head_dim: int, kv_heads: int | None = None, grads: bool = True,
+             spectra: bool = True) -> int:
+    """Float64 values of a sample's all-reduce (hooks.parallel.owners.ScalarSum): a spectra-failed flag; per layer, a
+    count of ranks with gradients and the per-head sums of squares of Q, K, V; the spectra (four values and head_dim
+    singular values per query head)."""
+    kv = kv_heads or heads
+    per = (1 + heads + 2 * kv if grads else 0) + (heads * (4 + head_dim) if spectra else 0)
+    return layers * per + (1 if spectra else 0)
+
+
+NANO = [(45, 15), (15, 15)]  # c_attn and c_proj of the default nanoGPT (3 heads of 5)
+GATHER, ALL_REDUCE = "c10d.gather_", "c10d.allreduce_"
+
+
+def _per_rank(out: Path, ranks: int) -> list[dict[int, list]]:
+    """Every rank's collectives per step: [name, elements of the largest tensor, bytes it wrote on that rank]."""
+    return [{int(k): v for k, v in json.loads((out / f"collectives_rank{r}.json").read_text()).items()}
+            for r in range(ranks)]
+
+
+def _check_owned(calls: list, rank: int, world: int, layers: int, packed: int) -> None:
+    """One gather per layer, each ``packed`` elements per rank, received by the layer's owner (i % world) alone."""
+    gathers = [c for c in calls if c[0] == GATHER]
+    assert [c[1] for c in gathers] == [packed] * layers, calls
+    assert [c[2] for c in gathers] == [world * packed * 4 if i % world == rank else 0 for i in range(layers)], calls
+
+
 def _check_collectives(mode: str, out: Path) -> None:
-    """DDP: none. FSDP2: one all-gather per layer (2) at a sampled step and at the call after it (7 = close),
-    each the same size: one layer's weights (and grads) or its dW, never every layer's at once."""
+    """DDP: none. FSDP2: at a sampled step (all families) one gather per layer of its Q/K/V/O shards to its owner and
+    one all-reduce of 75 scalars; at the call after it (7 = close) one gather per layer of its dW and one all-reduce
+    of 16 update ratios (2 layers x 4 matrices x 2 ratios); nothing else."""
     counted = {int(k): v for k, v in json.loads((out / "collectives.json").read_text()).items()}
-    sizes = {int(k): v for k, v in json.loads((out / "collective_sizes.json").read_text()).items()}
     assert sorted(counted) == list(range(STEPS + 1))
-    gathered = {0, 1, 3, 4, 6, 7} if mode == "fsdp" else set()
-    for step, names in counted.items():
-        assert len(names) == (LAYERS if step in gathered else 0), (mode, step, names)
-        assert all("allgather" in n or "all_gather" in n for n in names), names
-        assert len(set(sizes[step])) <= 1, (step, sizes[step])  # per layer: equal layers, equal gathers
-    if mode == "fsdp":  # a sampled step gathers weights and grads, the call after it dW only (the size of the weights)
-        assert sizes[0][0] > sizes[1][0] > 0
+    if mode == "ddp":
+        assert all(names == [] for names in counted.values()), counted
+        return
+    ranks = _per_rank(out, 2)
+    for rank, steps in enumerate(ranks):
+        for step, calls in steps.items():
+            if step not in {0, 1, 3, 4, 6, 7}:
+                assert calls == [], (rank, step, calls)
+                continue
+            _check_owned(calls, rank, 2, LAYERS, _packed(NANO, 2))
+            scalars = _scalars(LAYERS, 3, 5) if step % EVERY == 0 else LAYERS * 8
+            assert [c for c in calls if c[0] != GATHER] == [[ALL_REDUCE, scalars, 8 * scalars]], (rank, step, calls)
 
 
 def test_fsdp_default_cadence_gathers_what_each_step_samples(tmp_path_factory):
-    """Default cadence (spectra every 100) over 12 steps: step 0 samples everything (two layers: one gather
-    each, weights and grads), step 1 measures its update ratios (one layer's dW per gather), step 10 samples loss and
-    gradient norms only (grads alone: smaller gathers); the values equal one process's."""
+    """Default cadence (spectra every 100) over 12 steps: step 0 samples everything (two layers: one gather each of
+    its weights to its owner, then the scalars), step 1 measures its update ratios (each layer's dW to its owner),
+    step 10 samples loss and gradient norms only (one all-reduce of per-head scalars, nothing gathered); the values
+    equal one process's."""
     single, fsdp = tmp_path_factory.mktemp("single_default"), tmp_path_factory.mktemp("fsdp_default")
     extra = ("--every", "0", "--steps", "12", "--cadence", '{"spectra": 100}')
     _run("single", single, *extra)
@@ -144,17 +185,20 @@ def test_fsdp_default_cadence_gathers_what_each_step_samples(tmp_path_factory):
     assert {step for step, tag in ref if tag.startswith(("qk_", "update_", "attn_"))} == {0}
     bad = [k for k in ref if k[1] != "loss" and not _close(ref[k], got[k])]
     assert not bad, f"{len(bad)} of {len(ref)} values differ, e.g. {bad[:5]}"
-    counted = {int(k): v for k, v in json.loads((fsdp / "collectives.json").read_text()).items()}
-    sizes = {int(k): v for k, v in json.loads((fsdp / "collective_sizes.json").read_text()).items()}
-    assert {s for s, names in counted.items() if names} == {0, 1, 10}
-    assert all(len(counted[s]) == LAYERS for s in (0, 1, 10))
-    assert sizes[0][0] > sizes[1][0] > sizes[10][0] > 0  # weights+grads > dW (Q/K/V/O) > Q/K/V grads
+    for rank, steps in enumerate(_per_rank(fsdp, 2)):
+        assert {s for s, calls in steps.items() if calls} == {0, 1, 10}
+        for step in (0, 1):  # the weights (step 0) and dW (step 1) of each layer to its owner, then the scalars
+            _check_owned(steps[step], rank, 2, LAYERS, _packed(NANO, 2))
+        assert steps[0][-1] == [ALL_REDUCE, _scalars(LAYERS, 3, 5), 8 * _scalars(LAYERS, 3, 5)]
+        assert steps[1][-1] == [ALL_REDUCE, LAYERS * 8, 8 * LAYERS * 8]
+        # loss and gradient norms only: per-head sums of squares of this rank's shards, 2 x (1 + 3 x 3) float64
+        assert steps[10] == [[ALL_REDUCE, _scalars(LAYERS, 3, 5, spectra=False), 8 * LAYERS * 10]]
 
 
 def test_fsdp_deferred_update_ratios_gather_nothing_on_the_step_after(tmp_path_factory):
     """Past a run's first steps the update ratios of a sampled step are finished on the next sampled step:
     under FSDP2 the step after takes dW shard by shard (no collective) and step 10 gathers each layer's
-    dW beside its gradients; the ratios, logged at step 0, equal one process's."""
+    dW to its owner beside the gradient norms' scalars; the ratios, logged at step 0, equal one process's."""
     single, fsdp = tmp_path_factory.mktemp("single_deferred"), tmp_path_factory.mktemp("fsdp_deferred")
     extra = ("--every", "0", "--steps", "12", "--cadence", '{"spectra": 100}', "--at-once", "0")
     _run("single", single, *extra)
@@ -164,11 +208,14 @@ def test_fsdp_deferred_update_ratios_gather_nothing_on_the_step_after(tmp_path_f
     assert {step for step, tag in ref if tag.startswith("update_ratio_o")} == {0}
     bad = [k for k in ref if k[1] != "loss" and not _close(ref[k], got[k])]
     assert not bad, f"{len(bad)} of {len(ref)} values differ, e.g. {bad[:5]}"
-    counted = {int(k): v for k, v in json.loads((fsdp / "collectives.json").read_text()).items()}
-    sizes = {int(k): v for k, v in json.loads((fsdp / "collective_sizes.json").read_text()).items()}
-    assert {s for s, names in counted.items() if names} == {0, 10}
-    assert len(counted[0]) == LAYERS and len(counted[10]) == 2 * LAYERS  # step 10: gradients, then dW
-    assert len(set(sizes[10])) == 2 and max(sizes[10]) < sizes[0][0]  # two kinds, each less than step 0's
+    for rank, steps in enumerate(_per_rank(fsdp, 2)):
+        assert {s for s, calls in steps.items() if calls} == {0, 10}
+        _check_owned(steps[0], rank, 2, LAYERS, _packed(NANO, 2))
+        # step 10: each layer's dW to its owner and the ratios' all-reduce, and the gradient norms' all-reduce
+        _check_owned(steps[10], rank, 2, LAYERS, _packed(NANO, 2))
+        assert sorted(c[1] for c in steps[10] if c[0] == ALL_REDUCE) == [LAYERS * 8, _scalars(LAYERS, 3, 5,
+                                                                                               spectra=False)]
+        assert len(steps[10]) == LAYERS + 2
 
 
 def test_stop_on_critical_agrees_across_ranks(tmp_path):
@@ -182,3 +229,90 @@ def test_stop_on_critical_agrees_across_ranks(tmp_path):
     assert sorted(counted) == [0, 1, 2, 3, 4, 5, 6, STEPS]
     for step, names in counted.items():
         assert names == (["c10d.broadcast_"] * 2 if step % EVERY == 0 and step < STEPS else []), (step, names)
+
+
+# 4 layers of 4 heads of 8 (c_attn 96 x 32, c_proj 32 x 32), 8 sequences a step (2 per rank on 4 ranks); every step
+# logs the loss, gradient norms every 2 steps, spectra every 3, attention and update ratios every 6: step 2 samples
+# gradients alone, step 3 spectra alone, steps 0 and 6 everything (update ratios measured at 1 and 7)
+WIDE = ("--batch", "8", "--layers", "4", "--heads", "4", "--n-embd", "32", "--every", "0",
+        "--cadence", '{"loss": 1, "grads": 2, "spectra": 3, "attention": 6, "updates": 6}')
+WIDE_SHAPES = [(96, 32), (32, 32)]
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory) -> dict[int, Path]:
+    """The WIDE run in one process and under FSDP2 on 2 and 4 ranks."""
+    runs = {}
+    for ranks in (1, 2, 4):
+        out = tmp_path_factory.mktemp(f"wide{ranks}")
+        _run("single" if ranks == 1 else "fsdp", out, *WIDE, ranks=ranks)
+        runs[ranks] = out
+    return runs
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_fsdp_ranks_log_the_single_process_numbers_wide(wide, ranks):
+    """FSDP2 on 2 and 4 ranks: every logged value (per head and per layer) is the one-process value; every rank's
+    ``monitor.last`` holds the same weight-side values."""
+    ref, got = _metrics(wide[1]), _metrics(wide[ranks])
+    assert set(got) == set(ref)
+    assert {step for step, tag in ref if tag.startswith("grad_norm_q")} == {0, 2, 4, 6}
+    assert {step for step, tag in ref if tag.startswith("qk_sigma1")} == {0, 3, 6}
+    assert {step for step, tag in ref if tag.startswith("update_ratio_o")} == {0, 6}
+    bad = [(k, ref[k], got[k]) for k in ref if k[1] != "loss" and not _close(ref[k], got[k])]
+    assert not bad, f"{len(bad)} of {len(ref)} values differ, e.g. {bad[:5]}"
+    last = [json.loads((wide[ranks] / f"last_rank{r}.json").read_text()) for r in range(ranks)]
+    shared = [t for t in last[0] if t.startswith(GLOBAL)]
+    assert shared and all(_close(last[0][t], other[t], 1e-9) for other in last[1:] for t in shared)
+
+
+def _received(out: Path, ranks: int, step: int) -> list[int]:
+    return [sum(c[2] for c in steps[step]) for steps in _per_rank(out, ranks)]
+
+
+def test_fsdp_bytes_per_rank_fall_with_the_ranks(wide):
+    """Bytes each rank receives per sample: a gradient sample moves one all-reduce of per-head float64 scalars,
+    the same size at any world; a spectra or update sample receives, per rank, the layers it owns (4 layers: 2 on 2
+    ranks, 1 on 4) and the scalars, so it falls about as 1/world; the call that measures the update ratios
+    likewise."""
+    scalars = {"grads": _scalars(4, 4, 8, spectra=False), "spectra": _scalars(4, 4, 8, grads=False),
+               "all": _scalars(4, 4, 8)}
+    qkv, qkvo = WIDE_SHAPES[:1], WIDE_SHAPES
+    table = {}
+    for world in (2, 4):
+        per_rank = _per_rank(wide[world], world)
+        for rank, steps in enumerate(per_rank):
+            assert steps[2] == [[ALL_REDUCE, scalars["grads"], 8 * scalars["grads"]]]  # gradients: scalars only
+            _check_owned(steps[3], rank, world, 4, _packed(qkv, world))  # spectra: Q/K/V to the owner
+            assert steps[3][-1] == [ALL_REDUCE, scalars["spectra"], 8 * scalars["spectra"]]
+            for step in (0, 1):  # everything (W_O too, for the update ratios); the ratios' dW
+                _check_owned(steps[step], rank, world, 4, _packed(qkvo, world))
+            assert steps[0][-1] == [ALL_REDUCE, scalars["all"], 8 * scalars["all"]]
+            assert steps[1][-1] == [ALL_REDUCE, 4 * 8, 8 * 4 * 8]
+            assert [steps[s] for s in (4, 5)] == [[[ALL_REDUCE, scalars["grads"], 8 * scalars["grads"]]], []]
+        table[world] = {what: max(_received(wide[world], world, step))
+                        for what, step in (("grads", 2), ("spectra", 3), ("all", 0), ("ratios", 1))}
+    print(f"\nbytes received per rank (max over ranks): {table}")
+    for what in ("spectra", "all", "ratios"):
+        assert table[4][what] <= 0.6 * table[2][what], (what, table)
+    assert table[4]["grads"] == table[2]["grads"] == 8 * scalars["grads"]
+
+
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+def test_fsdp_hugging_face_layouts_log_the_single_process_numbers(model, tmp_path_factory):
+    """GPT-2's Conv1D c_attn, stored (E, 3E): FSDP2 shards its input rows, so each head is a block of columns split
+    over both ranks; LLaMA: separate q/k/v projections with 2 key/value heads. The gradient norms from per-head sums
+    of squares of each rank's shards, the spectra and update ratios from each layer's owner, equal one process's;
+    no gradient is gathered (each gather carries the layer's weights only)."""
+    extra = ("--model", model, "--heads", "4", "--n-embd", "32")
+    single, fsdp = tmp_path_factory.mktemp(f"single_{model}"), tmp_path_factory.mktemp(f"fsdp_{model}")
+    _run("single", single, *extra)
+    _run("fsdp", fsdp, *extra)
+    ref, got = _metrics(single), _metrics(fsdp)
+    assert set(got) == set(ref)
+    assert {"qk_sigma1", "grad_norm_q", "grad_norm_k", "update_ratio_o"} <= {tag.split("/")[0] for _, tag in ref}
+    bad = [(k, ref[k], got[k]) for k in ref if k[1] != "loss" and not _close(ref[k], got[k])]
+    assert not bad, f"{len(bad)} of {len(ref)} values differ, e.g. {bad[:5]}"
+    shapes = [(32, 96), (32, 32)] if model == "gpt2" else [(32, 32), (16, 32), (16, 32), (32, 32)]
+    for rank, steps in enumerate(_per_rank(fsdp, 2)):
+        _check_owned(steps[0], rank, 2, LAYERS, _packed(shapes, 2))
