@@ -15,8 +15,11 @@ D, T tokens per sequence, n_s captured sequences, R = min(attn_rank_rows, T)):
   sigma_1(dW): blocks of 16 vectors, each 4 * 16 M_u flops at the skinny-product rate, plus a
   Rayleigh-Ritz eigvalsh of the growing 16j x 16j projection per matrix (4L matrices); warm
   ~2 + 4 blocks, cold ~9 + 9: the cold first sample is the growing Krylov dimension.
-* attention: per captured sequence and layer, float64 logits 2 H T^2 D, ~10 passes over
-  the H T^2 probabilities, the rank's Gram 2 H R^2 T and H eigvalsh of R x R (~ 9 R^3).
+* attention: per captured sequence and layer, with F = min(T, entropy_rows) rows read in float64: their
+  logits 2 H F T D, ~10 passes over their H F T probabilities; beyond entropy_rows the max logit over every row
+  in float32 (causal: half the keys, H T^2 D flops and 3 passes over H T^2 / 2 float32) and the rank's R rows
+  read again (2 H R T D, 10 passes over H R T); the rank's Gram 2 H R^2 T and H eigvalsh of R x R (~ 9 R^3, all
+  layers' in one batched call).
 
 Distributed (``ranks`` FSDP2 ranks, ``tp`` tensor-parallel ranks; the bytes a rank receives, over the
 inter-node link for FSDP2 and over NVLink for tensor parallelism, plus a latency per collective):
@@ -46,6 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hooks.capture.capture import ENTROPY_ROWS
 from hooks.monitor.cadence import DEFAULT_CADENCE
 
 BLOCK = 16
@@ -125,7 +129,18 @@ def calibrate(train_step_s: dict[str, float]) -> Rates:
     return Rates("this CPU (now)", f64, f32, eig, bandwidth, train=0.0)
 
 
-def family_costs(s: Shape, rates: Rates, seqs: int = 2, rank_rows: int = 256, cold: bool = False) -> dict:
+def attention_seconds(H: int, T: int, D: int, R: int, entropy_rows: int | None, rates: Rates) -> float:
+    """One captured sequence of one layer (H heads of its block)."""
+    F = T if entropy_rows is None else min(T, entropy_rows)
+    float64 = 2 * H * F * T * D / rates.f64_gemm + 10 * 8 * H * F * T / rates.bandwidth
+    if F < T:  # the max logit over every row in float32 (causal: the keys up to each block), the rank's rows again
+        float64 += (H * T * T * D / rates.f32_gemm + 3 * 4 * H * T * T / 2 / rates.bandwidth
+                    + 2 * H * R * T * D / rates.f64_gemm + 10 * 8 * H * R * T / rates.bandwidth)
+    return float64 + 2 * H * R * R * T / rates.f64_gemm + 9 * H * R**3 / rates.eig
+
+
+def family_costs(s: Shape, rates: Rates, seqs: int = 2, rank_rows: int = 256, cold: bool = False,
+                 entropy_rows: int | None = ENTROPY_ROWS) -> dict:
     """Per family and sampled step, on one rank: (seconds, peak extra bytes held, bytes received)."""
     L, E, H, G, D, T = s.layers, s.width, s.heads, s.kv_heads, s.head_dim, s.tokens
     R = min(rank_rows, T)
@@ -149,9 +164,8 @@ def family_costs(s: Shape, rates: Rates, seqs: int = 2, rank_rows: int = 256, co
                     + ritz / rates.eig + weights_in / link,
                     4 * m_u / (t * d) + (4 * m_u / (L * t) if d > 1 else 0),  # own shards + 1 layer's block
                     weights_in),
-        "attention": (seqs * L / t * (2 * H * T * T * D / rates.f64_gemm + 10 * 8 * H * T * T / rates.bandwidth
-                                      + 2 * H * R * R * T / rates.f64_gemm + 9 * H * R**3 / rates.eig),
-                      H / t * R * T * 8 + 32 * 2**20, 0),
+        "attention": (seqs * L / t * attention_seconds(H, T, D, R, entropy_rows, rates),
+                      H / t * R * T * 8 + seqs * L * H / t * R * R * 8 + 32 * 2**20, 0),
     }
     if t > 1:
         out["updates"] = _plus(out["updates"], _tp_reduces(s, rates, krylov))
