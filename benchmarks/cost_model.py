@@ -87,10 +87,14 @@ SHAPES = [
     Shape("4x256 GPT-2 (CPU)", 4, 256, 8, 8, 32, 128, 4, 4 * 12 * 256**2 + 2 * 8192 * 256),
     Shape("GPT-2-small (CPU)", 12, 768, 12, 12, 64, 128, 4, 85e6 + 8192 * 768),
     Shape("LLaMA 7B, 1 GPU", 32, 4096, 32, 8, 128, 4096, 1, 6.7e9),
+    Shape("LLaMA 1B, FSDP2 x 8", 16, 2048, 32, 8, 64, 4096, 1, 1.24e9, ranks=8),
+    Shape("LLaMA 1B, FSDP2 x 8, 8k", 16, 2048, 32, 8, 64, 8192, 1, 1.24e9, ranks=8),
     Shape("LLaMA 7B, FSDP2 x 8", 32, 4096, 32, 8, 128, 4096, 1, 6.7e9, ranks=8),
+    Shape("LLaMA 7B, FSDP2 x 8, 8k", 32, 4096, 32, 8, 128, 8192, 1, 6.7e9, ranks=8),
     Shape("LLaMA 70B, FSDP2 x 64", 80, 8192, 64, 8, 128, 4096, 1, 70e9, ranks=64),
     # torchtitan's 70B layout: TP 8 inside a node, FSDP2 across 8 nodes; the same 64 sequences per step
     Shape("LLaMA 70B, TP 8 x FSDP2 8", 80, 8192, 64, 8, 128, 4096, 8, 70e9, ranks=8, tp=8),
+    Shape("LLaMA 70B, TP 8 x FSDP2 8, 8k", 80, 8192, 64, 8, 128, 8192, 8, 70e9, ranks=8, tp=8),
 ]
 
 # H200: FP64 tensor 67 TFLOP/s at 50%; FP32 67 TFLOP/s at 30% (skinny products); batched small
@@ -140,36 +144,98 @@ def attention_seconds(H: int, T: int, D: int, R: int, entropy_rows: int | None, 
 
 
 def family_costs(s: Shape, rates: Rates, seqs: int = 2, rank_rows: int = 256, cold: bool = False,
-                 entropy_rows: int | None = ENTROPY_ROWS) -> dict:
-    """Per family and sampled step, on one rank: (seconds, peak extra bytes held, bytes received)."""
+                 entropy_rows: int | None = ENTROPY_ROWS, attention_shared: bool = True) -> dict:
+    """Per family and sampled step, on one rank: (seconds, peak extra bytes held, bytes received). The capture reads
+    the first ``seqs`` sequences of a rank's batch: ``min(seqs, batch)``."""
     L, E, H, G, D, T = s.layers, s.width, s.heads, s.kv_heads, s.head_dim, s.tokens
+    seqs = min(seqs, s.batch)
     R = min(rank_rows, T)
     t, d = s.tp, s.ranks
-    share = 1 / (t * d) if t > 1 else 1.0  # heads whose spectra / gradient norms this rank computes
-    m_g, m_u, m_qk = L * E * D * (H + 2 * G), L * E * D * (2 * H + 2 * G), L * E * D * (H + G)
+    m_g, m_u = L * E * D * (H + 2 * G), L * E * D * (2 * H + 2 * G)
     krylov = (9, 9) if cold else (2, 4)  # blocks for sigma_1(W) and sigma_1(dW)
+    link = rates.gather or float("inf")
+    attention = attention_seconds(H // t, T, D, R, entropy_rows, rates)  # one captured sequence of one layer
+    if t == 1 and d > 1:  # FSDP2 alone: the owner path
+        return _fsdp_alone(s, rates, seqs, attention if attention_shared else None, krylov, cold)
+    share = 1 / (t * d) if t > 1 else 1.0  # heads whose spectra / gradient norms this rank computes
     n_mats = 4 * L
     ritz = sum(n_mats * 9 * (BLOCK * j) ** 3 for k in krylov for j in range(1, k + 1))  # Rayleigh-Ritz eigh
     m_block = m_u / t  # the update ratios' matrices this rank works on (its block; every FSDP2 rank of it)
     gathered = (d - 1) / d if d > 1 else 0.0  # of an FSDP2-gathered tensor, the part that comes from others
-    link = rates.gather or float("inf")
-    # FSDP2 gathers (float32); beside tensor parallelism the gradient norms come from each rank's own rows
-    grads_in, weights_in = (0.0 if t > 1 else 4 * m_g * gathered), 4 * m_u / t * gathered
+    # FSDP2 beside tensor parallelism gathers its dim of the block's weights; the gradient norms come from own rows
+    weights_in = 4 * m_u / t * gathered
     out = {
-        "grads": (m_g * 4 * share / rates.bandwidth + grads_in / link + L * rates.latency * (d > 1), 0, grads_in),
-        "spectra": ((2 * D * D * E * (H + G) * L / rates.f64_gemm + 12 * m_qk / rates.bandwidth
-                     + 15 * D**3 * H * L / rates.eig) * share + weights_in / link + L * rates.latency * (d > 1),
+        "grads": (m_g * 4 * share / rates.bandwidth, 0, 0.0),
+        "spectra": (_spectra_seconds(s, rates) * share + weights_in / link + L * rates.latency * (d > 1),
                     (H + G) * D * D * 8 * L * share, weights_in),
         "updates": (20 * m_block / rates.bandwidth + sum(krylov) * 4 * BLOCK * m_block / rates.f32_gemm
                     + ritz / rates.eig + weights_in / link,
                     4 * m_u / (t * d) + (4 * m_u / (L * t) if d > 1 else 0),  # own shards + 1 layer's block
                     weights_in),
-        "attention": (seqs * L / t * attention_seconds(H, T, D, R, entropy_rows, rates),
-                      H / t * R * T * 8 + seqs * L * H / t * R * R * 8 + 32 * 2**20, 0),
+        "attention": (seqs * L * attention, H / t * R * T * 8 + seqs * L * H / t * R * R * 8 + 32 * 2**20, 0),
     }
     if t > 1:
         out["updates"] = _plus(out["updates"], _tp_reduces(s, rates, krylov))
         out["grads"] = _plus(out["grads"], _scalar_gather(s, rates))  # the gather of the step's per-head scalars
+    return out
+
+
+def _spectra_seconds(s: Shape, rates: Rates) -> float:
+    """Spectra of every head of every layer on one rank: the float64 Grams, the conversions, the eigensolvers."""
+    L, E, H, G, D = s.layers, s.width, s.heads, s.kv_heads, s.head_dim
+    return (2 * D * D * E * (H + G) * L / rates.f64_gemm + 12 * L * E * D * (H + G) / rates.bandwidth
+            + 15 * D**3 * H * L / rates.eig)
+
+
+def _all_reduce(values: float, s: Shape, rates: Rates) -> tuple[float, float]:
+    """(seconds, bytes of its buffer) of one float64 all-reduce over the FSDP2 ranks (a ring moves twice the
+    buffer's (ranks - 1) / ranks)."""
+    size = 8 * values
+    return 2 * (s.ranks - 1) / s.ranks * size / (rates.gather or float("inf")) + rates.latency, size
+
+
+def attention_fields(s: Shape) -> int:
+    """Float64 values per layer of the attention all-reduce under FSDP2 alone: entropy, rank, max logit, sink
+    share and its position per head, the uniform entropy, the rows and a measured flag per layer."""
+    return 5 * s.heads + 3
+
+
+def _fsdp_alone(s: Shape, rates: Rates, seqs: int, attention: float | None, krylov: tuple[int, int],
+                cold: bool) -> dict:
+    """FSDP2 alone (hooks/parallel/owners.py): gradient norms from each rank's shards (per-head sums of squares in
+    the sample's all-reduce), spectra and update ratios of layer i on rank i % world from that layer's shards
+    gathered to it alone; attention: each rank reads the layers it owns (``attention`` None: every layer, as
+    one process)."""
+    L, E, H, G, D = s.layers, s.width, s.heads, s.kv_heads, s.head_dim
+    d = s.ranks
+    owned = -(-L // d)  # layers of the busiest owner
+    link = rates.gather or float("inf")
+    qkv, qkvo = 4 * E * D * (H + 2 * G), 4 * E * D * (2 * H + 2 * G)  # bytes of one layer's weights, float32
+    frac = owned / L
+    grad_t, grad_in = _all_reduce(L * (1 + H + 2 * G), s, rates)
+    spec_t, spec_in = _all_reduce(L * H * (4 + D) + 1, s, rates)
+    ratio_t, ratio_in = _all_reduce(L * 8, s, rates)
+    gathered = (d - 1) / d
+    m_owned = L * E * D * (2 * H + 2 * G) * frac
+    ritz = sum(4 * owned * 9 * (BLOCK * j) ** 3 for k in krylov for j in range(1, k + 1))
+    updates_in = 2 * qkvo * owned * gathered  # W at the snapshot, dW when measured
+    out = {
+        "grads": (4 * L * E * D * (H + 2 * G) / d / rates.bandwidth + grad_t, 0, grad_in),
+        "spectra": (_spectra_seconds(s, rates) * frac + qkv * owned * gathered / link + owned * rates.latency
+                    + spec_t, (H + G) * D * D * 8 * owned, qkv * owned * gathered + spec_in),
+        "updates": (20 * m_owned / rates.bandwidth + sum(krylov) * 4 * BLOCK * m_owned / rates.f32_gemm
+                    + ritz / rates.eig + updates_in / link + 2 * owned * rates.latency + ratio_t,
+                    4 * L * E * D * (2 * H + 2 * G) / d + qkvo, updates_in + ratio_in),
+    }
+    R = min(256, s.tokens)
+    held = H * R * s.tokens * 8 + 32 * 2**20
+    if attention is None:
+        out["attention"] = (seqs * L * attention_seconds(H, s.tokens, D, R, ENTROPY_ROWS, rates),
+                            held + seqs * L * H * R * R * 8, 0.0)
+    else:
+        att_t, att_in = _all_reduce(L * attention_fields(s), s, rates)
+        out["attention"] = (seqs * owned * attention + att_t, held + seqs * owned * H * R * R * 8, att_in)
+    del cold
     return out
 
 
@@ -197,6 +263,114 @@ def _tp_reduces(s: Shape, rates: Rates, krylov: tuple[int, int]) -> tuple[float,
     blocks = sum(krylov)
     moved = 2 * (s.tp - 1) / s.tp * 4 * L * 4 * E * BLOCK * blocks
     return moved / rates.nvlink + stacks * (blocks + 2) * rates.latency, 0, moved
+
+
+def written_bytes(s: Shape, sample: str, attention_shared: bool = True) -> int:
+    """Bytes the collectives of one sample write on the busiest rank under FSDP2 alone (its own part included; an
+    all-reduce counted once, as its buffer): what ``tests/hooks/parallel/test_distributed.py`` measures. ``sample``:
+    ``grads`` (loss and gradient norms), ``spectra``, ``all`` (every family: the update snapshot's W_O too, and the
+    attention all-reduce) or ``ratios`` (the update ratios' measurement). The layer's weights are sent to the owner
+    as each rank's shard of a fused Q/K/V weight ((H + 2G) D rows) and of W_O (E rows), padded to
+    ``ceil(rows / ranks)`` rows, behind a header of 1 + one value per weight (``hooks.parallel.gather.gather_to``)."""
+    L, E, H, G, D, d = s.layers, s.width, s.heads, s.kv_heads, s.head_dim, s.ranks
+    owned = -(-L // d)
+    shapes = [((H + 2 * G) * D, E)] + ([(E, H * D)] if sample in ("all", "ratios") else [])
+    packed = 1 + len(shapes) + sum(-(-rows // d) * cols for rows, cols in shapes)
+    gathered = 0 if sample == "grads" else owned * d * packed * 4
+    grads = L * (1 + H + 2 * G) if sample in ("grads", "all") else 0
+    spectra = L * H * (4 + D) + 1 if sample in ("spectra", "all") else 0
+    ratios = L * 8 if sample == "ratios" else 0
+    attention = L * attention_fields(s) if sample == "all" and attention_shared else 0
+    return gathered + 8 * (grads + spectra + ratios) + (8 * attention if attention else 0)
+
+
+def check(layers_heads_width: list[tuple[int, int, int]], worlds: tuple[int, ...] = (2, 4)) -> list[tuple]:
+    """The FSDP2 bytes per sample measured at small sizes (gloo ranks on this CPU, the test worker's nanoGPT)
+    against :func:`written_bytes`: rows (shape, ranks, sample, measured, modelled)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    worker = root / "tests" / "hooks" / "parallel" / "dist_worker.py"
+    cadence = '{"loss": 1, "grads": 2, "spectra": 3, "attention": 6, "updates": 6}'
+    steps = {"grads": 2, "spectra": 3, "all": 0, "ratios": 1}
+    rows = []
+    for layers, heads, width in layers_heads_width:
+        for world in worlds:
+            with tempfile.TemporaryDirectory() as out:
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
+                       str(worker), "fsdp", out, "--batch", str(2 * world), "--layers", str(layers), "--heads",
+                       str(heads), "--n-embd", str(width), "--every", "0", "--cadence", cadence]
+                env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root))
+                subprocess.run(cmd, cwd=root, env=env, check=True, capture_output=True, text=True, timeout=600)
+                per_rank = [json.loads((Path(out) / f"collectives_rank{r}.json").read_text()) for r in range(world)]
+            shape = Shape(f"nanoGPT {layers} x {heads} x {width}", layers, width, heads, heads, width // heads, 16,
+                          2, 0.0, ranks=world)
+            for sample, step in steps.items():
+                measured = max(sum(c[2] for c in calls[str(step)]) for calls in per_rank)
+                rows.append((shape.name, world, sample, measured, written_bytes(shape, sample)))
+    return rows
+
+
+def matmul_flops(s: Shape, family: str, seqs: int = 2, rank_rows: int = 256,
+                 entropy_rows: int | None = ENTROPY_ROWS, krylov: tuple[int, int] = (2, 4)) -> float:
+    """The matrix-product FLOPs of one sample of ``family`` in one process (what ``FlopCounterMode`` counts):
+    spectra: the Grams of every Q and K head and the two D x D products of its core per query head; attention: per
+    captured sequence and layer the logits of the rows read in float64, the rank's Gram, and beyond
+    ``entropy_rows`` the float32 max-logit pass (causal: half the keys) and the rank's rows again; updates: the
+    block Krylov products for sigma_1(W) and sigma_1(dW)."""
+    L, E, H, G, D, T = s.layers, s.width, s.heads, s.kv_heads, s.head_dim, s.tokens
+    R = min(rank_rows, T)
+    F = T if entropy_rows is None else min(T, entropy_rows)
+    if family == "spectra":
+        return 2 * D * D * E * (H + G) * L + 4 * D**3 * H * L
+    if family == "attention":
+        per = 2 * H * F * T * D + 2 * H * R * R * T + ((H * T * T * D + 2 * H * R * T * D) if F < T else 0)
+        return min(seqs, s.batch) * L * per
+    if family == "updates":
+        return sum(krylov) * 4 * BLOCK * L * E * D * (2 * H + 2 * G)
+    raise ValueError(family)
+
+
+def flop_check(layers: int = 4, heads: int = 8, width: int = 256, tokens: int = 128) -> list[tuple]:
+    """Matrix-product FLOPs per sample of each family counted with ``FlopCounterMode`` on a GPT-2 in this process
+    (the sampled step's forward, backward and ``monitor.step`` less the same forward and backward unwatched)
+    against :func:`matmul_flops`: rows (family, measured, modelled)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from diag.outputs.sinks import MemorySink
+    from hooks import Monitor
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=layers, n_head=heads, n_embd=width, vocab_size=512, n_positions=tokens)
+    model = GPT2LMHeadModel._from_config(cfg, attn_implementation="sdpa")
+    ids = torch.randint(0, 512, (4, tokens), generator=torch.Generator().manual_seed(0))
+    shape = Shape("GPT-2", layers, width, heads, heads, width // heads, tokens, 4, 0.0)
+    with FlopCounterMode(display=False) as plain:
+        model(input_ids=ids, labels=ids).loss.backward()
+    model.zero_grad(set_to_none=True)
+    rows = []
+    for family in ("spectra", "attention", "updates"):
+        monitor = Monitor(model, every=1, signals=(family,), sinks=[MemorySink()], closer_look=False)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # updates to measure (no matrix product of its own)
+        for step in range(4):  # the first samples confirm the layouts and warm the Krylov spaces
+            model(input_ids=ids, labels=ids).loss.backward()
+            monitor.step(step)
+            opt.step()
+            model.zero_grad(set_to_none=True)
+        with FlopCounterMode(display=False) as watched:
+            model(input_ids=ids, labels=ids).loss.backward()
+            monitor.step(4)
+            opt.step()
+        monitor.close()
+        model.zero_grad(set_to_none=True)
+        rows.append((family, watched.get_total_flops() - plain.get_total_flops(), matmul_flops(shape, family)))
+    return rows
 
 
 def step_seconds(s: Shape, rates: Rates) -> float:
@@ -262,7 +436,23 @@ def main() -> None:
     parser.add_argument("--safety", type=float, default=2.0,
                         help="modelled costs are multiplied by this when the cadence is chosen (measured on "
                              "GPT-2-small: the model is 1.2-1.7x under the measured heavy families)")
+    parser.add_argument("--check", action="store_true",
+                        help="measure the FSDP2 bytes per sample on 2 and 4 gloo ranks of this CPU (small nanoGPTs) "
+                             "and print them beside the model's")
     args = parser.parse_args()
+    if args.check:
+        worst = 0.0
+        print("FSDP2 alone, bytes written on the busiest rank per sample (own part included; all-reduce: its buffer):")
+        for name, world, sample, measured, modelled in check([(4, 4, 32), (8, 8, 128)]):
+            worst = max(worst, abs(modelled / measured - 1))
+            print(f"  {name}, {world} ranks, {sample:>7}: measured {measured:>9,}, modelled {modelled:>9,} "
+                  f"({modelled / measured:.3f})")
+        print(f"largest relative difference: {worst * 100:.1f}%")
+        print("matrix-product FLOPs per sample, one process (GPT-2 4 x 8 x 256, batch 4 x 128; FlopCounterMode):")
+        for family, measured, modelled in flop_check():
+            print(f"  {family:>9}: measured {measured / 1e6:9.1f} MFLOP, modelled {modelled / 1e6:9.1f} MFLOP "
+                  f"({modelled / measured:.3f})")
+        return
     torch.set_num_threads(1)
     if args.no_calibrate:
         cpu = Rates("this CPU (idle, 2026-11-29)", 78e9, 150e9, 40e9, 15e9, train=0.0)
