@@ -52,6 +52,7 @@ __all__ = [
     "spread_rows",
     "spread_positions",
     "solve_ranks",
+    "SOLVE_BYTES",
     "PendingRank",
     "stats_from_probabilities_reference",
 ]
@@ -286,8 +287,8 @@ class PendingRank:
     counted: Tensor
 
 
-# Bytes of Gram matrices solved in one eigvalsh call by solve_ranks.
-_SOLVE_BYTES = 128 * 2**20
+# Bytes of Gram matrices solved in one eigvalsh call by solve_ranks; a capture holds at most about this much.
+SOLVE_BYTES = 128 * 2**20
 
 
 def solve_ranks(stats: list[AttentionStats], solve_bytes: int | None = None) -> None:
@@ -295,7 +296,7 @@ def solve_ranks(stats: list[AttentionStats], solve_bytes: int | None = None) -> 
     the Grams allow: one per Gram size and ``solve_bytes`` (128 MiB) of Grams, whatever the number of layers and
     captured calls (one call per sampled step for every model whose layers share a context length and fit the
     budget; a solver call on an accelerator synchronises with the host, docs/cost.md#host-synchronisation)."""
-    budget = _SOLVE_BYTES if solve_bytes is None else solve_bytes
+    budget = SOLVE_BYTES if solve_bytes is None else solve_bytes
     pending = [s for s in stats if s.pending is not None]
     by_size: dict[int, list[AttentionStats]] = {}
     for s in pending:

@@ -40,7 +40,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from diag.layouts.packings import packing_of
-from diag.math.attention import AttentionStats, solve_ranks, stats_from_logits, valid_query_rows
+from diag.math.attention import SOLVE_BYTES, AttentionStats, solve_ranks, stats_from_logits, valid_query_rows
 from hooks.capture.kernels import (
     Product,
     Seen,
@@ -174,6 +174,7 @@ class AttentionCapture:
         self._skipped: dict[int, str] = {}  # layers whose forward ran while armed, but not for training
         self._model_mask: Tensor | None = None
         self._mode: _Mode | None = None
+        self._pending_bytes = 0  # Grams of ranks not yet solved (diag.math.attention.solve_ranks)
 
     @property
     def armed(self) -> bool:
@@ -183,7 +184,7 @@ class AttentionCapture:
         if self._handles:
             return
         self.results, self.problems, self.checked = {}, {}, {}
-        self.notes, self._calls, self._skipped = {}, {}, {}
+        self.notes, self._calls, self._skipped, self._pending_bytes = {}, {}, {}, 0
         if self.model is not None:  # the root's attention_mask, for the attention calls inside its forward only
             self._handles.append(self.model.register_forward_pre_hook(self._root_hook, with_kwargs=True))
             self._handles.append(self.model.register_forward_hook(self._root_done, always_call=True))
@@ -208,7 +209,7 @@ class AttentionCapture:
                                         "from a training forward (module.train(), grad enabled)")
         self._skipped = {}
         results, problems = self.results, self.problems
-        self.results, self.problems = {}, {}
+        self.results, self.problems, self._pending_bytes = {}, {}, 0
         try:  # every layer's ranks in as few eigensolver calls as their Grams allow
             solve_ranks(list(results.values()))
         except Exception as err:  # noqa: BLE001 - the other statistics are kept; the rank is NaN
@@ -292,8 +293,12 @@ class AttentionCapture:
                 self.checked[layer.index] = verdict.checked
                 logits = seen.stats_logits()
                 rows = self._query_rows(layer, seen, logits)
-                self.results[layer.index] = stats_from_logits(logits, self.rank_rows, rows, self.entropy_rows,
-                                                              solve=False)
+                stats = stats_from_logits(logits, self.rank_rows, rows, self.entropy_rows, solve=False)
+                self.results[layer.index] = stats
+                self._pending_bytes += stats.pending.grams.numel() * stats.pending.grams.element_size()
+                if self._pending_bytes >= SOLVE_BYTES:  # the Grams held stay bounded: solve what is pending now
+                    solve_ranks([s for s in self.results.values() if s.pending is not None])
+                    self._pending_bytes = 0
                 if seen.note is not None:
                     self.notes[layer.index] = seen.note
                 elif verdict.checked == "shapes" and layer.layout.verify:

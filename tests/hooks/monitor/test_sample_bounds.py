@@ -83,3 +83,33 @@ def test_solver_calls_and_host_reads_per_sample_do_not_grow_with_layers_or_captu
         assert max(host.values()) <= 4 and max(solvers.values()) <= 4, (step, runs[(5, 3)][step])
     # the attention ranks of every layer and sequence: one eigensolver call; the spectra another
     assert runs[(5, 3)][100][1]["linalg_eigvalsh"] == 2, runs[(5, 3)][100][1]
+
+
+def test_ranks_solved_within_the_capture_once_their_grams_pass_the_budget_are_the_same(monkeypatch):
+    """The Grams a capture holds stay bounded: past ``SOLVE_BYTES`` of them the pending ranks are solved inside the
+    forward (here at every layer), with the same values as one solve at the end."""
+    import hooks.capture.capture as capture
+
+    def attention(sink: MemorySink) -> dict:
+        return {(r.step, t): v for r in sink.records for t, v in r.scalars.items() if t.startswith("attn_")}
+
+    def run() -> dict:
+        from tests.support import zoo
+
+        case = zoo.gpt2(dropout=0.0)
+        sink = MemorySink()
+        monitor = Monitor(case.model, sinks=[sink], images=False, every=2)
+        gen = torch.Generator().manual_seed(0)
+        for step in range(5):
+            case.loss(case.model, case.make_batch(gen)).backward()
+            monitor.step(step)
+            case.model.zero_grad(set_to_none=True)
+        monitor.close()
+        return attention(sink)
+
+    whole = run()
+    monkeypatch.setattr(capture, "SOLVE_BYTES", 1)
+    with _Count() as count:
+        each = run()
+    assert whole and each == whole
+    assert count.solvers["linalg_eigvalsh"] >= 2 * 3  # 2 layers solved apart at each of 3 attention samples
