@@ -9,6 +9,8 @@ that made them; ``F.multi_head_attention_forward``) and the products before them
 
 Each call is reduced at once to per-head statistics of the first ``n_seqs``
 sequences of the batch (:mod:`diag.math.attention`); nothing larger survives the call.
+With ``only`` set (under FSDP2 alone each rank the layers it owns, :func:`hooks.parallel.owners.share_attention`),
+the other layers are not captured once their layout is settled.
 The real call runs first, unchanged: outputs, RNG and autograd are untouched.
 Padded query rows do not count (:meth:`AttentionCapture._query_rows`): they are read
 from the model's own ``attention_mask`` (a keyword or positional argument of the root
@@ -163,6 +165,9 @@ class AttentionCapture:
         self.rank_rows = rank_rows
         self.entropy_rows = entropy_rows
         self.model = model
+        # layer indices whose statistics this capture computes (None: every layer); a layer whose layout is not yet
+        # settled is captured whatever this holds, so that its first captured forward confirms or refuses it
+        self.only: set[int] | None = None
         self.results: dict[int, AttentionStats] = {}
         self.problems: dict[int, str] = {}
         self.checked: dict[int, str] = {}  # layer index -> what the layout check compared
@@ -230,6 +235,8 @@ class AttentionCapture:
             done = layer.index in self.results or layer.index in self.problems
             if done or self._mode is not None:
                 return
+            if self.only is not None and layer.index not in self.only and self.layouts.settled(layer):
+                return  # another process computes this layer's statistics
             if not module.training or not torch.is_grad_enabled():
                 self._skipped.setdefault(layer.index, "in eval mode" if not module.training else "under no_grad")
                 return

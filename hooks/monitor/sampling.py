@@ -1,7 +1,8 @@
 """What a sampled step measures, and the update ratios measured at the step after one.
 
 A sample takes the attention the capture saw in the step's forward, reads the weight side
-(:mod:`hooks.monitor.weightside`), gathers the heads of every tensor-parallel rank, takes the mean
+(:mod:`hooks.monitor.weightside`), gathers the heads of every tensor-parallel rank (under FSDP2 alone, takes
+each layer's attention from the rank that owns it: :func:`hooks.parallel.owners.share_attention`), takes the mean
 loss since the last loss sample (:mod:`hooks.monitor.lossmean`) and brings all of it to the host in
 one transfer: a :class:`~diag.outputs.sinks.Record` for the sinks and the per-layer arrays the
 detectors read. A layer whose layout was refused gives nothing; a faulty part is reported once and
@@ -33,6 +34,7 @@ from hooks.layout.discover import AttentionLayer
 from hooks.monitor.lossmean import LossMean
 from hooks.monitor.weightside import WeightSide
 from hooks.parallel.headgather import HeadGather
+from hooks.parallel.owners import owned_layers, share_attention
 
 __all__ = ["Sample", "Sampler"]
 
@@ -86,6 +88,9 @@ class Sampler:
         self.layouts = LayoutBook(local, watching="attention" in signals)
         self.capture = EagerCapture(local, attn_seqs, attn_rank_rows, model=model, layouts=self.layouts,
                                     entropy_rows=attn_entropy_rows)
+        # FSDP2 alone on several ranks: each rank captures the layers it owns, one all-reduce shares them
+        self._owned = owned_layers(self.layers) if "attention" in signals else None
+        self.capture.only = self._owned
         self.loss_mean = LossMean()  # every step's loss, for the mean of those between two loss samples
 
     @property
@@ -139,6 +144,8 @@ class Sampler:
         results, problems = self.capture.take() if "attention" in due else ({}, {})
         with torch.no_grad():
             by_index, spectra_failed = self.weights.sample(step, due)  # layer index -> {metric: (H,) or (1,)}
+            if self._owned is not None and "attention" in due:  # every layer's values as its owner measured them
+                results, problems = self._share_attention(results, problems)
             for layer in self.layers:
                 self._attention(layer, by_index[layer.index], results, problems)
             if self._heads is not None and due & {"grads", "spectra", "attention"}:  # every rank, every such step
@@ -148,6 +155,17 @@ class Sampler:
             if layer.index in self.refused:
                 values.clear()  # its weights are still snapshotted: the update is dropped when measured
         return results, per_layer, spectra_failed
+
+    def _share_attention(self, results: dict[int, AttentionStats],
+                         problems: dict[int, str]) -> tuple[dict[int, AttentionStats], dict[int, str]]:
+        """FSDP2 alone: every layer's attention from its owner rank (:func:`share_attention`); a layer its owner did
+        not measure is reported here too (this rank's own reason where it captured the layer)."""
+        shared, absent = share_attention(self.layers, results, self._owned)
+        problems = {i: why for i, why in problems.items() if i in absent}
+        for i, owner in absent.items():
+            problems.setdefault(i, f"its owner, rank {owner} (layer position % world), did not measure it "
+                                   "(that rank's warning says why)")
+        return shared, problems
 
     def _mean(self) -> Tensor | float | None:
         try:  # losses of several shapes or devices: the detectors read the step's loss

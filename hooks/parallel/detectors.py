@@ -20,7 +20,8 @@ class SharedDetectors(DetectorWrapper):
     """Detectors that judge rank 0's observation on every rank (see the module docstring).
 
     Weight, gradient and update metrics are the same on every rank; the loss and the
-    attention statistics are each rank's own. Without ``stop_on_critical`` only rank
+    attention statistics are each rank's own (under FSDP2 alone the attention is every
+    layer's owner's, the same on every rank). Without ``stop_on_critical`` only rank
     0 judges (it alone writes alerts) and no collective is issued; with it, an
     observation that holds a loss or any metric other than an update ratio is
     broadcast from rank 0 first, so all ranks raise together.

@@ -11,6 +11,11 @@ layer's shards gathered to it alone (:func:`hooks.parallel.gather.gather_to`), s
 the spectra each rank computes fall as 1/world. :class:`ScalarSum` then gives every rank every layer's values in one
 ``all_reduce`` (float64, sum): every rank adds its partial sums of squares and, for the layers it owns, their
 spectra or update ratios (zeros elsewhere), so every rank logs and judges one process's numbers.
+
+The attention statistics are shared out the same way (:func:`share_attention`): on an attention sample each rank
+captures only the layers it owns (those whose layout is settled; the capture's ``only``), from its own batch, and one
+float64 all-reduce gives every rank every layer's per-head values as its owner measured them, so layer ``i``'s
+attention is that of rank ``i % world``'s first sequences.
 """
 
 from __future__ import annotations
@@ -24,10 +29,11 @@ from torch import Tensor
 
 from diag.layouts.packings import packing_of
 from diag.layouts.vocab import QKVLayout, split_qkv
+from diag.math.attention import AttentionStats
 from hooks.parallel.dtensors import is_dtensor
 from hooks.parallel.gather import gather_kind
 
-__all__ = ["OwnedLayer", "fsdp_alone", "owner_of", "ShardSquares", "ScalarSum"]
+__all__ = ["OwnedLayer", "fsdp_alone", "owner_of", "owned_layers", "share_attention", "ShardSquares", "ScalarSum"]
 
 
 class OwnedLayer(Protocol):
@@ -181,3 +187,62 @@ class ScalarSum:
         """Float64 values the all-reduce carries."""
         return self._size
 
+
+
+# The AttentionStats fields share_attention carries, with their lengths: per head, or one value per layer
+_ATTENTION = (("entropy", "heads"), ("rank", "heads"), ("max_logit", "heads"), ("rows", 1),
+              ("uniform_entropy", "heads"), ("sink", "heads"), ("sink_pos", "heads"))
+
+
+def owned_layers(layers: Sequence[OwnedLayer]) -> set[int] | None:
+    """Under FSDP2 alone on more than one rank (every layer :func:`fsdp_alone`): the indices of the layers this rank
+    owns (:func:`owner_of` of their positions in ``layers``); None otherwise (one process, DDP, HSDP, tensor
+    parallelism), where every rank measures every layer's attention."""
+    if not layers or not all(fsdp_alone(layer) for layer in layers):
+        return None
+    mesh = next(iter(layers[0].weights().values())).device_mesh
+    if mesh.size() < 2:
+        return None
+    me = mesh.get_local_rank()
+    return {layer.index for p, layer in enumerate(layers) if owner_of(p, layer) == me}
+
+
+def share_attention(layers: Sequence[OwnedLayer], results: Mapping[int, AttentionStats],
+                    owned: set[int]) -> tuple[dict[int, AttentionStats], dict[int, int]]:
+    """FSDP2 alone: every layer's attention statistics as its owner measured them, the same on every rank.
+
+    ``results``: what this rank captured (its layers ``owned``, and any other whose layout was not yet settled, whose
+    values are not used). One all-reduce (float64, sum) of, per layer, a flag "measured by its owner" and the
+    per-head entropy, rank, max logit, uniform entropy, sink share and sink position and the valid rows (``2 + 6 H``
+    values); one host read of the flags. A layer whose owner measured nothing is absent from the result, on every
+    rank. ``maps`` stay where they were captured: a layer's are kept on its owner, None elsewhere.
+
+    Returns the statistics by layer index, and the owner's mesh coordinate of each absent layer."""
+    shared = ScalarSum()
+    heads = {layer.index: layer.layout.n_heads for layer in layers}
+    for layer in layers:
+        i, h = layer.index, heads[layer.index]
+        shared.field(i, "measured")
+        for name, size in _ATTENTION:
+            shared.field(i, name, (h if size == "heads" else size,))
+        stats = results.get(i) if i in owned else None
+        if stats is None or stats.rank is None:
+            continue
+        values = {name: getattr(stats, name) for name, _ in _ATTENTION}
+        if any(v.numel() != (h if size == "heads" else size) for (name, size), v in zip(_ATTENTION, values.values())):
+            continue  # not the layout's head count: left out, as an unmeasured layer
+        shared.add(i, "measured", 1.0)
+        for name, value in values.items():
+            shared.add(i, name, value)
+    shared.reduce(next(iter(layers[0].params().values())).device)
+    flags = shared.flags([(layer.index, "measured") for layer in layers])  # one host read
+    out, absent = {}, {}
+    for p, (layer, flag) in enumerate(zip(layers, flags)):
+        i = layer.index
+        if flag < 0.5:
+            absent[i] = owner_of(p, layer)
+            continue
+        mine = results.get(i) if i in owned else None
+        out[i] = AttentionStats(**{name: shared.get(i, name) for name, _ in _ATTENTION},
+                                maps=None if mine is None else mine.maps)
+    return out, absent

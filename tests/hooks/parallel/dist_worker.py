@@ -1,6 +1,7 @@
 """One training run of a tiny nanoGPT with the Monitor, for tests/hooks/parallel/test_distributed.py.
 
     python tests/hooks/parallel/dist_worker.py single OUT                              # one process, the whole batch
+    python tests/hooks/parallel/dist_worker.py single OUT --roll 2                     # sequence 2 first
     torchrun --standalone --nproc_per_node 2 tests/hooks/parallel/dist_worker.py ddp OUT
     torchrun --standalone --nproc_per_node 2 tests/hooks/parallel/dist_worker.py fsdp OUT
     torchrun --standalone --nproc_per_node 4 tests/hooks/parallel/dist_worker.py fsdp OUT --batch 8 --layers 4
@@ -11,7 +12,10 @@ consecutive sequences). The loss is the mean over
 the rank's tokens, so DDP's and FSDP2's averaged gradients equal the single process's
 gradient of the mean loss over the whole batch. Rank 0's sequences are the single
 process's first two, and the Monitor analyses ``attn_seqs=2`` sequences, so the
-attention statistics are comparable too.
+attention statistics are comparable too. Under FSDP2 layer i's attention is that of rank
+i % world's sequences: ``--roll K`` has the single process train on the global batch rolled so
+that its sequence K comes first (rank r's first sequences: K = r x batch / world); the loss,
+a mean over every sequence, and so the weights, stay those of the unrolled batch.
 
 Writes (rank 0): the Monitor's logdir ``OUT/logs`` (``metrics.jsonl``), ``OUT/collectives.json``
 (collectives issued inside each ``monitor.step`` call, counted with a dispatch mode) and
@@ -20,7 +24,8 @@ every rank writes ``OUT/collectives_rank{r}.json`` (its collectives per step, ea
 largest tensor, bytes of the tensors it wrote on this rank: what the rank received, its own part included]),
 ``OUT/last_rank{r}.json`` (its ``monitor.last``), ``OUT/losses_rank{r}.json`` (its losses),
 ``OUT/halted_rank{r}.json`` (the step TrainingHalted stopped it, or null) and ``OUT/snapshot_bytes_rank{r}.json``
-(the bytes the update-ratio snapshot of step 0 holds until step 1).
+(the bytes the update-ratio snapshot of step 0 holds until step 1) and ``OUT/attn_layers_rank{r}.json``
+(per step, the indices of the layers whose attention statistics the rank computed in that step's forward).
 Not a test module (no ``test_`` prefix): pytest does not collect it.
 """
 
@@ -36,6 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import hooks.capture.capture as capture_module
 from diag.detectors import TrainingHalted
 from hooks import Monitor
 from hooks.monitor.weightside import ShardSnapshot
@@ -82,8 +88,9 @@ def logits_of(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return getattr(out, "logits", out)
 
 
-def batch(step: int, rank: int, world: int, size: int = 4) -> torch.Tensor:
+def batch(step: int, rank: int, world: int, size: int = 4, roll: int = 0) -> torch.Tensor:
     ids = torch.randint(0, VOCAB, (size, SEQ), generator=torch.Generator().manual_seed(1000 + step))
+    ids = torch.roll(ids, -roll, 0)  # sequence ``roll`` first
     per = size // world
     return ids[rank * per : (rank + 1) * per]
 
@@ -139,6 +146,7 @@ def main() -> None:
     parser.add_argument("--at-once", type=int, default=None,
                         help="update ratios of steps before this are measured at the call after (default: 50)")
     parser.add_argument("--batch", type=int, default=4, help="sequences per step, over all ranks")
+    parser.add_argument("--roll", type=int, default=0, help="single: the global batch starts at this sequence")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--heads", type=int, default=3)
     parser.add_argument("--n-embd", type=int, default=15)
@@ -158,13 +166,23 @@ def main() -> None:
                       stop_on_critical=bool(nan_at))
     if args.at_once is not None:
         monitor._updates_at_once = args.at_once
+    computed: dict[int, list[int]] = {}  # step -> layers whose attention statistics this rank computed
+    forward = [0]  # the step whose forward runs
+    stats_from_logits = capture_module.stats_from_logits
+
+    def counted(*a, **k):
+        computed.setdefault(forward[0], []).append(monitor.capture._active.index)
+        return stats_from_logits(*a, **k)
+
+    capture_module.stats_from_logits = counted
     collectives: dict[int, list[str]] = {}
     sizes: dict[int, list[int]] = {}
     mine: dict[int, list] = {}  # this rank's: [name, size, bytes received] per collective
     losses = []
     halted = None
     for step in range(args.steps):
-        ids = batch(step, rank, world, args.batch)
+        forward[0] = step
+        ids = batch(step, rank, world, args.batch, args.roll)
         logits = logits_of(model, ids)
         loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
         loss.backward()
@@ -194,6 +212,7 @@ def main() -> None:
     (args.out / f"collectives_rank{rank}.json").write_text(json.dumps(mine))
     (args.out / f"last_rank{rank}.json").write_text(json.dumps(monitor.last))
     (args.out / f"halted_rank{rank}.json").write_text(json.dumps(halted))
+    (args.out / f"attn_layers_rank{rank}.json").write_text(json.dumps(computed))
     (args.out / f"losses_rank{rank}.json").write_text(json.dumps(losses))
     if rank == 0:
         (args.out / "collectives.json").write_text(json.dumps(collectives))
