@@ -195,9 +195,9 @@ def _all_reduce(values: float, s: Shape, rates: Rates) -> tuple[float, float]:
 
 
 def attention_fields(s: Shape) -> int:
-    """Float64 values per layer of the attention all-reduce under FSDP2 alone: entropy, rank, max logit, sink
-    share and its position per head, the uniform entropy, the rows and a measured flag per layer."""
-    return 5 * s.heads + 3
+    """Float64 values per layer of the attention all-reduce under FSDP2 alone (``hooks.parallel.owners``): entropy,
+    rank, max logit, uniform entropy, sink share and its position per head; the rows and a measured flag."""
+    return 6 * s.heads + 2
 
 
 def _fsdp_alone(s: Shape, rates: Rates, seqs: int, attention: float | None, krylov: tuple[int, int],
