@@ -180,15 +180,16 @@ def train_steps(model, monitor, steps: int, start: int, parts: list | None = Non
     return times
 
 
-def train_paired(plain_model, model, monitor, steps: int) -> tuple[float, float, list]:
+def train_paired(plain_model, model, monitor, steps: int, per_step: list | None = None) -> tuple[float, float, list]:
     """The same ``steps`` on two copies of the model, one step of each in turn: ``plain_model`` unwatched,
-    ``model`` with ``monitor``. Returns (plain seconds, watched seconds, watched parts as in train_steps).
+    ``model`` with ``monitor``. Returns (plain seconds, watched seconds, watched parts as in train_steps); with
+    ``per_step``, also appends (plain seconds, watched seconds) of every step.
     Pairing each watched step with a plain step taken right before it cancels the machine's drifts (another
     process's load, frequency changes) that make two back-to-back windows differ by a percent or more."""
     captured = timed_capture(monitor)
     batches = Batches(DATA)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-4) for m in (plain_model, model)]
-    plain = watched = 0.0
+    plain = watched = last_plain = 0.0
     parts = []
     for step in range(steps):
         ids, labels = batches()
@@ -206,8 +207,11 @@ def train_paired(plain_model, model, monitor, steps: int) -> tuple[float, float,
                 watched += clock() - t0
                 parts.append((t1 - t0, t2 - t1, captured[0]))
                 captured[0] = 0.0
+                if per_step is not None:
+                    per_step.append((last_plain, clock() - t0))
             else:
-                plain += clock() - t0
+                last_plain = clock() - t0
+                plain += last_plain
     return plain, watched, parts
 
 
@@ -235,6 +239,44 @@ def paired_overhead(model, reps: int, steps: int, everys=("default",)) -> float:
             steps_plain.append(plain / n)
             del plain_model, watched_model, monitor
         report(every, n, ratios, shares)
+    base = statistics.median(steps_plain)
+    print(f"   training step without monitor: {base * 1e3:.0f} ms (median)")
+    return base
+
+
+def paired_blocks(model, blocks: int, steps: int, everys=("default",)) -> float:
+    """Item 2 as one long run (``--paired --blocks N``): a watched and a plain copy of the model trained side by side,
+    one step of each in turn, for N whole sampling periods; the time ratio of each period (block), so the first
+    block holds the run's cold first samples and its early look, and the others the steady state."""
+    import copy
+
+    print(f"2. one run of paired steps in blocks of one sampling period, the Monitor's copy / the plain copy: {load()}")
+    steps_plain: list[float] = []
+    for name in everys:
+        every, n = window(model, name, steps)
+        plain_model, watched_model = copy.deepcopy(model), copy.deepcopy(model)
+        for m in (plain_model, watched_model):  # a first step of each copy, untimed (allocator, caches)
+            train_steps(m, None, 1, 0)
+        monitor = Monitor(watched_model, every=every, sinks=[MemorySink()])
+        per_step: list[tuple[float, float]] = []
+        _, _, parts = train_paired(plain_model, watched_model, monitor, n * blocks, per_step)
+        t0 = clock()
+        monitor.close()
+        close = clock() - t0
+        ratios, shares = [], []
+        for b in range(blocks):
+            block = per_step[b * n : (b + 1) * n]
+            plain = sum(p for p, _ in block)
+            extra = close if b == blocks - 1 else 0.0  # the final close() counts in the last block
+            ratios.append((sum(w for _, w in block) + extra) / plain)
+            shares.append(accounted(parts[b * n : (b + 1) * n], extra, plain / n))
+            steps_plain.append(plain / n)
+        report(every, n, ratios, shares)
+        steady = ratios[1:]
+        print(f"   the blocks after the first (steady state): median {statistics.median(steady):.4f} "
+              f"(min {min(steady):.4f}, max {max(steady):.4f}); the first block {ratios[0]:.4f}")
+        alerts = [(a.step, a.kind) for a in monitor.alert_sink.history]
+        print(f"   alerts in the watched run: {alerts[:8]}{' ...' if len(alerts) > 8 else ''}")
     base = statistics.median(steps_plain)
     print(f"   training step without monitor: {base * 1e3:.0f} ms (median)")
     return base
@@ -444,6 +486,8 @@ def main() -> None:
     parser.add_argument("--paired", action="store_true",
                         help="item 2 with paired steps (a watched and a plain copy of the model, one step of "
                              "each in turn) instead of back-to-back windows")
+    parser.add_argument("--blocks", type=int, default=0,
+                        help="with --paired: one run of this many sampling periods, a time ratio per period")
     parser.add_argument("--data", choices=["fixed", "text", "stuck"], default="fixed",
                         help="items 2-4: one random batch at every step (default), the standard library's source "
                              "as text, or that text with the labels of other windows (a loss that is stuck)")
@@ -468,8 +512,11 @@ def main() -> None:
         if "1" in only:
             spectra(model, args.reps)
         if only & {"2", "3", "4"}:
-            run = paired_overhead if args.paired else overhead
-            base = run(model, args.reps, args.steps, args.everys)
+            if args.paired and args.blocks:
+                base = paired_blocks(model, args.blocks, args.steps, args.everys)
+            else:
+                run = paired_overhead if args.paired else overhead
+                base = run(model, args.reps, args.steps, args.everys)
             if "3" in only:
                 non_sampled_cost(model, base)
             if "4" in only:
