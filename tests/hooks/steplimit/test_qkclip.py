@@ -266,3 +266,19 @@ def test_a_guessed_layout_needs_a_spec_or_a_monitor():
         QKClip(styles.Net(styles.PerHeadNumHeads), 10.0)
     with pytest.raises(ConfigError, match=r"model=.*nn\.Module"):
         QKClip(nn.Linear(2, 2).weight, 10.0)
+
+
+def test_every_reads_and_clips_only_on_its_steps():
+    """every=2: the forwards of steps 0 and 2 are read and clipped, step 1's is not read at all."""
+    case = zoo.nanogpt(dropout=0.0)
+    _grow_qk(discover(case.model), 4.0)
+    opt = torch.optim.SGD(case.model.parameters(), lr=0.0)
+    clip = QKClip(case.model, 5.0, optimizer=opt, every=2)
+    gen = torch.Generator().manual_seed(6)
+    armed = []
+    for _ in range(3):
+        armed.append(clip.reader.armed)
+        case.loss(case.model, case.make_batch(gen)).backward()
+        opt.step()
+    assert armed == [True, False, True]
+    assert {i.step for i in clip.interventions} <= {0, 2} and any(i.step == 0 for i in clip.interventions)
