@@ -117,7 +117,7 @@ STAGES = {
     "hooks.layout": ("hooks.parallel",),
     "hooks.capture": ("hooks.layout",),
     "hooks.monitor": ("hooks.parallel", "hooks.layout", "hooks.capture"),
-    "hooks.steplimit": ("hooks.parallel", "hooks.layout"),
+    "hooks.steplimit": ("hooks.parallel", "hooks.layout", "hooks.capture"),
     "hooks.checkpoint": ("hooks.layout", "hooks.capture"),
     "hooks.integrations": ("hooks.layout", "hooks.capture", "hooks.monitor"),
     "hooks.demo": ("hooks.layout", "hooks.capture", "hooks.monitor", "hooks.steplimit"),

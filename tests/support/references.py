@@ -157,9 +157,13 @@ def token_rows(case: zoo.Case, batch: dict, index: int) -> torch.Tensor:
     return batch["attention_mask"][:n].bool()
 
 
-def logits_by_hand(case: zoo.Case, batch: dict, at_step0: zoo.Case) -> list[torch.Tensor]:
-    """(N, H, Q, K) float64 logits from recorded module inputs and hand-sliced weights, excluded keys -inf."""
+def logits_by_hand(case: zoo.Case, batch: dict, at_step0: zoo.Case, weights: zoo.Case | None = None
+                   ) -> list[torch.Tensor]:
+    """(N, H, Q, K) float64 logits from recorded module inputs and hand-sliced weights, excluded keys -inf.
+    The inputs are those of ``at_step0``'s forward; ``weights``: a model of the same architecture whose weights
+    are sliced instead of ``at_step0``'s (the logits of other weights on the same inputs, layer by layer)."""
     fam, n = family(case), N_SEQ
+    sliced = attention_modules(weights if weights is not None else at_step0)
     small = {k: v[:n] for k, v in batch.items()}
     mods = attention_modules(at_step0)
     calls: dict[int, tuple] = {}
@@ -176,7 +180,8 @@ def logits_by_hand(case: zoo.Case, batch: dict, at_step0: zoo.Case) -> list[torc
     result = []
     for i, (m, is_cross) in enumerate(mods):
         args, kw = calls[i]
-        w = {k: (v.double() if isinstance(v, torch.Tensor) else v) for k, v in hand_sliced(at_step0, m, "data").items()}
+        w = {k: (v.double() if isinstance(v, torch.Tensor) else v)
+             for k, v in hand_sliced(at_step0, sliced[i][0], "data").items()}
         if fam in ("torch-seq2seq", "torch-encoder"):
             x = args[0].double()
             src = (args[1] if len(args) > 1 else kw["key"]).double()

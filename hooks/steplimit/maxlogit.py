@@ -1,0 +1,235 @@
+"""The largest pre-softmax logit of each query head, read from every attention call of the training forwards.
+
+``MaxLogits`` arms a forward pre-hook and a forward hook on each attention module; around the module's forward
+(training mode, grad enabled) a ``TorchFunctionMode`` hands each attention call to the kernel readers of
+:mod:`hooks.capture.kernels` (``read_call`` into a ``Seen``: SDPA, a softmax over 3-D to 5-D logits, MHA) and
+keeps one number per query head: the largest logit over every sequence of the batch, every valid query row and
+every allowed key. Nothing else is computed (no entropy, rank or map), and nothing larger than (heads,) survives
+the call. The maxima of all the forwards since the last :meth:`MaxLogits.take` are kept (gradient accumulation:
+every micro-batch counts).
+
+* SDPA and ``nn.MultiheadAttention``: ``scale * q . k`` from the call's q, k and scale, in float32 (float64 for
+  float64 inputs), a block of query rows of every sequence at a time; the causal flag and the masks decide which
+  keys are allowed, an additive mask's values are not added (the maximum of ``q . k`` that QK-clip scales).
+* Eager softmax: the logits the softmax receives, as they are (with whatever the model added to them), a block
+  of rows at a time in their own precision (float32 at least).
+
+Padded query rows do not count: the model's own ``attention_mask`` (a (B, T) argument of the root module's
+forward) says which rows are tokens when it describes the kernel's sequence, else a row whose position is
+excluded as a key from every row is padding (:func:`diag.math.attention.valid_query_rows`, the rule the
+Monitor's capture uses). The real call runs first, unchanged, and the reading runs under ``torch.no_grad()``
+in the outermost mode (its pre-hook is prepended): outputs, RNG and autograd are untouched, and another capture
+on the same modules (the Monitor's) never sees these reads.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import sys
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
+
+from diag.math.attention import LazyLogits, excluded_by_additive_mask, valid_query_rows
+from hooks.capture.kernels import Product, Unsupported, is_attention_call, product_operands, read_call
+from hooks.layout.discover import AttentionLayer
+
+__all__ = ["MaxLogits", "head_max"]
+
+CHUNK_BYTES = 32 * 2**20  # float32 logits of one block of query rows (every sequence, every head) at most
+_ALL = sys.maxsize // 4  # read_call's "first n sequences": every one
+_PRODUCTS = 4  # products remembered per module forward (a softmax's q and k are among the latest)
+
+
+class _Mode(TorchFunctionMode):
+    """Watches the calls of one attention module's forward: the latest products and the attention calls."""
+
+    def __init__(self, owner: MaxLogits, layer: AttentionLayer) -> None:
+        super().__init__()
+        self.owner, self.layer = owner, layer
+        self.products: tuple[Product, ...] = ()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        product = product_operands(func, args, kwargs, out)
+        if product is not None:
+            self.products = self.products[-(_PRODUCTS - 1):] + (product,)
+        elif is_attention_call(func, args, kwargs):
+            self.owner._record(self.layer, func, args, kwargs, self.products)
+        return out
+
+
+class MaxLogits:
+    """Per attention layer, the largest logit of each query head since the last :meth:`take`.
+
+    layers: the attention layers (``hooks.layout.discover.discover``); model: the root module, whose forward's
+    ``attention_mask`` tells the padded query rows (None: the kernels' masks alone tell).
+    """
+
+    def __init__(self, layers: list[AttentionLayer], model: nn.Module | None = None) -> None:
+        self.layers, self.model = layers, model
+        self.maxima: dict[int, Tensor] = {}  # layer index -> (H,) float64, on the layer's device
+        self.problems: dict[int, str] = {}  # layer index -> why an attention call of it was not read
+        self._handles: list[RemovableHandle] = []
+        self._mode: _Mode | None = None
+        self._model_mask: Tensor | None = None
+
+    @property
+    def armed(self) -> bool:
+        return bool(self._handles)
+
+    def arm(self) -> None:
+        if self._handles:
+            return
+        if self.model is not None:
+            self._handles.append(self.model.register_forward_pre_hook(self._root_hook, with_kwargs=True))
+            self._handles.append(self.model.register_forward_hook(self._root_done, always_call=True))
+        for layer in self.layers:
+            self._handles.append(layer.module.register_forward_pre_hook(self._pre_hook(layer), prepend=True))
+            self._handles.append(layer.module.register_forward_hook(self._post_hook(layer), always_call=True))
+
+    def disarm(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._model_mask = None
+        self._exit_mode()
+
+    def take(self) -> tuple[dict[int, Tensor], dict[int, str]]:
+        """The maxima and problems since the last call (then cleared; the hooks stay as they are)."""
+        maxima, problems = self.maxima, self.problems
+        self.maxima, self.problems = {}, {}
+        return maxima, problems
+
+    def _root_hook(self, module, args, kwargs):
+        self._model_mask = _attention_mask(module, args, kwargs)
+
+    def _root_done(self, module, args, output):
+        self._model_mask = None
+
+    def _pre_hook(self, layer: AttentionLayer):
+        def hook(module, args):
+            if self._mode is not None or not module.training or not torch.is_grad_enabled():
+                return
+            self._mode = _Mode(self, layer)
+            self._mode.__enter__()
+
+        return hook
+
+    def _post_hook(self, layer: AttentionLayer):
+        def hook(module, args, output):
+            if self._mode is not None and self._mode.layer is layer:
+                self._exit_mode()
+
+        return hook
+
+    def _exit_mode(self) -> None:
+        if self._mode is not None:
+            mode, self._mode = self._mode, None
+            mode.__exit__(None, None, None)
+
+    def _record(self, layer: AttentionLayer, func, args: tuple, kwargs: dict, products: tuple[Product, ...]) -> None:
+        try:
+            with torch.no_grad():
+                seen = read_call(func, args, kwargs, _ALL, layer.layout.n_heads, products)
+                if seen is None:
+                    return
+                if seen.heads != layer.layout.n_heads:
+                    self.problems[layer.index] = (f"its attention call has {seen.heads} query heads, its layout "
+                                                  f"{layer.layout.n_heads}")
+                    return
+                logits = seen.stats_logits()
+                rows = None
+                if seen.self_attn and not layer.cross:
+                    rows = self._query_rows(logits, seen.batch)
+                best = head_max(logits, rows)
+                prev = self.maxima.get(layer.index)
+                self.maxima[layer.index] = best if prev is None else torch.maximum(prev, best)
+        except Unsupported as err:
+            self.problems[layer.index] = str(err)
+        except Exception as err:  # noqa: BLE001 - a fault here must never reach the forward pass
+            self.problems[layer.index] = f"reading its attention call failed: {err!r}"
+
+    def _query_rows(self, logits: Tensor | LazyLogits, batch: int) -> Tensor | None:
+        """(N, Q) bool, False on padded query rows; None where every row counts (no mask but the causal one)."""
+        if isinstance(logits, LazyLogits):
+            if not logits.masks:
+                return None  # a causal or unmasked call: every row has a key and is a token
+            excluded = logits.excluded()
+        else:
+            excluded = excluded_by_additive_mask(logits[:, 0])
+        if excluded.shape[1] != excluded.shape[2]:
+            return None
+        mask = self._model_mask
+        if mask is not None and mask.shape == (batch, excluded.shape[1]):
+            return valid_query_rows(excluded, mask)
+        return valid_query_rows(excluded)
+
+
+def head_max(logits: Tensor | LazyLogits, valid: Tensor | None = None, chunk_bytes: int = CHUNK_BYTES) -> Tensor:
+    """(H,) float64: the largest logit of each head over every sequence, every valid query row (``valid`` (N, Q)
+    bool, None: every row) and every allowed key, a block of query rows of all sequences at a time.
+
+    A :class:`LazyLogits` gives ``scale * q . k`` in float32 (float64 for float64 q), its causal flag and masks
+    excluding keys (an additive mask's values are not added); a tensor (N, H, Q, K) is read as it is, excluded
+    entries being -inf or an additive mask value (:func:`diag.math.attention.excluded_by_additive_mask`). A head
+    with no allowed entry gets -inf; a NaN logit makes its head's maximum NaN."""
+    n_seq, n_heads, n_q, n_k = logits.shape
+    lazy = isinstance(logits, LazyLogits)
+    dev = logits.q.device if lazy else logits.device
+    step = max(1, min(n_q, chunk_bytes // max(1, 4 * n_seq * n_heads * n_k)))
+    best = torch.full((n_heads,), -math.inf, dtype=torch.float64, device=dev)
+    for start in range(0, n_q, step):
+        stop = min(n_q, start + step)
+        if lazy:
+            chunk, excluded = _lazy_block(logits, start, stop)
+        else:
+            chunk = logits[:, :, start:stop]
+            excluded = excluded_by_additive_mask(chunk)  # in the logits' own dtype (its finfo.min)
+            chunk = chunk.float() if chunk.element_size() < 4 else chunk
+        if valid is not None:
+            padded = ~valid[:, None, start:stop, None]
+            excluded = padded if excluded is None else excluded | padded
+        block = chunk.masked_fill(excluded, -math.inf) if excluded is not None else chunk
+        best = torch.maximum(best, block.amax(dim=(0, 2, 3)).double())
+    return best
+
+
+def _lazy_block(lz: LazyLogits, start: int, stop: int) -> tuple[Tensor, Tensor | None]:
+    """``scale * q . k`` of query rows start:stop of every sequence (N, H, c, K'), and the keys excluded there
+    (broadcastable, or None); K' = the keys up to the block's last row under a causal flag (the later ones are
+    excluded from all of it)."""
+    q, k = lz.q, lz.k
+    n_seq, n_heads, _, d = q.shape
+    n_kv = k.shape[1]
+    keys = min(stop, k.shape[2]) if lz.is_causal else k.shape[2]
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    qs = q[:, :, start:stop].to(dtype).reshape(n_seq, n_kv, n_heads // n_kv, stop - start, d)
+    kt = k[:, :, :keys].to(dtype).transpose(-1, -2)[:, :, None]  # (N, G, 1, D, K')
+    chunk = (qs @ kt).reshape(n_seq, n_heads, stop - start, keys) * lz.scale  # query head h: key head h // (H/G)
+    excluded = None
+    if lz.is_causal:
+        rows = torch.arange(start, stop, device=q.device)[:, None]
+        excluded = torch.arange(keys, device=q.device) > rows  # (c, K')
+    for mask in lz.masks:
+        m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+        m = m[:, :, start:stop] if m.shape[2] > 1 else m
+        m = m[..., :keys] if m.shape[3] > 1 else m
+        out = ~m if m.dtype == torch.bool else excluded_by_additive_mask(m)
+        excluded = out if excluded is None else excluded | out
+    return chunk, excluded
+
+
+def _attention_mask(module: nn.Module, args: tuple, kwargs: dict) -> Tensor | None:
+    """The ``attention_mask`` argument of a forward call, if it is a (B, T) padding mask."""
+    mask = kwargs.get("attention_mask")
+    if mask is None and args:
+        try:
+            mask = inspect.signature(module.forward).bind_partial(*args).arguments.get("attention_mask")
+        except (TypeError, ValueError):  # a signature that cannot be read or bound: no mask
+            mask = None
+    return mask if isinstance(mask, Tensor) and mask.dim() == 2 else None
