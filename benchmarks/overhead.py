@@ -182,18 +182,21 @@ def train_steps(model, monitor, steps: int, start: int, parts: list | None = Non
 
 def train_paired(plain_model, model, monitor, steps: int, per_step: list | None = None) -> tuple[float, float, list]:
     """The same ``steps`` on two copies of the model, one step of each in turn: ``plain_model`` unwatched,
-    ``model`` with ``monitor``. Returns (plain seconds, watched seconds, watched parts as in train_steps); with
-    ``per_step``, also appends (plain seconds, watched seconds) of every step.
+    ``model`` with ``monitor``, the plain copy first on even steps and the watched one first on odd steps (the
+    second step of a pair finds the batch in the caches). Returns (plain seconds, watched seconds, watched parts as in
+    train_steps); with ``per_step``, also appends (plain seconds, watched seconds) of every step.
     Pairing each watched step with a plain step taken right before it cancels the machine's drifts (another
     process's load, frequency changes) that make two back-to-back windows differ by a percent or more."""
     captured = timed_capture(monitor)
     batches = Batches(DATA)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-4) for m in (plain_model, model)]
-    plain = watched = last_plain = 0.0
+    plain = watched = 0.0
     parts = []
+    took = [0.0, 0.0]  # this step's seconds: plain, watched
     for step in range(steps):
         ids, labels = batches()
-        for which, (m, opt) in enumerate(zip((plain_model, model), opts)):
+        order = ((0, plain_model, opts[0]), (1, model, opts[1]))
+        for which, m, opt in order if step % 2 == 0 else order[::-1]:  # each copy first every other step
             t0 = clock()
             loss = m(input_ids=ids, labels=labels).loss
             loss.backward()
@@ -203,15 +206,13 @@ def train_paired(plain_model, model, monitor, steps: int, per_step: list | None 
             t2 = clock()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            took[which] = clock() - t0
             if which:
-                watched += clock() - t0
                 parts.append((t1 - t0, t2 - t1, captured[0]))
                 captured[0] = 0.0
-                if per_step is not None:
-                    per_step.append((last_plain, clock() - t0))
-            else:
-                last_plain = clock() - t0
-                plain += last_plain
+        plain, watched = plain + took[0], watched + took[1]
+        if per_step is not None:
+            per_step.append((took[0], took[1]))
     return plain, watched, parts
 
 
@@ -257,7 +258,8 @@ def paired_blocks(model, blocks: int, steps: int, everys=("default",)) -> float:
         plain_model, watched_model = copy.deepcopy(model), copy.deepcopy(model)
         for m in (plain_model, watched_model):  # a first step of each copy, untimed (allocator, caches)
             train_steps(m, None, 1, 0)
-        monitor = Monitor(watched_model, every=every, sinks=[MemorySink()])
+        sink = MemorySink()
+        monitor = Monitor(watched_model, every=every, sinks=[sink])
         per_step: list[tuple[float, float]] = []
         _, _, parts = train_paired(plain_model, watched_model, monitor, n * blocks, per_step)
         t0 = clock()
@@ -275,6 +277,10 @@ def paired_blocks(model, blocks: int, steps: int, everys=("default",)) -> float:
         steady = ratios[1:]
         print(f"   the blocks after the first (steady state): median {statistics.median(steady):.4f} "
               f"(min {min(steady):.4f}, max {max(steady):.4f}); the first block {ratios[0]:.4f}")
+        sampled = {family: len({r.step for r in sink.records if any(t.startswith(tag) for t in r.scalars)})
+                   for family, tag in (("attention", "attn_entropy/"), ("spectra", "qk_sigma1/"),
+                                       ("updates", "update_ratio_q/"), ("grads", "grad_norm_q/"))}
+        print(f"   steps sampled of {n * blocks}: {sampled} (the closer look adds attention samples while it is asked)")
         alerts = [(a.step, a.kind) for a in monitor.alert_sink.history]
         print(f"   alerts in the watched run: {alerts[:8]}{' ...' if len(alerts) > 8 else ''}")
     base = statistics.median(steps_plain)
