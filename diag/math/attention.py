@@ -453,10 +453,12 @@ def stats_from_logits(
         if rank_block is None:
             dead = None if valid is None else ~valid[rank_at]
             rank_block = _softmax_rows(seq.at(rank_at), dead, lazy)[2]
-        rank_block = torch.where(rank_live[None, :, None], rank_block, 0.0)  # (H, R, K): dead entries are zero rows
+        if valid is not None:  # entries past a sequence's token rows are dead: zero rows (none without padding)
+            rank_block = torch.where(rank_live[None, :, None], rank_block, 0.0)  # (H, R, K)
         seen = (rank_block[0] > 0).any(-1).sum()
-        ok = torch.isfinite(rank_block).flatten(1).all(1)  # (H,): a NaN head gets a NaN rank
-        grams.append(_gram(torch.where(ok[:, None, None], rank_block, 0.0)))
+        gram = _gram(rank_block)
+        ok = torch.isfinite(gram).flatten(1).all(1)  # (H,): a NaN head gets a NaN rank (its Gram is not finite)
+        grams.append(torch.where(ok[:, None, None], gram, 0.0))
         finite.append(ok)
         counted.append(seen > 0)  # a sequence with no valid row among the rank's has no rank
         seen_rows.append(seen)

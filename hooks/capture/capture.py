@@ -42,7 +42,14 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from diag.layouts.packings import packing_of
-from diag.math.attention import SOLVE_BYTES, AttentionStats, solve_ranks, stats_from_logits, valid_query_rows
+from diag.math.attention import (
+    SOLVE_BYTES,
+    AttentionStats,
+    LazyLogits,
+    solve_ranks,
+    stats_from_logits,
+    valid_query_rows,
+)
 from hooks.capture.kernels import (
     Product,
     Seen,
@@ -329,13 +336,16 @@ class AttentionCapture:
 
     def _query_rows(self, layer: AttentionLayer, seen: Seen, logits) -> Tensor | None:
         """(n, Q) bool, False on padded query rows (all True without padding: the device decides, no host read);
-        None when every row counts (cross-attention)."""
+        None when every row counts: cross-attention, and a fused call with no mask but the causal flag and no
+        padding mask of the model's."""
         if layer.cross or not seen.self_attn:
             return None
+        mask = self._model_mask
+        if mask is None and isinstance(logits, LazyLogits) and not logits.masks:
+            return None  # no mask but the causal flag: every row is a token, known without reading the device
         excluded = excluded_keys(logits)  # (n, Q, K)
         if excluded.shape[1] != excluded.shape[2]:
             return None
-        mask = self._model_mask
         if mask is not None and mask.shape == (seen.batch, excluded.shape[1]):
             rows = valid_query_rows(excluded, mask[: excluded.shape[0]])
         else:
