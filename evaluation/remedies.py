@@ -142,16 +142,20 @@ def run_arm(arm: str, seed: int, lr: float, setup: Setup, data: torch.Tensor, vo
             "cpu_median_s": statistics.median(cpu) if cpu else math.nan, "digest": digest(model)}
 
 
-def sweep(seeds: list[int], lrs: list[float], arms: list[str], setup: Setup, log=print, save=None) -> dict:
+def sweep(seeds: list[int], lrs: list[float], arms: list[str], setup: Setup, log=print, save=None,
+          done: list[dict] = ()) -> dict:
     """Every arm at every seed and learning rate, one after another in this process; the results file's dict
-    (handed to ``save`` after every run too, so that a sweep cut short keeps the runs it finished)."""
+    (handed to ``save`` after every run too, so that a sweep cut short keeps the runs it finished). Runs in
+    ``done`` (an earlier results file's, at the same setup) are kept and not trained again."""
     data, vocab = encode(load_text(setup.chars))
-    runs: list[dict] = []
+    runs: list[dict] = [r for r in done if r["arm"] in arms and r["seed"] in seeds and r["lr"] in lrs]
     results = {"setup": asdict(setup), "seeds": seeds, "lrs": lrs, "arms": arms, "vocab": vocab,
                "torch": torch.__version__, "transformers": transformers.__version__, "runs": runs}
     for lr in lrs:
         for seed in seeds:
             for arm in arms:
+                if _find(runs, arm, seed, lr) is not None:
+                    continue
                 begun = time.time()
                 r = run_arm(arm, seed, lr, setup, data, vocab)
                 runs.append(r)
@@ -269,19 +273,27 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--chars", type=int, default=Setup.chars)
     parser.add_argument("--out", type=Path, default=None,
                         help="the results file (.json); the table and the figure are written beside it (.md, .png)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the runs already in --out (same settings) and train only the missing ones")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     setup = Setup(steps=args.steps, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads, width=args.width,
                   context=args.context, batch=args.batch, qk_tau=args.qk_tau, sl_tau=args.sl_tau,
                   observe=args.observe, margin=args.margin, chars=args.chars)
-    save = None
+    save, done = None, []
+    if args.resume and args.out is not None and args.out.exists():
+        earlier = json.loads(args.out.read_text())
+        if earlier["setup"] != asdict(setup):
+            parser.error(f"--resume: {args.out} was written with other settings ({earlier['setup']})")
+        done = earlier["runs"]
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
 
         def save(results: dict) -> None:
             args.out.write_text(json.dumps(results, indent=1) + "\n")
 
-    results = sweep(args.seeds, args.lrs, args.arms, setup, log=lambda line: print(line, flush=True), save=save)
+    results = sweep(args.seeds, args.lrs, args.arms, setup, log=lambda line: print(line, flush=True), save=save,
+                    done=done)
     rows = summarize(results)
     text = table(rows, results["setup"])
     print(text)

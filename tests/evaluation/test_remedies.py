@@ -42,3 +42,14 @@ def test_a_qk_clip_under_its_logits_intervenes_and_the_twin_judges_damage(tmp_pa
     assert rows["qknorm"]["excess"] == [0.0] and rows["qknorm"]["damaged"] == 0
     assert rows["qkclip"]["bit_identical"] == [] and rows["nothing"]["cost"] == 1.0
     assert "qknorm" in remedies.table(list(rows.values()), results["setup"])
+
+
+def test_resume_keeps_the_finished_runs_and_trains_only_the_missing_ones(tmp_path, capsys):
+    out = tmp_path / "remedies.json"
+    first = remedies.main([*TINY, "--arms", "nothing", "--qk-tau", "1e9", "--out", str(out)])
+    capsys.readouterr()
+    both = remedies.main([*TINY, "--arms", "nothing", "qkclip", "--qk-tau", "1e9", "--out", str(out), "--resume"])
+    printed = capsys.readouterr().out
+    assert "seed 0 qkclip" in printed and "seed 0 nothing" not in printed  # only the qkclip run was trained
+    assert [r["arm"] for r in both["runs"]] == ["nothing", "qkclip"]
+    assert both["runs"][0]["cpu_median_s"] == first["runs"][0]["cpu_median_s"]
