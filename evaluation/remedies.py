@@ -1,6 +1,6 @@
 """The remedies for logit growth side by side: a learning-rate sweep of a LLaMA without QK-norm, four arms.
 
-    OMP_NUM_THREADS=1 .venv/bin/python -m evaluation.remedies --seeds 0 1 --lrs 1e-3 3e-3 1e-2 3e-2 --steps 300 \\
+    OMP_NUM_THREADS=1 .venv/bin/python -m evaluation.remedies --seeds 0 1 2 --lrs 1e-3 3e-3 1e-2 3e-2 --steps 300 \\
         --out docs/figures/remedies.json
 
 The model is Hugging Face's ``LlamaForCausalLM`` built from a config (nothing downloaded; ``sdpa`` attention,
@@ -256,7 +256,7 @@ def figure(results: dict, rows: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 3e-3, 1e-2, 3e-2])
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     parser.add_argument("--steps", type=int, default=Setup.steps)
