@@ -390,10 +390,9 @@ def stats_from_logits(
     spread through the sequence.
     entropy_rows: when a sequence has more query rows than this, the entropy, the uniform entropy and the
     sink share are the means over ``entropy_rows`` of its token rows, the middle row of each of that many equal
-    strata of them (:func:`spread_positions`),
-    and the max logit is taken over every row in the logits' own precision (float32 at least) instead of float64:
-    the float64 work then grows as Q x K x entropy_rows / Q instead of Q x K (docs/metrics.md states the error).
-    None: every row, in float64.
+    strata of them (:func:`spread_positions`), and the max logit is taken over every row in the logits' own
+    precision (float32 at least) instead of float64: the float64 work then grows as entropy_rows x K instead of
+    Q x K (docs/metrics.md#attention-at-long-context states the error). None: every row, in float64.
     solve: False leaves the rank pending (``pending``), for :func:`solve_ranks` to finish with other calls'.
     No host read: every branch on the data is a ``torch.where``.
     """
