@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/cost_model.py              # this CPU (calibrated now) and an H200
     .venv/bin/python benchmarks/cost_model.py --no-calibrate
+    .venv/bin/python benchmarks/cost_model.py --check         # FSDP2 bytes (2 and 4 gloo ranks) and FLOPs, measured
 
 Per family and sampled step (L layers, width E, H query and G key/value heads of size
 D, T tokens per sequence, n_s captured sequences, R = min(attn_rank_rows, T)):
@@ -24,8 +25,10 @@ D, T tokens per sequence, n_s captured sequences, R = min(attn_rank_rows, T)):
 Distributed (``ranks`` FSDP2 ranks, ``tp`` tensor-parallel ranks; the bytes a rank receives, over the
 inter-node link for FSDP2 and over NVLink for tensor parallelism, plus a latency per collective):
 
-* FSDP2 alone: every rank computes every family for every layer; each layer's Q/K/V/O weights (spectra,
-  update ratios) and Q/K/V gradients (gradient norms) are all-gathered, (ranks - 1) / ranks of them received.
+* FSDP2 alone (hooks/parallel/owners.py): gradient norms from each rank's shards, per-head sums of squares in one
+  float64 all-reduce; the spectra and update ratios of layer i on rank i % world from that layer's shards gathered
+  to it alone (the busiest rank owns ceil(L / ranks) layers); attention: each rank reads the layers it owns, one
+  all-reduce of 2 + 6H values per layer.
 * tensor parallelism (x FSDP2): a rank holds H / tp query and G / tp key/value heads of every layer; the spectra
   and gradient norms of its block are shared out among the ``ranks`` FSDP2 ranks holding it (1 / (tp ranks) of
   the heads each), attention is its own block's (1 / tp); FSDP2's rows of the block's weights are all-gathered
