@@ -23,6 +23,13 @@ construction: scaling W_Q or W_K does not change its logits, which its norm gain
 
 A healthy step (no head above ``tau``) writes nothing: parameters and optimizer state stay bit for bit those of
 the run without QKClip, and no random number is drawn. One host transfer per clipping step (the maxima).
+
+FSDP2 alone (``fully_shard`` on a 1-D mesh over every rank): FSDP2 gathers the weights for the forward, so each
+rank reads ``S_h`` on its own batch; one ``all_reduce`` (MAX, float64) of every layer's per-head maxima per clipping
+step gives every rank the largest over the global batch, so every rank computes the same factors. Each rank then
+scales the elements of its own shard (``to_local()``) that belong to the clipped heads: a head's elements are
+found on the full shape, as above, and those inside the shard's block (its global offset) are written. Tensor
+parallelism and HSDP are refused at construction.
 See docs/steplimit.md#qk-clip.
 """
 
@@ -35,6 +42,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from diag.catalog.tags import head_label
@@ -43,7 +51,8 @@ from diag.errors import ConfigError, WarnOnce
 from diag.layouts.biases import biases_of
 from diag.layouts.packings import packing_of
 from hooks.layout.discover import AttentionLayer, discover
-from hooks.parallel.dtensors import is_dtensor
+from hooks.parallel.dtensors import is_dtensor, local_tensor
+from hooks.parallel.owners import fsdp_alone
 from hooks.steplimit.maxlogit import MaxLogits
 
 __all__ = ["QKClip", "Intervention", "QK_NORMS", "QKCLIP_STATE_KEY"]
@@ -120,6 +129,9 @@ class QKClip:
                               f"{len(layers)} found; exclude only the layers that must not be clipped")
         for layer in self.layers:
             _check_layer(layer, monitor is not None)
+        # FSDP2 alone: the mesh whose ranks share out the batch; their maxima are reduced at each clipping step
+        self._mesh = next((next(iter(layer.weights().values())).device_mesh for layer in self.layers
+                           if fsdp_alone(layer)), None)
         self.step_count = 0  # calls of step()
         self.interventions: list[Intervention] = []
         self.n_interventions = 0  # every intervention of the run, across resumes
@@ -163,6 +175,8 @@ class QKClip:
         return next((layer.label for layer in self.layers if layer.index == index), str(index))
 
     def _clip(self, step: int, maxima: dict[int, Tensor], problems: dict[int, str]) -> list[Intervention]:
+        if self._mesh is not None:
+            maxima = self._reduce(maxima)
         read = [layer for layer in self.layers if layer.index in maxima]
         unread = [layer.name for layer in self.layers if layer.index not in maxima and layer.index not in problems]
         if unread:
@@ -189,6 +203,31 @@ class QKClip:
         self.n_interventions += len(done)
         self._report(step, done)
         return done
+
+    def _reduce(self, maxima: dict[int, Tensor]) -> dict[int, Tensor]:
+        """FSDP2 alone: every layer's per-head maxima over the batches of every rank, in one ``all_reduce`` (MAX,
+        float64) on the mesh's group, read to the host in one transfer. Per layer the buffer holds a flag (1: read
+        on some rank, else -inf) and its H maxima (-inf where this rank read nothing; NaN is sent as +inf, which is
+        not clipped either). Returns the layers read on some rank, each with its (H,) maxima on the host."""
+        sizes = [1 + layer.layout.n_heads for layer in self.layers]
+        device = local_tensor(next(iter(self.layers[0].params().values()))).device
+        buf = torch.full((sum(sizes),), -math.inf, dtype=torch.float64, device=device)
+        at = 0
+        for layer, n in zip(self.layers, sizes):
+            got = maxima.get(layer.index)
+            if got is not None:
+                got = got.detach().reshape(-1).to(device, torch.float64)
+                buf[at] = 1.0
+                buf[at + 1:at + n] = torch.where(got.isnan(), math.inf, got)
+            at += n
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self._mesh.get_group())
+        host = buf.cpu()  # one transfer
+        out, at = {}, 0
+        for layer, n in zip(self.layers, sizes):
+            if host[at] > 0:
+                out[layer.index] = host[at + 1:at + n]
+            at += n
+        return out
 
     def _clip_layer(self, step: int, layer: AttentionLayer, values: list[float]) -> list[Intervention]:
         factors = []
@@ -313,8 +352,27 @@ def _scale_heads(layer: AttentionLayer, q_factors: list[float], k_factors: list[
 
 
 def _ids(t: Tensor) -> Tensor:
-    """A tensor of ``t``'s shape holding each element's index in ``t.reshape(-1)``."""
-    return torch.arange(t.numel(), device=t.device).reshape(t.shape)
+    """A tensor of ``t``'s shape holding each element's index in ``t.reshape(-1)`` (a DTensor's: in the full
+    tensor's), on the device of what this rank holds."""
+    return torch.arange(math.prod(t.shape), device=local_tensor(t).device).reshape(t.shape)
+
+
+def _in_shard(param: Tensor, where: Tensor, scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """A DTensor ``param``: this rank's shard, the elements of ``where`` (flat indices in the full tensor) that lie
+    in it, as flat indices in the shard, and their factors. The shard is the block of the full tensor that starts
+    at its global offset (``compute_local_shape_and_global_offset``: FSDP2's rows ``offset .. offset + rows``,
+    uneven shards included)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local = param.to_local()
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    coords = torch.unravel_index(where, tuple(param.shape))
+    inside = torch.ones_like(where, dtype=torch.bool)
+    flat = torch.zeros_like(where)
+    for c, o, n in zip(coords, offset, shape):
+        inside &= (c >= o) & (c < o + n)
+        flat = flat * n + (c - o)
+    return local, flat[inside], scale[inside]
 
 
 def _scale_elements(param: Tensor, index: Tensor, factors: list[float]) -> None:
@@ -327,6 +385,10 @@ def _scale_elements(param: Tensor, index: Tensor, factors: list[float]) -> None:
     scale = torch.tensor([factors[i] for i in rows], dtype=torch.float64, device=param.device)
     scale = scale.repeat_interleave(index.shape[1])
     data = param.detach()
+    if is_dtensor(data):  # FSDP2 alone: this rank's elements of those heads
+        data, where, scale = _in_shard(data, where, scale)
+        if not where.numel():
+            return
     flat = data.view(-1) if data.is_contiguous() else data.reshape(-1)
     flat.index_copy_(0, where, (flat[where].double() * scale).to(data.dtype))
     if not data.is_contiguous():
@@ -377,6 +439,12 @@ def _check_layer(layer: AttentionLayer, monitored: bool) -> None:
     if isinstance(impl, str) and impl not in _KERNELS:
         raise ConfigError(f"QKClip: attention layer {name!r} uses attn_implementation={impl!r}, whose kernel does "
                           "not show q, k or logits; build the model with attn_implementation='sdpa' or 'eager'")
-    if layer.block is not None or any(is_dtensor(p) for p in layer.params().values()):
-        raise ConfigError(f"QKClip: attention layer {name!r} is split across ranks (tensor parallelism or FSDP2); "
-                          "QK-clip of split weights is not supported; clip a model held whole on each rank")
+    if layer.block is not None:
+        raise ConfigError(f"QKClip: attention layer {name!r} has its heads split across ranks (tensor parallelism); "
+                          "QK-clip of a rank's block of heads is not supported; clip a model held whole on each "
+                          "rank or sharded by FSDP2 alone (fully_shard on a 1-D mesh over every rank)")
+    if any(is_dtensor(p) for p in layer.weights().values()) and not fsdp_alone(layer):
+        raise ConfigError(f"QKClip: the weights of attention layer {name!r} are DTensors, but not FSDP2 alone "
+                          "(HSDP's 2-D mesh, tensor parallelism, or a mesh that does not span every rank); QK-clip "
+                          "supports weights held whole on each rank or sharded by fully_shard on a 1-D mesh over "
+                          "every rank")

@@ -51,11 +51,12 @@ SEQ, VOCAB = 12, 50
 COLLECTIVE_WORDS = ("gather", "reduce", "broadcast", "scatter", "alltoall", "all_to_all", "barrier", "send", "recv")
 
 
-def build(layers: int = 2, heads: int = 3, n_embd: int = 15, kind: str = "nanogpt") -> torch.nn.Module:
+def build(layers: int = 2, heads: int = 3, n_embd: int = 15, kind: str = "nanogpt",
+          kv_heads: int = 2) -> torch.nn.Module:
     """By default n_embd=15 (3 heads of 5): the fused c_attn weight has 45 rows and W_O (c_proj) 15, so FSDP2's
     shards are uneven (23 + 22, 8 + 7). ``gpt2``: Hugging Face GPT-2, whose Conv1D c_attn is stored (E, 3E), so
     FSDP2 shards its input rows and each head is a block of columns on every rank; ``llama``: Hugging Face LLaMA
-    with separate q/k/v projections and 2 key/value heads."""
+    with separate q/k/v projections and ``kv_heads`` key/value heads."""
     torch.manual_seed(0)
     if kind == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
@@ -67,7 +68,7 @@ def build(layers: int = 2, heads: int = 3, n_embd: int = 15, kind: str = "nanogp
         from transformers import LlamaConfig, LlamaForCausalLM
 
         cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=n_embd, intermediate_size=2 * n_embd, num_hidden_layers=layers,
-                          num_attention_heads=heads, num_key_value_heads=2, max_position_embeddings=16,
+                          num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=16,
                           initializer_range=0.2)
         return LlamaForCausalLM._from_config(cfg, attn_implementation="eager")
     return NanoGPT(vocab=VOCAB, block=16, n_layer=layers, n_head=heads, n_embd=n_embd, dropout=0.0)
