@@ -28,7 +28,8 @@ FSDP2 alone (``fully_shard`` on a 1-D mesh over every rank): FSDP2 gathers the w
 rank reads ``S_h`` on its own batch; one ``all_reduce`` (MAX, float64) of every layer's per-head maxima per clipping
 step gives every rank the largest over the global batch, so every rank computes the same factors. Each rank then
 scales the elements of its own shard (``to_local()``) that belong to the clipped heads: a head's elements are
-found on the full shape, as above, and those inside the shard's block (its global offset) are written. Tensor
+found on the full shape, as above, and those inside the shard's block (its global offset) are written. DDP: the
+same all-reduce over every rank, so that every replica clips its whole weights by the same factors. Tensor
 parallelism and HSDP are refused at construction.
 See docs/steplimit.md#qk-clip.
 """
@@ -129,9 +130,9 @@ class QKClip:
                               f"{len(layers)} found; exclude only the layers that must not be clipped")
         for layer in self.layers:
             _check_layer(layer, monitor is not None)
-        # FSDP2 alone: the mesh whose ranks share out the batch; their maxima are reduced at each clipping step
-        self._mesh = next((next(iter(layer.weights().values())).device_mesh for layer in self.layers
-                           if fsdp_alone(layer)), None)
+        # the ranks that share out the batch of one set of weights (FSDP2 alone's mesh; every rank of a DDP job):
+        # their maxima are reduced at each clipping step, so that every rank clips its weights alike
+        self._group = _batch_group(self.layers)
         self.step_count = 0  # calls of step()
         self.interventions: list[Intervention] = []
         self.n_interventions = 0  # every intervention of the run, across resumes
@@ -175,7 +176,7 @@ class QKClip:
         return next((layer.label for layer in self.layers if layer.index == index), str(index))
 
     def _clip(self, step: int, maxima: dict[int, Tensor], problems: dict[int, str]) -> list[Intervention]:
-        if self._mesh is not None:
+        if self._group is not None:
             maxima = self._reduce(maxima)
         read = [layer for layer in self.layers if layer.index in maxima]
         unread = [layer.name for layer in self.layers if layer.index not in maxima and layer.index not in problems]
@@ -205,10 +206,11 @@ class QKClip:
         return done
 
     def _reduce(self, maxima: dict[int, Tensor]) -> dict[int, Tensor]:
-        """FSDP2 alone: every layer's per-head maxima over the batches of every rank, in one ``all_reduce`` (MAX,
-        float64) on the mesh's group, read to the host in one transfer. Per layer the buffer holds a flag (1: read
-        on some rank, else -inf) and its H maxima (-inf where this rank read nothing; NaN is sent as +inf, which is
-        not clipped either). Returns the layers read on some rank, each with its (H,) maxima on the host."""
+        """FSDP2 alone or DDP: every layer's per-head maxima over the batches of every rank, in one ``all_reduce``
+        (MAX, float64) on the group of those ranks, read to the host in one transfer. Per layer the buffer holds a
+        flag (1: read on some rank, else -inf) and its H maxima (-inf where this rank read nothing; NaN is sent as
+        +inf, which is not clipped either). Returns the layers read on some rank, each with its (H,) maxima on the
+        host."""
         sizes = [1 + layer.layout.n_heads for layer in self.layers]
         device = local_tensor(next(iter(self.layers[0].params().values()))).device
         buf = torch.full((sum(sizes),), -math.inf, dtype=torch.float64, device=device)
@@ -220,7 +222,7 @@ class QKClip:
                 buf[at] = 1.0
                 buf[at + 1:at + n] = torch.where(got.isnan(), math.inf, got)
             at += n
-        dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self._mesh.get_group())
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self._group)
         host = buf.cpu()  # one transfer
         out, at = {}, 0
         for layer, n in zip(self.layers, sizes):
@@ -418,6 +420,17 @@ def _check_args(model, tau, alpha, optimizer, every, monitor) -> None:
     if monitor is not None and not all(hasattr(monitor, a) for a in ("layers", "should_sample", "log_scalars")):
         raise ConfigError(f"QKClip(monitor=...) needs a hooks.Monitor (layers, should_sample and log_scalars), got "
                           f"{type(monitor).__name__}")
+
+
+def _batch_group(layers: list[AttentionLayer]) -> object | None:
+    """The process group whose ranks train the same weights on different parts of the batch: FSDP2 alone's mesh,
+    or every rank when each holds the weights whole (DDP); None in one process."""
+    mesh = next((next(iter(layer.weights().values())).device_mesh for layer in layers if fsdp_alone(layer)), None)
+    if mesh is not None:
+        return mesh.get_group()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.group.WORLD
+    return None
 
 
 def _check_layer(layer: AttentionLayer, monitored: bool) -> None:

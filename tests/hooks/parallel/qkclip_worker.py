@@ -13,9 +13,11 @@ and QKClip after each ``optimizer.step()``.
 ``hsdp``: the model under HSDP (``fully_shard`` on a 2-D mesh, replicated over the ranks), where QKClip is refused;
 every rank writes the ConfigError's message to ``OUT/refused_rank{r}.txt`` and stops.
 
-Writes (rank 0): ``OUT/params.pt`` (every parameter, whole: ``full_tensor()`` under FSDP2); every rank writes
-``OUT/interventions_rank{r}.json`` (each as [step, layer, head, factor]) and ``OUT/collectives_rank{r}.json``
-(per step, the collectives issued inside ``optimizer.step()``, which runs the clip).
+``ddp``: the model under DistributedDataParallel, each replica clipping its whole weights.
+
+Every rank writes ``OUT/params_rank{r}.pt`` (every parameter, whole: ``full_tensor()`` under FSDP2; names without
+DDP's ``module.``), ``OUT/interventions_rank{r}.json`` (each as [step, layer, head, factor]) and
+``OUT/collectives_rank{r}.json`` (per step, the collectives issued inside ``optimizer.step()``, which runs the clip).
 Not a test module (no ``test_`` prefix): pytest does not collect it.
 """
 
@@ -59,7 +61,7 @@ def refuse_hsdp(model: torch.nn.Module, out: Path, rank: int, world: int, tau: f
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=("single", "fsdp", "hsdp"))
+    parser.add_argument("mode", choices=("single", "fsdp", "ddp", "hsdp"))
     parser.add_argument("out", type=Path)
     parser.add_argument("--model", choices=("nanogpt", "llama"), default="llama")
     parser.add_argument("--steps", type=int, default=3)
@@ -92,12 +94,12 @@ def main() -> None:
             opt.step()
         collectives.append(counter.names)
         opt.zero_grad(set_to_none=True)
-    params = {n: (p.full_tensor() if is_dtensor(p) else p).detach().clone() for n, p in model.named_parameters()}
+    params = {n.removeprefix("module."): (p.full_tensor() if is_dtensor(p) else p).detach().clone()
+              for n, p in model.named_parameters()}
     done = [[i.step, i.layer, i.head, i.factor] for i in clip.interventions]
     (args.out / f"interventions_rank{rank}.json").write_text(json.dumps(done))
     (args.out / f"collectives_rank{rank}.json").write_text(json.dumps(collectives))
-    if rank == 0:
-        torch.save(params, args.out / "params.pt")
+    torch.save(params, args.out / f"params_rank{rank}.pt")
     if args.mode != "single":
         dist.barrier()
         dist.destroy_process_group()

@@ -6,7 +6,8 @@ the same global batches, in one process and under ``fully_shard`` on 2 ranks (ea
 row shards split a head, and a key head, between the ranks). After 3 steps the parameters rank 0 gathers equal
 the single process's, every rank clipped the same heads by the same factors as the single process, and each
 ``optimizer.step()`` (the clip included) issued exactly one collective: the all-reduce (MAX) of the maxima.
-Under HSDP (a 2-D mesh) QKClip is refused at construction, naming the layer.
+Under DDP the same all-reduce keeps the replicas' clips, and weights, alike. Under HSDP (a 2-D mesh) QKClip is
+refused at construction, naming the layer.
 """
 
 from __future__ import annotations
@@ -66,10 +67,31 @@ def test_fsdp_clip_gives_the_single_process_weights_with_one_all_reduce_per_step
         assert [i[3] for i in got] == pytest.approx([i[3] for i in ref], rel=1e-5)
         collectives = json.loads((fsdp / f"collectives_rank{rank}.json").read_text())
         assert collectives == [["c10d.allreduce_"]] * STEPS, f"rank {rank}: {collectives}"
-    want, got = torch.load(single / "params.pt"), torch.load(fsdp / "params.pt")
+    want, got = torch.load(single / "params_rank0.pt"), torch.load(fsdp / "params_rank0.pt")
     assert want.keys() == got.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_ddp_replicas_clip_alike_and_give_the_single_process_weights(tmp_path):
+    """Under DDP each replica reads the maxima of its own part of the batch; the all-reduce (MAX) makes every
+    replica clip the same heads by the same factors, so the replicas stay equal, and equal to one process."""
+    single, ddp = tmp_path / "single", tmp_path / "ddp"
+    single.mkdir()
+    ddp.mkdir()
+    _run("single", single, "llama")
+    _run("ddp", ddp, "llama")
+    ref = _interventions(single, 0)
+    assert ref, "no head was clipped"
+    want = torch.load(single / "params_rank0.pt")
+    for rank in range(RANKS):
+        got = _interventions(ddp, rank)
+        assert [i[:3] for i in got] == [i[:3] for i in ref], f"rank {rank} clipped other heads"
+        collectives = json.loads((ddp / f"collectives_rank{rank}.json").read_text())
+        assert collectives == [["c10d.allreduce_"]] * STEPS, f"rank {rank}: {collectives}"
+        params = torch.load(ddp / f"params_rank{rank}.pt")
+        for name in want:
+            torch.testing.assert_close(params[name], want[name], rtol=1e-5, atol=1e-5, msg=f"rank {rank} {name}")
 
 
 def test_hsdp_is_refused_by_layer_name(tmp_path):
