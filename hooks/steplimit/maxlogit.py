@@ -24,7 +24,6 @@ on the same modules (the Monitor's) never sees these reads.
 
 from __future__ import annotations
 
-import inspect
 import math
 import sys
 
@@ -34,6 +33,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from diag.math.attention import LazyLogits, excluded_by_additive_mask, valid_query_rows
+from hooks.capture.capture import _attention_mask
 from hooks.capture.kernels import Product, Unsupported, is_attention_call, product_operands, read_call
 from hooks.layout.discover import AttentionLayer
 
@@ -222,14 +222,3 @@ def _lazy_block(lz: LazyLogits, start: int, stop: int) -> tuple[Tensor, Tensor |
         out = ~m if m.dtype == torch.bool else excluded_by_additive_mask(m)
         excluded = out if excluded is None else excluded | out
     return chunk, excluded
-
-
-def _attention_mask(module: nn.Module, args: tuple, kwargs: dict) -> Tensor | None:
-    """The ``attention_mask`` argument of a forward call, if it is a (B, T) padding mask."""
-    mask = kwargs.get("attention_mask")
-    if mask is None and args:
-        try:
-            mask = inspect.signature(module.forward).bind_partial(*args).arguments.get("attention_mask")
-        except (TypeError, ValueError):  # a signature that cannot be read or bound: no mask
-            mask = None
-    return mask if isinstance(mask, Tensor) and mask.dim() == 2 else None
