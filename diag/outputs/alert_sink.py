@@ -68,6 +68,7 @@ class AlertSink:
                                                             f"[{a.anchor}]\n\n"
             log.log(LEVELS[a.level], "%s", console_line(a))
         self.sinks.write(record)
+        self.sinks.write_alerts(alerts)
         self._append_jsonl(alerts)
         self._call_back(alerts)
         critical = [a for a in alerts if a.level == "critical" and a.status == "firing"]

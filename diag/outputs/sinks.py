@@ -8,7 +8,9 @@ the training loop after construction.
 A sink may also have ``write_layout(layout)``: the custom-scalars layout of the run
 (``{category: {chart: ["Multiline", [tag regex, ...]]}}``, see :mod:`diag.outputs.tb_layout`),
 and ``write_view(record)``: what only a dashboard shows (the alert events, the constants as
-text, see :mod:`diag.outputs.tb_views`); :class:`FanOut` passes them only to the sinks that
+text, see :mod:`diag.outputs.tb_views`), and ``write_alerts(alerts)``: the
+:class:`~diag.detectors.base.Alert` objects of one step, for a backend with alerts of its own
+(W&B's ``run.alert``, MLflow's run tags); :class:`FanOut` passes them only to the sinks that
 have them.
 
 Chosen libraries: ``torch.utils.tensorboard.SummaryWriter`` (the official
@@ -205,6 +207,7 @@ class MemorySink:
         self.records: list[Record] = []
         self.layouts: list[dict] = []
         self.views: list[Record] = []
+        self.alerts: list = []  # the Alert objects, as write_alerts received them
 
     def write(self, record: Record) -> None:
         self.records.append(record)
@@ -214,6 +217,9 @@ class MemorySink:
 
     def write_view(self, record: Record) -> None:
         self.views.append(record)
+
+    def write_alerts(self, alerts: list) -> None:
+        self.alerts.extend(alerts)
 
     def flush(self) -> None:
         pass
@@ -253,6 +259,9 @@ class FanOut:
 
     def write_view(self, record: Record) -> None:
         self._call("write_view", record, optional=True)  # only sinks that have it
+
+    def write_alerts(self, alerts: list) -> None:
+        self._call("write_alerts", alerts, optional=True)  # only sinks that have it
 
     def flush(self) -> None:
         self._call("flush")

@@ -43,3 +43,31 @@ def test_resolved_records_are_text_not_counts_and_never_stop_training(tmp_path):
                      {"duration_steps": 60.0}, "resolved", 30)])
     assert mem.records[0].scalars == {}
     assert "(resolved)" in mem.records[0].texts["alerts/malignant_collapse"]
+
+
+def test_sinks_with_write_alerts_receive_the_alert_objects_and_a_failing_one_stops_nothing(tmp_path):
+    class Broken(MemorySink):
+        def write_alerts(self, alerts):
+            raise RuntimeError("backend down")
+
+    class Plain:  # write/flush/close only: never asked for alerts
+        def __init__(self):
+            self.records = []
+
+        def write(self, record):
+            self.records.append(record)
+
+        def flush(self):
+            pass
+
+        def close(self):
+            pass
+
+    mem, broken, plain = MemorySink(), Broken(), Plain()
+    sink = AlertSink(FanOut([broken, mem, plain]), tmp_path / "alerts.jsonl")
+    firing = Alert(40, "malignant_collapse", "critical", "L00/H01", "collapse", {"attn_entropy": 0.1}, "firing", 30)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sink.emit([firing])
+    assert mem.alerts == [firing]  # the object itself: level, where, message, anchor
+    assert len(plain.records) == 1 and len((tmp_path / "alerts.jsonl").read_text().splitlines()) == 1
