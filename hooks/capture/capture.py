@@ -318,8 +318,8 @@ class AttentionCapture:
                 elif verdict.checked == "shapes" and layer.layout.verify:
                     self.notes[layer.index] = (
                         "not verifiable: the kernel's q and k were seen, but not the module input they are projected "
-                        "from (not the first positional argument nor hidden_states/x/query/input, or not of the "
-                        "projections' width), so only shapes were checked against the layout")
+                        "from (not the first positional argument nor hidden_states/x/query/input/query_input, or not "
+                        "of the projections' width), so only shapes were checked against the layout")
         except Unsupported as err:
             self.problems[layer.index] = str(err)
             self.layouts.unconfirmable_call(layer, f"its attention call is one the capture does not read ({err})")

@@ -8,9 +8,9 @@ where the model shows how it really splits its heads, so it is checked there:
 * always: the call's head count equals ``n_heads``; for SDPA and MHA also the head
   size (``head_dim``) and the key heads (``n_kv_heads``, or ``n_heads`` when the
   model repeated them);
-* SDPA, when the module's input ``x`` is visible (first positional argument or
-  ``hidden_states``): the per-head, per-token norms of the q the kernel got equal
-  those of ``x @ Wq_h^T + bq_h`` sliced with the layout, up to one common factor
+* SDPA, when the module's input ``x`` is visible (first positional argument, or a keyword
+  such as ``hidden_states`` or TransformerLens's ``query_input``): the per-head, per-token norms
+  of the q the kernel got equal those of ``x @ Wq_h^T + bq_h`` sliced with the layout, up to one common factor
   (a model may scale q before the kernel); RoPE rotates within a head and keeps
   norms. Likewise for k, from ``x`` (self-attention) or from the keyword
   ``key_value_states`` / ``encoder_hidden_states`` (cross-attention), or, when k
@@ -45,7 +45,7 @@ __all__ = ["Inputs", "Elementwise", "CapturedCall", "Verdict", "Comparison", "mo
            "readings", "compare", "tolerance", "call_problem", "not_token_attention"]
 
 MATCH_FLOOR = 5e-3  # the least relative deviation a match allows (float32 products of width E, TF32 on GPUs)
-_X_KEYS = ("hidden_states", "x", "query", "input", "inputs")
+_X_KEYS = ("hidden_states", "x", "query", "input", "inputs", "query_input")
 _KV_KEYS = ("key_value_states", "encoder_hidden_states")
 
 
