@@ -24,13 +24,16 @@ construction: scaling W_Q or W_K does not change its logits, which its norm gain
 A healthy step (no head above ``tau``) writes nothing: parameters and optimizer state stay bit for bit those of
 the run without QKClip, and no random number is drawn. One host transfer per clipping step (the maxima).
 
-FSDP2 alone (``fully_shard`` on a 1-D mesh over every rank): FSDP2 gathers the weights for the forward, so each
-rank reads ``S_h`` on its own batch; one ``all_reduce`` (MAX, float64) of every layer's per-head maxima per clipping
-step gives every rank the largest over the global batch, so every rank computes the same factors. Each rank then
-scales the elements of its own shard (``to_local()``) that belong to the clipped heads: a head's elements are
-found on the full shape, as above, and those inside the shard's block (its global offset) are written. DDP: the
-same all-reduce over every rank, so that every replica clips its whole weights by the same factors. Tensor
-parallelism and HSDP are refused at construction.
+Several processes: the ranks that see other parts of the batch (DDP replicas, FSDP2's ranks, a 2-D mesh's data
+dim) and the ranks that hold other heads (tensor parallelism, whose ranks share one batch) are all covered by one
+``all_reduce`` (MAX, float64) over every rank per clipping step, of every layer's per-head maxima at the global
+head numbers (-inf where a rank holds or read nothing): afterwards every rank holds each head's largest logit over
+the global batch, computes the same factors, and logs every head as one process would. Each rank then scales
+the elements it holds of the clipped heads: a head's elements are found on the full shape, as above, and those
+inside the rank's block of a DTensor (``to_local()``, its global offset) are written: FSDP2's row shards (uneven
+ones included), tensor parallelism's blocks of whole heads (``ColwiseParallel``; the reader reads the rank's block
+of heads from its kernel), both at once (TP x FSDP2), and HSDP's replicas alike. A mesh that does not span every
+rank (pipeline stages holding other layers) is refused at construction.
 See docs/steplimit.md#qk-clip.
 """
 
@@ -53,7 +56,6 @@ from diag.layouts.biases import biases_of
 from diag.layouts.packings import packing_of
 from hooks.layout.discover import AttentionLayer, discover
 from hooks.parallel.dtensors import is_dtensor, local_tensor
-from hooks.parallel.owners import fsdp_alone
 from hooks.steplimit.maxlogit import MaxLogits
 
 __all__ = ["QKClip", "Intervention", "QK_NORMS", "QKCLIP_STATE_KEY"]
@@ -138,7 +140,7 @@ class QKClip:
         self.n_interventions = 0  # every intervention of the run, across resumes
         self.last: dict[str, list[float]] = {}  # the latest clipping step's largest logit per head, by layer label
         self._warn = WarnOnce(log, stacklevel=3)
-        self.reader = MaxLogits(self.layers, model)
+        self.reader = MaxLogits([layer.on_this_rank() for layer in self.layers], model)
         self._hook = None if optimizer is None else optimizer.register_step_post_hook(self._after_step)
         self._arm_for(self.step_count)
 
@@ -206,11 +208,11 @@ class QKClip:
         return done
 
     def _reduce(self, maxima: dict[int, Tensor]) -> dict[int, Tensor]:
-        """FSDP2 alone or DDP: every layer's per-head maxima over the batches of every rank, in one ``all_reduce``
-        (MAX, float64) on the group of those ranks, read to the host in one transfer. Per layer the buffer holds a
-        flag (1: read on some rank, else -inf) and its H maxima (-inf where this rank read nothing; NaN is sent as
-        +inf, which is not clipped either). Returns the layers read on some rank, each with its (H,) maxima on the
-        host."""
+        """Every layer's per-head maxima over the batches of every rank and over the heads of every rank, in one
+        ``all_reduce`` (MAX, float64) over every rank, read to the host in one transfer. Per layer the buffer holds
+        a flag (1: read on some rank, else -inf) and its H maxima at the global head numbers (-inf where this rank
+        read nothing or holds other heads; NaN is sent as +inf, which is not clipped either). Returns the layers
+        read on some rank, each with its (H,) maxima on the host."""
         sizes = [1 + layer.layout.n_heads for layer in self.layers]
         device = local_tensor(next(iter(self.layers[0].params().values()))).device
         buf = torch.full((sum(sizes),), -math.inf, dtype=torch.float64, device=device)
@@ -219,8 +221,9 @@ class QKClip:
             got = maxima.get(layer.index)
             if got is not None:
                 got = got.detach().reshape(-1).to(device, torch.float64)
+                first = 0 if layer.block is None else layer.block.first_head  # tensor parallelism: this rank's heads
                 buf[at] = 1.0
-                buf[at + 1:at + n] = torch.where(got.isnan(), math.inf, got)
+                buf[at + 1 + first:at + 1 + first + got.numel()] = torch.where(got.isnan(), math.inf, got)
             at += n
         dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self._group)
         host = buf.cpu()  # one transfer
@@ -363,7 +366,8 @@ def _in_shard(param: Tensor, where: Tensor, scale: Tensor) -> tuple[Tensor, Tens
     """A DTensor ``param``: this rank's shard, the elements of ``where`` (flat indices in the full tensor) that lie
     in it, as flat indices in the shard, and their factors. The shard is the block of the full tensor that starts
     at its global offset (``compute_local_shape_and_global_offset``: FSDP2's rows ``offset .. offset + rows``,
-    uneven shards included)."""
+    uneven shards included; tensor parallelism's block of heads; FSDP2's rows of that block on a 2-D mesh; a
+    replicate dim's copies)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     local = param.to_local()
@@ -423,11 +427,9 @@ def _check_args(model, tau, alpha, optimizer, every, monitor) -> None:
 
 
 def _batch_group(layers: list[AttentionLayer]) -> object | None:
-    """The process group whose ranks train the same weights on different parts of the batch: FSDP2 alone's mesh,
-    or every rank when each holds the weights whole (DDP); None in one process."""
-    mesh = next((next(iter(layer.weights().values())).device_mesh for layer in layers if fsdp_alone(layer)), None)
-    if mesh is not None:
-        return mesh.get_group()
+    """Every rank, when there are several: each holds some heads' maxima over some part of the batch (replicas,
+    FSDP2's or a mesh's data dim: other parts of the batch; tensor parallelism: other heads); None in one
+    process."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return dist.group.WORLD
     return None
@@ -452,12 +454,10 @@ def _check_layer(layer: AttentionLayer, monitored: bool) -> None:
     if isinstance(impl, str) and impl not in _KERNELS:
         raise ConfigError(f"QKClip: attention layer {name!r} uses attn_implementation={impl!r}, whose kernel does "
                           "not show q, k or logits; build the model with attn_implementation='sdpa' or 'eager'")
-    if layer.block is not None:
-        raise ConfigError(f"QKClip: attention layer {name!r} has its heads split across ranks (tensor parallelism); "
-                          "QK-clip of a rank's block of heads is not supported; clip a model held whole on each "
-                          "rank or sharded by FSDP2 alone (fully_shard on a 1-D mesh over every rank)")
-    if any(is_dtensor(p) for p in layer.weights().values()) and not fsdp_alone(layer):
-        raise ConfigError(f"QKClip: the weights of attention layer {name!r} are DTensors, but not FSDP2 alone "
-                          "(HSDP's 2-D mesh, tensor parallelism, or a mesh that does not span every rank); QK-clip "
-                          "supports weights held whole on each rank or sharded by fully_shard on a 1-D mesh over "
-                          "every rank")
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    meshes = {t.device_mesh for t in layer.weights().values() if is_dtensor(t)}
+    if any(mesh.size() != world for mesh in meshes):
+        raise ConfigError(f"QKClip: the weights of attention layer {name!r} are DTensors on a mesh of "
+                          f"{next(iter(meshes)).size()} rank(s) in a job of {world}; QK-clip reduces the maxima over "
+                          "every rank, so each rank must hold every layer's weights (or its shard of them) on a mesh "
+                          "that spans the job (not pipeline stages)")

@@ -1,8 +1,8 @@
-"""A few training steps of a tiny model with QKClip, for tests/hooks/parallel/test_qkclip_fsdp.py.
+"""A few training steps of a tiny model with QKClip, for tests/hooks/parallel/test_qkclip_parallel.py.
 
     python tests/hooks/parallel/qkclip_worker.py single OUT
     torchrun --standalone --nproc_per_node 2 tests/hooks/parallel/qkclip_worker.py fsdp OUT
-    torchrun --standalone --nproc_per_node 2 tests/hooks/parallel/qkclip_worker.py hsdp OUT   # the refusal
+    torchrun --standalone --nproc_per_node 2 tests/hooks/parallel/qkclip_worker.py stage OUT  # the refusal
 
 The model is dist_worker's (``--model llama``: Hugging Face LLaMA, 9 query heads of 2 on 3 key/value heads, so
 FSDP2's row shards of W_Q and W_K split a head between the two ranks; ``nanogpt``: the fused c_attn of 45 rows,
@@ -10,8 +10,9 @@ sharded 23 + 22), built the same on every rank, with W_Q and W_K times ``--grow`
 exceed ``--tau`` (5). Every step trains on dist_worker's global batch (rank r of w: its batch / w sequences), with SGD
 and QKClip after each ``optimizer.step()``.
 
-``hsdp``: the model under HSDP (``fully_shard`` on a 2-D mesh, replicated over the ranks), where QKClip is refused;
-every rank writes the ConfigError's message to ``OUT/refused_rank{r}.txt`` and stops.
+``stage``: each rank shards the model with ``fully_shard`` on a mesh of itself alone (as a pipeline stage's mesh
+does not span the job), where QKClip is refused; every rank writes the ConfigError's message to
+``OUT/refused_rank{r}.txt`` and stops.
 
 ``ddp``: the model under DistributedDataParallel, each replica clipping its whole weights.
 
@@ -41,11 +42,11 @@ from tests.hooks.parallel.dist_worker import VOCAB, CountCollectives, batch, blo
 GROW = {"llama": (("q_proj", "k_proj"), 1.5), "nanogpt": (("c_attn",), 3.0)}
 
 
-def refuse_hsdp(model: torch.nn.Module, out: Path, rank: int, world: int, tau: float) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
+def refuse_stage(model: torch.nn.Module, out: Path, rank: int, tau: float) -> None:
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+    mesh = DeviceMesh("cpu", [rank])  # this rank alone
     for block in blocks(model):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -61,7 +62,7 @@ def refuse_hsdp(model: torch.nn.Module, out: Path, rank: int, world: int, tau: f
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=("single", "fsdp", "ddp", "hsdp"))
+    parser.add_argument("mode", choices=("single", "fsdp", "ddp", "stage"))
     parser.add_argument("out", type=Path)
     parser.add_argument("--model", choices=("nanogpt", "llama"), default="llama")
     parser.add_argument("--steps", type=int, default=3)
@@ -79,8 +80,8 @@ def main() -> None:
         for name, p in model.named_parameters():
             if any(f"{part}." in name for part in parts):
                 p.mul_(args.grow or grow)
-    if args.mode == "hsdp":
-        refuse_hsdp(model, args.out, rank, world, args.tau)
+    if args.mode == "stage":
+        refuse_stage(model, args.out, rank, args.tau)
         return
     model = wrap(model, args.mode)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

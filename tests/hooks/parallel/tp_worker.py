@@ -186,6 +186,9 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--cadence", type=json.loads, default=None, help='e.g. {"spectra": 6}')
     parser.add_argument("--step-limit", type=float, default=None, help="wrap SGD in SpectralStepLimit(tau=...)")
+    parser.add_argument("--qk-clip", type=float, default=None, metavar="TAU",
+                        help="QKClip(tau=TAU) after every optimizer step; W_Q and W_K times --grow first")
+    parser.add_argument("--grow", type=float, default=1.0, help="with --qk-clip: W_Q and W_K times this")
     parser.add_argument("--swap-heads", type=int, default=None, metavar="RANK",
                         help="on this rank, layer 0's kernel gets its two query heads swapped (tp mode)")
     args = parser.parse_args()
@@ -209,6 +212,16 @@ def main() -> None:
                       images=False, sinks=[memory])
     if args.step_limit is not None:
         opt = SpectralStepLimit(opt, tau=args.step_limit, model=model, monitor=monitor)
+    clip = None
+    if args.qk_clip is not None:
+        from hooks import QKClip
+
+        with torch.no_grad():  # elementwise: the same on a DTensor's shards as on the whole weight
+            for name, p in model.named_parameters():
+                if any(f"{part}." in name for part in ("q_proj", "k_proj", "wq", "wk")):
+                    p.mul_(args.grow)
+        clip = QKClip(model, args.qk_clip, optimizer=opt, monitor=monitor)
+        record_clip: dict = {}
     record: dict = {"losses": [], "collectives": {}, "spectra": {}}
     count_heads(monitor, record["spectra"])
     for step in range(args.steps):
@@ -224,7 +237,12 @@ def main() -> None:
                     for t in (snap.local.values() if isinstance(snap, ShardSnapshot) else [c.before for c in snap])]
             record["snapshot_bytes"] = sum(t.numel() * t.element_size() for t in held)
         record["losses"].append(float(loss.detach()))
-        opt.step()
+        if clip is not None:
+            with Collectives() as counter:
+                opt.step()
+            record_clip[step] = counter.seen
+        else:
+            opt.step()
         opt.zero_grad(set_to_none=True)
     with Collectives() as counter:
         monitor.close()
@@ -238,6 +256,10 @@ def main() -> None:
     record["blocks"] = {layer.label: None if layer.block is None else [layer.block.index, layer.block.size,
                                                                        layer.block.layout.describe()]
                         for layer in monitor.layers}
+    if clip is not None:
+        record["interventions"] = [[i.step, i.layer, i.head, i.factor] for i in clip.interventions]
+        record["clip_collectives"] = record_clip
+        record["clip_last"] = clip.last
     record["weights"] = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().double().tolist()
                          for n, p in model.named_parameters() if "attn" in n or "attention" in n}
     (args.out / f"rank{rank}.json").write_text(json.dumps(record))
