@@ -55,7 +55,7 @@ import numpy as np
 
 from diag.catalog.tags import layer_runs
 from diag.detectors.base import Alert
-from diag.errors import WarnOnce
+from diag.errors import SinkError, WarnOnce
 from diag.outputs.alert_sink import console_line, shown_where
 from diag.outputs.sinks import Record
 
@@ -179,6 +179,7 @@ class WandbSink:
         if not self._attach():
             return
         self._alerts.extend(alerts)
+        self._check_open()
         for a in alerts:
             where = f" at {shown_where(a)}" if a.where else ""
             status = " resolved" if a.status == "resolved" else ""
@@ -199,6 +200,9 @@ class WandbSink:
             self._closed = True
             return
         self._closed = True
+        if getattr(self.run, "_is_finished", False):  # finished by its owner: W&B refuses every call
+            self._guard("close", self._check_open)
+            return
         self._guard("close", self._drain, True)
         self._guard("charts", self._log_charts)
         self._guard("alert table", self._log_alert_table)
@@ -214,6 +218,13 @@ class WandbSink:
         if self.run is None and not self.start_run:
             self.run = self.wandb.run
         return self.run is not None
+
+    def _check_open(self) -> None:
+        """Raise if the run is finished: W&B refuses every call then, and asking a finished run for its step
+        waits 30 s for an answer that never comes (``Run.step``)."""
+        if getattr(self.run, "_is_finished", False):
+            raise SinkError("the W&B run is finished; the Monitor's later values are not in it (finish the run "
+                            "after the Monitor is closed)")
 
     def _commits(self) -> bool:
         return self.own if self._commit is None else self._commit
@@ -235,6 +246,7 @@ class WandbSink:
     def _drain(self, closing: bool = False) -> None:
         """Log the waiting Monitor steps: each as a row of its own, or into the user's open row while that
         holds no other Monitor step."""
+        self._check_open()
         if self._commits():
             while self._waiting:
                 step, values = self._waiting.popitem(last=False)

@@ -14,9 +14,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["run_dirs", "records", "history", "alerts", "run_id", "summary", "table"]
+__all__ = ["offline_env", "run_dirs", "records", "history", "alerts", "run_id", "summary", "table"]
 
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def offline_env(home: str | Path) -> dict[str, str]:
+    """Environment variables for W&B offline with every file it writes under ``home`` (runs, artifacts' staging,
+    cache, settings): no account, no network, nothing in the user's home folder."""
+    home = Path(home)
+    return {"WANDB_MODE": "offline", "WANDB_DIR": str(home), "WANDB_DATA_DIR": str(home / "data"),
+            "WANDB_CACHE_DIR": str(home / "cache"), "WANDB_CONFIG_DIR": str(home / "config"),
+            "WANDB_ARTIFACT_DIR": str(home / "artifacts"), "WANDB_SILENT": "true", "WANDB_CONSOLE": "off"}
 
 
 def run_dirs(root: str | Path) -> list[Path]:
