@@ -255,3 +255,18 @@ def test_only_rank_0_writes_under_ddp(tmp_path):
     logged = _monitor_scalars(rows)
     assert metrics and {(m["step"], wandb_key(m["tag"])) for m in metrics} == set(logged)
     assert [json.loads((out / f"active_rank{r}.json").read_text()) for r in (0, 1)] == [True, False]
+
+
+def test_demo_command_writes_an_offline_run_beside_its_logdir(tmp_path, offline, monkeypatch):
+    from diag.cli.main import main
+
+    monkeypatch.delenv("WANDB_MODE")  # the demo's own default: offline
+    monkeypatch.delenv("WANDB_DIR")
+    logdir = tmp_path / "demo"
+    assert main(["demo", "--logdir", str(logdir), "--steps", "2", "--every", "1", "--wandb", "--quiet"]) == 0
+    assert wandb.run is None  # the demo's run, finished
+    (run_dir,) = wandb_runs.run_dirs(logdir / "wandb")
+    assert run_dir.name.startswith("offline-run-")
+    metrics = [json.loads(line) for line in (logdir / "metrics.jsonl").read_text().splitlines()]
+    logged = _monitor_scalars(wandb_runs.history(wandb_runs.records(run_dir)))
+    assert metrics and {(m["step"], wandb_key(m["tag"])) for m in metrics} == set(logged)
