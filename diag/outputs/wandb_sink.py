@@ -29,7 +29,7 @@ What goes where (docs/integrations.md#weights-biases):
   ``wandb.Histogram`` of the finite values. Texts and TensorBoard's per-run scalars are not written.
 * **Charts.** Offline W&B cannot create workspace panels; at close the sink logs, for every chart of the
   custom-scalars layout (:mod:`diag.outputs.tb_layout`: one chart per metric, a line per layer), a
-  ``wandb.plot.line_series`` under ``attnscope_charts/<chart key>``: a custom chart panel titled as in
+  ``wandb.plot.line_series`` under ``attnscope_charts/<family>/<tag>``: a custom chart panel titled as in
   TensorBoard, the Monitor's step on x, one named line per layer (per alert level for the alerts chart).
 * **Alerts.** ``run.alert`` for each alert (a firing one at its level, INFO/WARN/ERROR; a resolved one at
   INFO), titled ``attnscope <kind> at <where>``, with the message, the step and the docs section. Every
@@ -98,8 +98,8 @@ class WandbSink:
     Args:
         run: the run to write into. None: the active run (``wandb.run``) if there is one, else a run the sink
             starts with ``wandb.init(project=..., name=..., dir=..., **init_kwargs)`` and finishes at close.
-        project, name, dir, **init_kwargs: for the run the sink starts (offline unless ``WANDB_MODE`` or
-            ``mode=`` say otherwise is W&B's own choice: ``WANDB_MODE=offline`` for no network).
+        project, name, dir, **init_kwargs: for the run the sink starts (``mode="offline"`` or
+            ``WANDB_MODE=offline``: no network; ``wandb sync`` uploads it later).
         step_metric: the key of the Monitor's step in every row.
         images: log the records' images.
         commit: True: every Monitor step is a row of its own; False: the Monitor's steps go into the rows the
@@ -186,7 +186,7 @@ class WandbSink:
             self._guard("alert", lambda a=a, where=where, status=status: self.run.alert(
                 title=f"attnscope {a.kind}{status}{where}"[:64],
                 text=f"{a.level}{status}{where}, step {a.step}: {a.message} (docs: {a.anchor})",
-                level=_alert_level(self.wandb, a), wait_duration=0))
+                level=_alert_level(self.wandb, a), wait_duration=1))
         self.run.summary[f"{ROOT}/alerts_fired"] = sum(a.status == "firing" for a in self._alerts)
         self.run.summary[f"{ROOT}/last_alert"] = console_line(alerts[-1]) if alerts else ""
 

@@ -31,6 +31,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from diag.detectors import TrainingHalted
+from diag.outputs.wandb_sink import WandbSink  # imports no wandb: building one does
 from hooks.integrations import callback_options
 from hooks.monitor.monitor import Monitor
 
@@ -106,9 +107,7 @@ class MonitorCallback(TrainerCallback):
         kwargs_here = dict(self.monitor_kwargs)
         if not main:
             kwargs_here["sinks"] = ()
-        elif _reports_to_wandb(args) and not any(type(s).__name__ == "WandbSink" for s in kwargs_here.get("sinks", ())):
-            from diag.outputs.wandb_sink import WandbSink
-
+        elif _reports_to_wandb(args) and not any(isinstance(s, WandbSink) for s in kwargs_here.get("sinks", ())):
             # the Trainer's own run (its WandbCallback starts it in on_train_begin, before or after this one):
             # the sink writes into whichever run is active, and commits rows as the Trainer's logger does
             kwargs_here["sinks"] = [*kwargs_here.get("sinks", ()), WandbSink(start_run=False, commit=True)]

@@ -32,12 +32,14 @@ __all__ = ["MonitorCallback"]
 
 def _wandb_sinks(trainer: pl.Trainer, sinks: Any) -> list:
     """A WandbSink into the run of the trainer's ``WandbLogger``, if it has one and ``sinks`` holds no WandbSink."""
-    if any(type(s).__name__ == "WandbSink" for s in sinks):
+    from lightning.pytorch.loggers import WandbLogger  # imports no wandb
+
+    from diag.outputs.wandb_sink import WandbSink  # imports no wandb: building one does
+
+    if any(isinstance(s, WandbSink) for s in sinks):
         return []
     for logger in getattr(trainer, "loggers", []):
-        if type(logger).__name__ == "WandbLogger":
-            from diag.outputs.wandb_sink import WandbSink
-
+        if isinstance(logger, WandbLogger):
             # the logger's run (started on first use); rows committed as the logger commits its own
             return [WandbSink(logger.experiment, commit=True)]
     return []

@@ -20,11 +20,16 @@ from diag.outputs.wandb_sink import STEP_METRIC, WandbSink, wandb_key  # noqa: E
 
 @pytest.fixture
 def offline(tmp_path, monkeypatch) -> Path:
+    """W&B offline with every file of it under tmp_path (W&B reads the environment once per process setup:
+    torn down before and after, so a run started without dir=, as the trainers start theirs, goes there too);
+    no run left active afterwards."""
     for name, value in wandb_runs.offline_env(tmp_path / "wandb-home").items():
         monkeypatch.setenv(name, value)
+    wandb.teardown()
     yield tmp_path / "wandb-home"
     if wandb.run is not None:
         wandb.finish()
+    wandb.teardown()
 
 
 def _monitor_keys(rows: list[dict]) -> set[tuple[int, str]]:
