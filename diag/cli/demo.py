@@ -6,6 +6,7 @@ import argparse
 import shlex
 import sys
 from dataclasses import fields
+from pathlib import Path
 
 from diag.cli.common import every, non_negative, positive, tensorboard_command
 from diag.errors import DiagError
@@ -32,6 +33,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       help="bound each matrix's step: sigma_1(dW)/sigma_1(W) <= TAU (SpectralStepLimit; default: off)")
     demo.add_argument("--overwrite", action="store_true", help="replace the run --logdir already holds (without "
                       "it, such a folder is refused)")
+    demo.add_argument("--wandb", action="store_true", help="also write into a Weights & Biases run, offline unless "
+                      "WANDB_MODE says otherwise (its files under LOGDIR/wandb; needs pip install -e '.[wandb]')")
     demo.add_argument("--quiet", action="store_true", help="no progress output")
 
 
@@ -54,4 +57,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print(f"\nTensorBoard: {tensorboard_command(args.logdir)}\nreport:      {shlex.quote(sys.executable)} -m diag "
           f"report {shlex.quote(str(args.logdir))}")
+    if args.wandb:
+        runs = shlex.quote(str(Path(args.logdir) / "wandb" / "latest-run"))
+        print(f"W&B run:     {runs} (offline: upload it with wandb sync {runs})")
     return 0

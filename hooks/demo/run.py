@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,8 +16,9 @@ import torch
 
 from diag.catalog.tags import parse_tag
 from diag.errors import ConfigError
+from diag.outputs.sinks import Sink
 from hooks.demo.data import encode, get_batch, load_text
-from hooks.demo.loop import Schedule, adamw, train_steps
+from hooks.demo.loop import Schedule, StepCallback, adamw, train_steps
 from hooks.demo.model import GPT, GPTConfig
 from hooks.monitor.monitor import Monitor
 from hooks.steplimit import SpectralStepLimit
@@ -40,6 +42,7 @@ class DemoRun:
     step_limit: float | None = None  # tau of a SpectralStepLimit around AdamW; None: plain AdamW
     overwrite: bool = False
     quiet: bool = False
+    wandb: bool = False  # also write into a W&B run (offline unless WANDB_MODE says otherwise)
 
     def __post_init__(self) -> None:
         for name, low in (("steps", 1), ("warmup", 0)):
@@ -73,8 +76,26 @@ def _header(text: str, cfg: GPTConfig, model: GPT, lr: float, args: DemoRun) -> 
             + ("" if args.step_limit is None else f", spectral step limit tau {args.step_limit:g}"))
 
 
-def train(args: DemoRun, cfg: GPTConfig | None = None) -> tuple[Monitor, list[float]]:
-    """Train with the Monitor attached; returns the closed Monitor and every step's loss."""
+def _wandb_sink(args: DemoRun) -> Sink:
+    """The demo's W&B run: project ``attnscope-demo``, its files under the logdir (``<logdir>/wandb``), offline
+    unless ``WANDB_MODE`` names another mode."""
+    import os
+
+    from diag.outputs.wandb_sink import WandbSink
+
+    try:
+        import wandb  # noqa: F401 - the sink imports it; asked here for a message that says what to install
+    except ImportError as err:
+        raise ConfigError("--wandb needs the wandb package: pip install -e '.[wandb]'") from err
+    return WandbSink(project="attnscope-demo", dir=args.logdir or ".", mode=os.getenv("WANDB_MODE") or "offline")
+
+
+def train(args: DemoRun, cfg: GPTConfig | None = None, *, sinks: Sequence[Sink] = (),
+          callbacks: Sequence[StepCallback] = ()) -> tuple[Monitor, list[float]]:
+    """Train with the Monitor attached; returns the closed Monitor and every step's loss.
+
+    sinks: more sinks for the Monitor (a :class:`~diag.outputs.wandb_sink.WandbSink`, say); callbacks: called
+    after every step as ``train_steps`` calls them (``(step, losses)``), after the progress line."""
     cfg = cfg or GPTConfig()
     lr = DEFAULT_LR if args.lr is None else args.lr
     text = load_text()
@@ -83,7 +104,9 @@ def train(args: DemoRun, cfg: GPTConfig | None = None) -> tuple[Monitor, list[fl
     gen = torch.Generator().manual_seed(args.seed)
     model = GPT(cfg)
     optimizer = adamw(model, lr)
-    monitor = Monitor(model, logdir=args.logdir, every=args.every, overwrite=args.overwrite)
+    if args.wandb and not sinks:
+        sinks = (_wandb_sink(args),)
+    monitor = Monitor(model, logdir=args.logdir, every=args.every, overwrite=args.overwrite, sinks=sinks)
     if args.step_limit is not None:  # the remedy (hooks.SpectralStepLimit); the schedule drives the shared lr
         optimizer = SpectralStepLimit(optimizer, args.step_limit, model=model, monitor=monitor, audit=True)
     start = time.perf_counter()
@@ -99,7 +122,7 @@ def train(args: DemoRun, cfg: GPTConfig | None = None) -> tuple[Monitor, list[fl
     try:
         losses = train_steps(model, lambda: get_batch(data, cfg, gen), lambda batch: model(*batch), optimizer,
                              args.steps, schedule=Schedule(args.warmup), monitor=monitor,
-                             callbacks=() if args.quiet else (progress,))
+                             callbacks=(*(() if args.quiet else (progress,)), *callbacks))
     finally:
         monitor.close()
     return monitor, losses

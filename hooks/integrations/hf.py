@@ -31,6 +31,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from diag.detectors import TrainingHalted
+from diag.outputs.wandb_sink import WandbSink  # imports no wandb: building one does
 from hooks.integrations import callback_options
 from hooks.monitor.monitor import Monitor
 
@@ -41,6 +42,17 @@ log = logging.getLogger("diag")
 STATE_FILE = "attnscope_state.json"
   # the detectors' state, written into each checkpoint-N folder
 LAYOUT_FILE = "attnscope_layout.json"  # the Monitor's layouts (diag.offline.layoutfile), in each checkpoint-N
+
+
+def _reports_to_wandb(args: Any) -> bool:
+    """Whether the Trainer logs to W&B (``report_to`` names ``"wandb"``, or is ``"all"`` with wandb installed)."""
+    report_to = getattr(args, "report_to", None) or []
+    report_to = [report_to] if isinstance(report_to, str) else list(report_to)
+    if "all" in report_to:
+        import importlib.util
+
+        return importlib.util.find_spec("wandb") is not None
+    return "wandb" in report_to
 
 
 def default_logdir(args: Any) -> Path:
@@ -65,6 +77,8 @@ class MonitorCallback(TrainerCallback):
         **monitor_kwargs: passed to ``Monitor`` (``per_head``, ``spec``, ``signals``, ``alerts``,
             ``on_alert``, ``stop_on_critical``, ``sinks``, ...).
 
+    With ``report_to`` naming ``"wandb"``, the main process also writes into the Trainer's W&B run
+    (:class:`diag.outputs.wandb_sink.WandbSink`, unless ``sinks`` holds one already; docs/integrations.md).
     Only the main process (``state.is_world_process_zero``) writes (logdir, ``sinks``, the state
     file); every process steps a Monitor of its own, and with ``stop_on_critical`` every process judges the main
     process's observation, so all of them raise ``TrainingHalted`` at the same step
@@ -93,6 +107,10 @@ class MonitorCallback(TrainerCallback):
         kwargs_here = dict(self.monitor_kwargs)
         if not main:
             kwargs_here["sinks"] = ()
+        elif _reports_to_wandb(args) and not any(isinstance(s, WandbSink) for s in kwargs_here.get("sinks", ())):
+            # the Trainer's own run (its WandbCallback starts it in on_train_begin, before or after this one):
+            # the sink writes into whichever run is active, and commits rows as the Trainer's logger does
+            kwargs_here["sinks"] = [*kwargs_here.get("sinks", ()), WandbSink(start_run=False, commit=True)]
         logdir = (self.logdir or default_logdir(args)) if main else None
         self.monitor = Monitor(model, logdir, self.every, purge_step=state.global_step or None, **kwargs_here)
         if state.global_step > 0:

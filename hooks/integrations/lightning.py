@@ -30,6 +30,21 @@ from hooks.monitor.monitor import Monitor
 __all__ = ["MonitorCallback"]
 
 
+def _wandb_sinks(trainer: pl.Trainer, sinks: Any) -> list:
+    """A WandbSink into the run of the trainer's ``WandbLogger``, if it has one and ``sinks`` holds no WandbSink."""
+    from lightning.pytorch.loggers import WandbLogger  # imports no wandb
+
+    from diag.outputs.wandb_sink import WandbSink  # imports no wandb: building one does
+
+    if any(isinstance(s, WandbSink) for s in sinks):
+        return []
+    for logger in getattr(trainer, "loggers", []):
+        if isinstance(logger, WandbLogger):
+            # the logger's run (started on first use); rows committed as the logger commits its own
+            return [WandbSink(logger.experiment, commit=True)]
+    return []
+
+
 class MonitorCallback(pl.Callback):
     """Builds a ``hooks.Monitor`` on the LightningModule at ``on_train_start`` (after a checkpoint's
     state is restored) and closes it at ``on_train_end``, ``on_exception`` or ``teardown``.
@@ -42,6 +57,8 @@ class MonitorCallback(pl.Callback):
         **monitor_kwargs: passed to ``Monitor`` (``per_head``, ``spec``, ``signals``, ``alerts``,
             ``on_alert``, ``stop_on_critical``, ``sinks``, ...).
 
+    With a ``WandbLogger`` among ``trainer.loggers``, rank 0 also writes into its run
+    (:class:`diag.outputs.wandb_sink.WandbSink`, unless ``sinks`` holds one already; docs/integrations.md).
     Only global rank 0 writes (logdir and ``sinks``); every rank steps a Monitor of its own, and with
     ``stop_on_critical`` every rank judges rank 0's observation, so all of them raise ``TrainingHalted`` at the
     same step (:class:`hooks.parallel.detectors.SharedDetectors`).
@@ -66,6 +83,8 @@ class MonitorCallback(pl.Callback):
         kwargs = dict(self.monitor_kwargs)
         if not main:
             kwargs["sinks"] = ()
+        else:
+            kwargs["sinks"] = [*kwargs.get("sinks", ()), *_wandb_sinks(trainer, kwargs.get("sinks", ()))]
         self.monitor = Monitor(pl_module, logdir if main else None, self.every,
                                purge_step=trainer.global_step or None, **kwargs)
         if self._pending_state:
