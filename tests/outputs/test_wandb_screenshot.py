@@ -1,7 +1,7 @@
 """benchmarks/wandb_screenshot.py's terminal-screen-to-HTML step, on a tiny pyte screen (no browser, no LEET).
 
 The screenshot keeps LEET's columns only if every cell is one character wide on the page and the colours are
-those the terminal program asked for; both are checked here. Skipped without pyte (``pip install pyte``).
+those the terminal program asked for; both are checked here. pyte is in the test extra.
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pyte
 import pytest
 
-pyte = pytest.importorskip("pyte")
 ROOT = Path(__file__).resolve().parents[2]
 
 
