@@ -146,6 +146,8 @@ class Monitor:
         files = [] if self.logdir is None else [TensorBoardSink(self.logdir, purge_step),
                                                 JsonlSink(self.logdir / "metrics.jsonl")]
         self.sinks = FanOut([*sinks, *files])
+        if self.logdir is not None:  # for a sink that reads the run's files at close (MLflowSink: the report)
+            self.sinks.set_logdir(self.logdir)
         alert_path = None if self.logdir is None else self.logdir / "alerts.jsonl"
         self.alert_sink = AlertSink(self.sinks, alert_path, on_alert if main else None, stop_on_critical)
         detectors = Detectors(alerts or AlertConfig())
