@@ -10,8 +10,11 @@ What goes where (docs/integrations.md#mlflow):
 
 * every scalar of a :class:`~diag.outputs.sinks.Record` is a metric of the run, at the record's step, under its
   TensorBoard tag (``qk_sigma1/L03/H07``, ``alerts/collapse_warning``; :func:`mlflow_key` maps the characters
-  MLflow refuses, reversibly). A value that is not finite is sent as NaN, which MLflow keeps (an infinity it
-  would store as the largest double): where ``metrics.jsonl`` holds null, the run holds NaN, and nowhere else.
+  MLflow refuses, reversibly), after ``prefix``: none in a run the sink created (the run is the Monitor's, as a
+  TensorBoard logdir is), ``attnscope/`` in a run it did not (the user's, a trainer's), where ``loss`` or
+  ``grad_norm`` of the run's own would otherwise share a name with the Monitor's and mix two series. A value
+  that is not finite is sent as NaN, which MLflow keeps (an infinity it would store as the largest double):
+  where ``metrics.jsonl`` holds null, the run holds NaN, and nowhere else.
   Histograms, texts and images stay in TensorBoard; the run report (below) draws its figures from the scalars.
 * each kind of alert is a run tag ``attnscope.alert.<kind>``: the status, level, place and step of its latest
   record, as one line; the whole list of alerts is the artifact ``attnscope/alerts.json`` (the records of
@@ -54,11 +57,12 @@ from pathlib import Path
 from diag.detectors.base import Alert
 from diag.outputs.sinks import Record, json_value
 
-__all__ = ["MLflowSink", "mlflow_key", "tag_of_key", "ALERT_TAG_PREFIX", "ARTIFACT_DIR"]
+__all__ = ["MLflowSink", "mlflow_key", "tag_of_key", "ALERT_TAG_PREFIX", "ARTIFACT_DIR", "SHARED_RUN_PREFIX"]
 
 log = logging.getLogger("diag")
 
 ALERT_TAG_PREFIX = "attnscope.alert."  # + the alert's kind: the run tag of that kind's latest record
+SHARED_RUN_PREFIX = "attnscope/"  # before the metric names in a run the sink did not create
 ARTIFACT_DIR = "attnscope"  # alerts.json and report.html, inside the run's artifacts
 
 # MLflow's metric and tag names: letters, digits, '_', '-', '.', ' ', '/' (and ':' except on Windows). Every other
@@ -106,6 +110,8 @@ class MLflowSink:
         experiment: the experiment of a run the sink creates (a name; created if missing); default MLflow's
             (``MLFLOW_EXPERIMENT_NAME`` / ``MLFLOW_EXPERIMENT_ID``, else the default experiment).
         run_name: the name of a run the sink creates.
+        prefix: put before every metric name; default: none in a run the sink creates, ``"attnscope/"`` in a run
+            it did not create.
         report: log the run report (``attnscope/report.html``) at close when the Monitor has a logdir.
         flush_every: seconds between the background sends.
         close_timeout: seconds :meth:`close` waits for the last send.
@@ -113,7 +119,7 @@ class MLflowSink:
     """
 
     def __init__(self, run_id: str | None = None, *, tracking_uri: str | None = None, experiment: str | None = None,
-                 run_name: str | None = None, report: bool = True, flush_every: float = 5.0,
+                 run_name: str | None = None, prefix: str | None = None, report: bool = True, flush_every: float = 5.0,
                  close_timeout: float = 60.0, max_pending: int = 5_000_000) -> None:
         import mlflow
         from mlflow.entities import Metric, RunTag
@@ -125,6 +131,7 @@ class MLflowSink:
         self.client = MlflowClient(tracking_uri=self.tracking_uri)
         self.run_id, self.experiment, self.run_name, self.report = run_id, experiment, run_name, report
         self.flush_every, self.close_timeout, self.max_pending = flush_every, close_timeout, max_pending
+        self.prefix = prefix
         self.owns_run = False  # True once the sink created the run: only then does close() end it
         self.logdir: Path | None = None
         # MLflow's per-call limits: metrics and tags per log_batch call, the length of a tag value
@@ -178,7 +185,7 @@ class MLflowSink:
         with self._lock:
             for a in alerts:
                 self._alerts.append(alert_json(a))
-                self._alert_tags[self._key(ALERT_TAG_PREFIX + a.kind)] = alert_tag_value(a, self._max_tag_value)
+                self._alert_tags[mlflow_key(ALERT_TAG_PREFIX + a.kind)] = alert_tag_value(a, self._max_tag_value)
             self._alerts_changed = True
         self._wake.set()  # alerts go out at once
 
@@ -223,13 +230,16 @@ class MLflowSink:
                                 self.run_id, self._mlflow.get_tracking_uri(), self.tracking_uri)
                     self.tracking_uri = self._mlflow.get_tracking_uri()
                     self.client = type(self.client)(tracking_uri=self.tracking_uri)
+        if self.prefix is None:
+            self.prefix = "" if self.run_id is None else SHARED_RUN_PREFIX
         self._thread = threading.Thread(target=self._run, name="attnscope-mlflow", daemon=True)
         self._thread.start()
 
-    def _key(self, tag: str) -> str:
+    def key(self, tag: str) -> str:
+        """The MLflow metric name of a diag tag in this sink's run (``prefix`` is settled at the first write)."""
         key = self._keys.get(tag)
         if key is None:
-            key = self._keys[tag] = mlflow_key(tag)
+            key = self._keys[tag] = mlflow_key((self.prefix or "") + tag)
         return key
 
     def _drop(self, n: int) -> None:
@@ -295,7 +305,7 @@ class MLflowSink:
             return
         with self._lock:
             records, self._records = self._records, deque()
-        Metric, key = self._Metric, self._key
+        Metric, key = self._Metric, self.key
         nan, finite = math.nan, math.isfinite
         converted = [Metric(key(tag), value if finite(value := float(v)) else nan, ms, step)
                      for step, ms, scalars in records for tag, v in scalars.items()]

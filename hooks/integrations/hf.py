@@ -31,16 +31,27 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from diag.detectors import TrainingHalted
-from hooks.integrations import callback_options
+from hooks.integrations import callback_options, with_mlflow_sink
 from hooks.monitor.monitor import Monitor
 
-__all__ = ["MonitorCallback", "STATE_FILE", "default_logdir"]
+__all__ = ["MonitorCallback", "STATE_FILE", "default_logdir", "reports_to_mlflow"]
 
 log = logging.getLogger("diag")
 
 STATE_FILE = "attnscope_state.json"
   # the detectors' state, written into each checkpoint-N folder
 LAYOUT_FILE = "attnscope_layout.json"  # the Monitor's layouts (diag.offline.layoutfile), in each checkpoint-N
+
+
+def reports_to_mlflow(args: Any) -> bool:
+    """Whether the Trainer logs to MLflow: ``report_to`` holds "mlflow", or "all" and mlflow is installed."""
+    report_to = getattr(args, "report_to", None) or []
+    report_to = [report_to] if isinstance(report_to, str) else list(report_to)
+    if "all" in report_to:
+        from transformers.integrations import get_available_reporting_integrations
+
+        report_to = get_available_reporting_integrations()
+    return "mlflow" in report_to
 
 
 def default_logdir(args: Any) -> Path:
@@ -71,6 +82,11 @@ class MonitorCallback(TrainerCallback):
     (:class:`hooks.parallel.detectors.SharedDetectors`). The detectors' state is saved as
     ``checkpoint-N/attnscope_state.json`` and loaded when training resumes from
     ``<output_dir>/checkpoint-N``.
+
+    When ``args.report_to`` holds ``"mlflow"`` (or ``"all"`` with mlflow installed), the main process adds an
+    :class:`~diag.outputs.mlflow_sink.MLflowSink` (unless ``sinks`` holds one): it writes into the run the
+    Trainer's MLflowCallback started, found at the first write (``mlflow.active_run()``), whichever callback
+    runs first at ``on_train_begin``; it never starts a run of its own beside the Trainer's.
     """
 
     def __init__(
@@ -93,6 +109,10 @@ class MonitorCallback(TrainerCallback):
         kwargs_here = dict(self.monitor_kwargs)
         if not main:
             kwargs_here["sinks"] = ()
+        elif reports_to_mlflow(args):
+            from diag.outputs.mlflow_sink import MLflowSink
+
+            kwargs_here = with_mlflow_sink(kwargs_here, MLflowSink)
         logdir = (self.logdir or default_logdir(args)) if main else None
         self.monitor = Monitor(model, logdir, self.every, purge_step=state.global_step or None, **kwargs_here)
         if state.global_step > 0:

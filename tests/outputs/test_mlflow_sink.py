@@ -38,8 +38,8 @@ def server(tmp_path_factory):
         yield uri
 
 
-def history(client: MlflowClient, run_id: str, tag: str) -> dict[int, float]:
-    return {m.step: m.value for m in client.get_metric_history(run_id, mlflow_key(tag))}
+def history(client: MlflowClient, run_id: str, key: str) -> dict[int, float]:
+    return {m.step: m.value for m in client.get_metric_history(run_id, key)}
 
 
 def same(a: float | None, b: float) -> bool:
@@ -90,7 +90,7 @@ def demo_run(logdir: Path, sink: MLflowSink, steps: int = 40):
 def test_demo_run_is_in_mlflow(server, tmp_path):
     sink = MLflowSink(tracking_uri=server, experiment="demo", run_name="demo", flush_every=0.5)
     demo_run(tmp_path / "run", sink)
-    assert sink.owns_run and sink.unsent == 0
+    assert sink.owns_run and sink.unsent == 0 and sink.prefix == ""  # its own run: the tags as they are
     client = MlflowClient(server)
     run = client.get_run(sink.run_id)
     assert run.info.status == "FINISHED" and run.info.run_name == "demo"
@@ -101,7 +101,7 @@ def test_demo_run_is_in_mlflow(server, tmp_path):
         expected.setdefault(row["tag"], {})[row["step"]] = row["value"]
     assert len(expected) > 50 and {tag_of_key(k) for k in run.data.metrics} == set(expected)
     for tag, values in expected.items():
-        got = history(client, sink.run_id, tag)
+        got = history(client, sink.run_id, mlflow_key(tag))
         assert set(got) == set(values), tag
         assert all(same(values[s], got[s]) for s in values), (tag, values, got)
 
@@ -139,7 +139,8 @@ def test_writes_into_the_users_active_run(server):
         assert [r.info.run_id for r in runs] == [run.info.run_id]
         data = runs[0].data
         assert history(client, run.info.run_id, "user_loss") == {0: 1.0, 1: 0.5, 2: 1.0 / 3}
-        assert all(data.metrics[k] == v for k, v in big.items()) and data.metrics["loss"] == 2.0
+        assert sink.prefix == "attnscope/" and set(data.metrics) == {"user_loss", *map(sink.key, [*big, "loss"])}
+        assert all(data.metrics["attnscope/" + k] == v for k, v in big.items()) and data.metrics["attnscope/loss"] == 2
         assert data.tags[ALERT_TAG_PREFIX + "loss_spike"].startswith("firing warning, step 1")
     finally:
         mlflow.set_tracking_uri(None)

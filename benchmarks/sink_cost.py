@@ -1,0 +1,167 @@
+"""What the MLflow sink costs a training step, at the default cadence, on a 32-layer x 32-head metric set.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/sink_cost.py            # ~2 min on 2 CPU cores
+    PYTHONPATH=. .venv/bin/python benchmarks/sink_cost.py --steps 300
+
+1. The metric set: the Monitor at its default cadence (every=None) on a 32-layer, 32-head GPT of tiny width
+   (hooks.demo's model, d_model 64) for one whole period of the cadence (100 steps, the update ratios' period),
+   into a MemorySink: the records, with the tags the Monitor writes for 32 x 32 heads.
+2. A real MLflow server on 127.0.0.1 (SQLite store, tests/support/mlflow_server.py).
+3. Side by side in one process, on the demo (``python -m diag demo``'s model and data, Monitor at the default
+   cadence, no logdir):
+   * the demo's step time with no MLflow sink;
+   * the same steps with an MLflowSink that receives, at every step, the 32 x 32 records the cadence gives
+     that step (replayed from 1.) besides the demo's own: the step time the training thread sees, with the
+     sender thread converting and sending in the background;
+   * the time the training thread spends in ``MLflowSink.write`` for the 32 x 32 records of one period,
+     per step;
+   * the same records sent synchronously (``Metric`` objects and ``log_batch`` on the caller's thread), per step:
+     what a sink with no sender thread would cost.
+Prints each, and each as a fraction of the demo's step time. No result is asserted: the numbers go to
+docs/cost.md#mlflow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from diag.outputs.sinks import MemorySink, Record  # noqa: E402
+from hooks.demo import GPT, GPTConfig  # noqa: E402
+from hooks.demo.data import encode, get_batch, load_text  # noqa: E402
+from hooks.demo.loop import adamw  # noqa: E402
+from hooks.demo.run import DEFAULT_LR  # noqa: E402
+from hooks.monitor.monitor import Monitor  # noqa: E402
+from tests.support.mlflow_server import mlflow_server  # noqa: E402
+
+PERIOD = 100  # steps of the default cadence after which every family has been sampled (updates: every 100)
+
+
+def big_records() -> dict[int, list[Record]]:
+    """{step within the period: the records the Monitor wrote at that step} for 32 layers x 32 heads."""
+    cfg = GPTConfig(vocab_size=64, block_size=32, n_layer=32, n_head=32, n_embd=64, batch_size=2)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    memory = MemorySink()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    idx = torch.randint(0, 64, (2, 32))
+    with Monitor(model, every=None, sinks=[memory]) as monitor:
+        for step in range(PERIOD + 1):  # the update ratios of step 0 are written at step 1
+            loss = model(idx, idx)
+            loss.backward()
+            monitor.step(step, loss=loss)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    out: dict[int, list[Record]] = {}
+    for r in memory.records:
+        if r.step >= PERIOD:
+            continue
+        out.setdefault(r.step % PERIOD, []).append(r)
+    return out
+
+
+def demo_steps(steps: int, extra=None) -> list[float]:
+    """The demo's step times (s); ``extra(step)`` runs after the Monitor's step, on the training thread."""
+    cfg = GPTConfig()
+    data, cfg.vocab_size = encode(load_text(500_000))
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    model = GPT(cfg)
+    opt = adamw(model, DEFAULT_LR)
+    times = []
+    with Monitor(model, every=None) as monitor:
+        for step in range(steps):
+            t = time.perf_counter()
+            loss = model(*get_batch(data, cfg, gen))
+            loss.backward()
+            monitor.step(step, loss=loss)
+            if extra is not None:
+                extra(step)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - t)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=200, help="demo steps per measurement (default 200)")
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    from diag.outputs.mlflow_sink import MLflowSink
+
+    t0 = time.perf_counter()
+    records = big_records()
+    n_values = sum(len(r.scalars) for rs in records.values() for r in rs)
+    print(f"32 layers x 32 heads, default cadence: {n_values} scalar values in one period of {PERIOD} steps "
+          f"({n_values / PERIOD:.0f} per step on average; {len({t for rs in records.values() for r in rs for t in r.scalars})}"
+          f" tags), collected in {time.perf_counter() - t0:.0f} s")
+
+    with tempfile.TemporaryDirectory() as tmp, mlflow_server(Path(tmp) / "server") as uri:
+        # the training thread's time in write(), one period
+        sink = MLflowSink(tracking_uri=uri, experiment="sink_cost", flush_every=5.0)
+        t = time.perf_counter()
+        for step in range(PERIOD):
+            for r in records.get(step, ()):
+                sink.write(r)
+        write_s = (time.perf_counter() - t) / PERIOD
+        t = time.perf_counter()
+        sink.close()
+        drain_s = time.perf_counter() - t
+        assert sink.unsent == 0
+
+        # the same records sent on the caller's thread: conversion and log_batch, in MLflow's chunks
+        from mlflow.entities import Metric
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(uri)
+        run_id = client.create_run(client.get_experiment_by_name("sink_cost").experiment_id).info.run_id
+        t = time.perf_counter()
+        for step in range(PERIOD):
+            metrics = [Metric(k, v, int(time.time() * 1000), r.step) for r in records.get(step, ())
+                       for k, v in r.scalars.items()]
+            for i in range(0, len(metrics), 1000):
+                client.log_batch(run_id, metrics=metrics[i: i + 1000], synchronous=True)
+        sync_s = (time.perf_counter() - t) / PERIOD
+        client.set_terminated(run_id)
+
+        # the demo, side by side: no MLflow sink, then the sink receiving the 32 x 32 records at the cadence
+        demo_steps(10)  # warm-up: data, allocator
+        base = demo_steps(args.steps)
+        sink = MLflowSink(tracking_uri=uri, experiment="sink_cost", flush_every=5.0)
+
+        def replay(step: int) -> None:
+            for r in records.get(step % PERIOD, ()):
+                sink.write(Record(step, r.scalars))
+
+        with_sink = demo_steps(args.steps, replay)
+        sink.close()
+        base2 = demo_steps(args.steps)  # the baseline again: the drift of the machine between runs
+
+    step_s = statistics.mean(base + base2)
+    print(f"\ndemo step (4 layers x 2 heads, d_model 128, batch 16 x 128, default cadence), mean over "
+          f"{args.steps} steps: {statistics.mean(base) * 1e3:.1f} ms before, {statistics.mean(base2) * 1e3:.1f} ms "
+          f"after the run with the sink")
+    print(f"{'':52s}{'per step':>12s}{'/ demo step':>14s}")
+    rows = [
+        ("MLflowSink.write on the training thread", write_s),
+        ("sending the same synchronously (no sender thread)", sync_s),
+        ("demo step with the sink, minus without", statistics.mean(with_sink) - step_s),
+    ]
+    for name, s in rows:
+        print(f"{name:52s}{s * 1e3:10.3f} ms{s / step_s:13.2%}")
+    print(f"close() with a period's records buffered: {drain_s:.2f} s (the last send, the end of the run)")
+    print(f"step time with the sink: mean {statistics.mean(with_sink) * 1e3:.1f} ms, median "
+          f"{statistics.median(with_sink) * 1e3:.1f} ms; without: median {statistics.median(base + base2) * 1e3:.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
