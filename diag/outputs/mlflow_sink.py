@@ -51,6 +51,7 @@ import tempfile
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -134,6 +135,7 @@ class MLflowSink:
         self.prefix = prefix
         self.owns_run = False  # True once the sink created the run: only then does close() end it
         self.logdir: Path | None = None
+        self._write_report: Callable[[Path, Path], Path] | None = None
         # MLflow's per-call limits: metrics and tags per log_batch call, the length of a tag value
         self._max_metrics = min(getattr(validation, "MAX_METRICS_PER_BATCH", 1000),
                                 getattr(validation, "MAX_ENTITIES_PER_BATCH", 1000))
@@ -158,9 +160,12 @@ class MLflowSink:
 
     # ---------------------------------------------------------------- the training thread
 
-    def set_logdir(self, logdir: str | os.PathLike | None) -> None:
-        """The Monitor's logdir (its metrics.jsonl and alerts.jsonl make the run report at close)."""
+    def set_logdir(self, logdir: str | os.PathLike | None,
+                   write_report: Callable[[Path, Path], Path] | None = None) -> None:
+        """The Monitor's logdir, and what writes the run report of its metrics.jsonl and alerts.jsonl to a file
+        (``diag.reports.run.write_run_report``, handed over by the Monitor: the outputs import no report code)."""
         self.logdir = None if logdir is None else Path(logdir)
+        self._write_report = write_report
 
     def write(self, record: Record) -> None:
         if self._closing:
@@ -346,13 +351,11 @@ class MLflowSink:
 
     def _finish(self) -> None:
         """At close: the report, the run's end (if the sink created it), what was lost."""
-        if self.run_id is not None and self.report and self.logdir is not None \
+        if self.run_id is not None and self.report and self._write_report is not None and self.logdir is not None \
                 and (self.logdir / "metrics.jsonl").is_file():
             try:
-                from diag.reports.run import write_run_report
-
                 with tempfile.TemporaryDirectory(prefix="attnscope-report-") as tmp:
-                    path = write_run_report(self.logdir, Path(tmp) / "report.html")
+                    path = self._write_report(self.logdir, Path(tmp) / "report.html")
                     self.client.log_artifact(self.run_id, str(path), ARTIFACT_DIR)
             except Exception as err:  # noqa: BLE001 - the metrics are there; only the page is missing
                 self._report("report", f"diag: MLflowSink: the run report was not logged ({err!r}); "

@@ -10,8 +10,9 @@ A sink may also have ``write_layout(layout)``: the custom-scalars layout of the 
 and ``write_view(record)``: what only a dashboard shows (the alert events, the constants as
 text, see :mod:`diag.outputs.tb_views`), and ``write_alerts(alerts)``: the
 :class:`~diag.detectors.base.Alert` objects of one step, for a backend with alerts of its own
-(W&B's ``run.alert``, MLflow's run tags), and ``set_logdir(path)``: the Monitor's logdir, for a sink that
-reads the run's files at close (the MLflow sink logs the run report made from them); :class:`FanOut` passes
+(W&B's ``run.alert``, MLflow's run tags), and ``set_logdir(path, write_report)``: the Monitor's logdir and
+the function that writes the run report of its files (``write_report(logdir, out) -> out``), for a sink that logs
+the report at close (the MLflow sink); :class:`FanOut` passes
 them only to the sinks that have them.
 
 Chosen libraries: ``torch.utils.tensorboard.SummaryWriter`` (the official
@@ -264,8 +265,8 @@ class FanOut:
     def write_alerts(self, alerts: list) -> None:
         self._call("write_alerts", alerts, optional=True)  # only sinks that have it
 
-    def set_logdir(self, logdir: Path) -> None:
-        self._call("set_logdir", logdir, optional=True)  # only sinks that have it
+    def set_logdir(self, logdir: Path, write_report) -> None:
+        self._call("set_logdir", logdir, write_report, optional=True)  # only sinks that have it
 
     def flush(self) -> None:
         self._call("flush")
