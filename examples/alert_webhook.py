@@ -27,9 +27,14 @@ def main() -> None:
                         "(default: $SLACK_WEBHOOK_URL; none: print the messages)")
     parser.add_argument("--logdir", default="runs/webhook", help="the Monitor's run folder (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=150, help="optimizer steps (default: %(default)s)")
+    parser.add_argument("--min-level", default="warning", choices=["info", "warning", "critical"],
+                        help="the lowest level posted (default: %(default)s)")
     args = parser.parse_args()
 
-    on_alert = AlertWebhook(args.url, run=args.logdir) if args.url else (lambda a: print(slack_text(a, args.logdir)))
+    if args.url:
+        on_alert = AlertWebhook(args.url, run=args.logdir, min_level=args.min_level)
+    else:
+        on_alert = lambda a: print(slack_text(a, args.logdir))  # noqa: E731
     cfg = GPTConfig()
     data, cfg.vocab_size = encode(load_text(500_000))
     torch.manual_seed(0)
