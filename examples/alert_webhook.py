@@ -51,6 +51,7 @@ def main() -> None:
     if isinstance(on_alert, AlertWebhook):
         on_alert.close()  # the posts still queued go out before the process ends
         print(f"{on_alert.posted} message(s) posted to the webhook")
+    print(f"tensorboard --logdir {args.logdir}")
 
 
 if __name__ == "__main__":
