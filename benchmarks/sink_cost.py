@@ -7,16 +7,15 @@
    (hooks.demo's model, d_model 64) for one whole period of the cadence (100 steps, the update ratios' period),
    into a MemorySink: the records, with the tags the Monitor writes for 32 x 32 heads.
 2. A real MLflow server on 127.0.0.1 (SQLite store, tests/support/mlflow_server.py).
-3. Side by side in one process, on the demo (``python -m diag demo``'s model and data, Monitor at the default
-   cadence, no logdir):
-   * the demo's step time with no MLflow sink;
-   * the same steps with an MLflowSink that receives, at every step, the 32 x 32 records the cadence gives
-     that step (replayed from 1.) besides the demo's own: the step time the training thread sees, with the
-     sender thread converting and sending in the background;
+3. In one process, with one torch thread:
    * the time the training thread spends in ``MLflowSink.write`` for the 32 x 32 records of one period,
      per step;
    * the same records sent synchronously (``Metric`` objects and ``log_batch`` on the caller's thread), per step:
-     what a sink with no sender thread would cost.
+     what a sink with no sender thread would cost;
+   * the demo (``python -m diag demo``'s model and data, Monitor at the default cadence, no logdir), paired: two
+     copies trained one step of each in turn, one plain, one whose steps also feed an MLflowSink the 32 x 32
+     records the cadence gives that step (replayed from 1.); the difference in wall time and in the training
+     thread's CPU time, and the CPU time of the other threads (the sender's conversion and sends).
 Prints each, and each as a fraction of the demo's step time. No result is asserted: the numbers go to
 docs/cost.md#mlflow.
 """
@@ -68,27 +67,31 @@ def big_records(per_head: bool | None) -> dict[int, list[Record]]:
     return out
 
 
-def demo_steps(steps: int, extra=None) -> list[float]:
-    """The demo's step times (s); ``extra(step)`` runs after the Monitor's step, on the training thread."""
-    cfg = GPTConfig()
-    data, cfg.vocab_size = encode(load_text(500_000))
-    torch.manual_seed(0)
-    gen = torch.Generator().manual_seed(0)
-    model = GPT(cfg)
-    opt = adamw(model, DEFAULT_LR)
-    times = []
-    with Monitor(model, every=None) as monitor:
-        for step in range(steps):
-            t = time.perf_counter()
-            loss = model(*get_batch(data, cfg, gen))
-            loss.backward()
-            monitor.step(step, loss=loss)
-            if extra is not None:
-                extra(step)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            times.append(time.perf_counter() - t)
-    return times
+class Demo:
+    """The demo's model, data, optimizer and a Monitor at the default cadence; :meth:`step` trains one step and
+    returns its (wall, training-thread CPU) seconds; ``extra(step)`` runs after the Monitor's step."""
+
+    def __init__(self, extra=None) -> None:
+        self.cfg = GPTConfig()
+        self.data, self.cfg.vocab_size = encode(load_text(500_000))
+        torch.manual_seed(0)
+        self.gen = torch.Generator().manual_seed(0)
+        self.model = GPT(self.cfg)
+        self.opt = adamw(self.model, DEFAULT_LR)
+        self.monitor = Monitor(self.model, every=None)
+        self.extra, self.n = extra, 0
+
+    def step(self) -> tuple[float, float]:
+        wall, cpu = time.perf_counter(), time.thread_time()
+        loss = self.model(*get_batch(self.data, self.cfg, self.gen))
+        loss.backward()
+        self.monitor.step(self.n, loss=loss)
+        if self.extra is not None:
+            self.extra(self.n)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.n += 1
+        return time.perf_counter() - wall, time.thread_time() - cpu
 
 
 def main() -> None:
@@ -97,7 +100,7 @@ def main() -> None:
     parser.add_argument("--per-head", action="store_true", help="the 32 x 32 set with every head's scalars "
                         "(Monitor(per_head=True)); default: the Monitor's default, per-layer statistics at 1,024 heads")
     args = parser.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    torch.set_num_threads(1)  # the demo's compute on the training thread: its CPU time is the step's
     from diag.outputs.mlflow_sink import MLflowSink
 
     t0 = time.perf_counter()
@@ -136,35 +139,46 @@ def main() -> None:
         sync_s = (time.perf_counter() - t) / PERIOD
         client.set_terminated(run_id)
 
-        # the demo, side by side: no MLflow sink, then the sink receiving the 32 x 32 records at the cadence
-        demo_steps(10)  # warm-up: data, allocator
-        base = demo_steps(args.steps)
+        # the demo, paired: two copies, one plain and one whose Monitor also feeds an MLflowSink the 32 x 32
+        # records of each step, one step of each in turn (a drift of the machine hits both alike)
         sink = MLflowSink(tracking_uri=uri, experiment="sink_cost", flush_every=5.0)
 
         def replay(step: int) -> None:
             for r in records.get(step % PERIOD, ()):
                 sink.write(Record(step, r.scalars))
 
-        with_sink = demo_steps(args.steps, replay)
+        plain, fed = Demo(), Demo(replay)
+        for _ in range(5):  # warm-up: allocator, first samples
+            plain.step()
+            fed.step()
+        plain.n = fed.n = 0
+        base, with_sink = [], []
+        p0 = time.process_time()
+        for _ in range(args.steps):
+            base.append(plain.step())
+            with_sink.append(fed.step())
+        other_cpu = time.process_time() - p0 - sum(c for _, c in base + with_sink)  # threads other than this one
         sink.close()
-        base2 = demo_steps(args.steps)  # the baseline again: the drift of the machine between runs
+        plain.monitor.close()
+        fed.monitor.close()
 
-    step_s = statistics.mean(base + base2)
-    print(f"\ndemo step (4 layers x 2 heads, d_model 128, batch 16 x 128, default cadence), mean over "
-          f"{args.steps} steps: {statistics.mean(base) * 1e3:.1f} ms before, {statistics.mean(base2) * 1e3:.1f} ms "
-          f"after the run with the sink")
-    print(f"{'':52s}{'per step':>12s}{'/ demo step':>14s}")
+    step_wall = statistics.mean(w for w, _ in base)
+    step_cpu = statistics.mean(c for _, c in base)
+    print(f"\ndemo step (4 layers x 2 heads, d_model 128, batch 16 x 128, default cadence, torch threads "
+          f"{torch.get_num_threads()}), {args.steps} steps: wall {step_wall * 1e3:.1f} ms (median "
+          f"{statistics.median(w for w, _ in base) * 1e3:.1f}), training-thread CPU {step_cpu * 1e3:.1f} ms")
+    print(f"{'':58s}{'per step':>12s}{'/ demo step':>14s}")
     rows = [
-        ("MLflowSink.write on the training thread", write_s),
-        ("sending the same synchronously (no sender thread)", sync_s),
-        ("demo step with the sink, minus without", statistics.mean(with_sink) - step_s),
+        ("MLflowSink.write on the training thread (wall)", write_s, step_wall),
+        ("sending the same synchronously, no sender thread (wall)", sync_s, step_wall),
+        ("paired: training-thread CPU with the sink minus without",
+         statistics.mean(c for _, c in with_sink) - step_cpu, step_cpu),
+        ("paired: wall with the sink minus without", statistics.mean(w for w, _ in with_sink) - step_wall, step_wall),
+        ("paired: CPU of the other threads (the sender)", other_cpu / args.steps, step_cpu),
     ]
-    for name, s in rows:
-        print(f"{name:52s}{s * 1e3:10.3f} ms{s / step_s:13.2%}")
+    for name, s, ref in rows:
+        print(f"{name:58s}{s * 1e3:10.3f} ms{s / ref:13.2%}")
     print(f"close() with a period's records buffered: {drain_s:.2f} s (the last send, the end of the run)")
-    print(f"step time with the sink: mean {statistics.mean(with_sink) * 1e3:.1f} ms, median "
-          f"{statistics.median(with_sink) * 1e3:.1f} ms; without: median "
-          f"{statistics.median(base + base2) * 1e3:.1f} ms")
 
 
 if __name__ == "__main__":

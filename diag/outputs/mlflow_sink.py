@@ -247,20 +247,22 @@ class MLflowSink:
             key = self._keys[tag] = mlflow_key((self.prefix or "") + tag)
         return key
 
-    def _drop(self, n: int) -> None:
-        """Drop the ``n`` oldest buffered values (the server is out of reach and the buffer full)."""
+    def _drop(self, n: int, *, sender: bool = False) -> None:
+        """Drop the ``n`` oldest buffered values (the server is out of reach and the buffer full). The training
+        thread drops records not yet converted; only the sender thread touches the converted ones."""
         with self._lock:
             dropped = 0
-            while dropped < n and self._metrics:
-                self._metrics.pop(0)
-                dropped += 1
+            if sender:
+                dropped = min(n, len(self._metrics))
+                del self._metrics[:dropped]
             while dropped < n and self._records:
                 dropped += len(self._records.popleft()[2])
             self._pending -= dropped
             self._dropped += dropped
-        self._report("dropped", f"diag: MLflowSink: {self.tracking_uri} cannot keep up or cannot be reached; more "
-                     f"than {self.max_pending} values waited, the oldest are dropped (counted at close)"
-                     + self._where_kept())
+        if dropped:
+            self._report("dropped", f"diag: MLflowSink: {self.tracking_uri} cannot keep up or cannot be reached; "
+                         f"more than {self.max_pending} values waited, the oldest are dropped (counted at close)"
+                         + self._where_kept())
 
     def _where_kept(self) -> str:
         return f"; every value is in {self.logdir / 'metrics.jsonl'}" if self.logdir is not None else ""
@@ -324,6 +326,8 @@ class MLflowSink:
                 self._report("log_batch", f"diag: MLflowSink cannot send metrics to run {self.run_id} at "
                              f"{self.tracking_uri} ({err!r}); they wait in memory and are sent when it can"
                              + self._where_kept())
+                if self._pending > self.max_pending:
+                    self._drop(self._pending - self.max_pending, sender=True)
                 break
             with self._lock:
                 del self._metrics[: len(chunk)]

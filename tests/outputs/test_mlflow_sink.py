@@ -170,3 +170,17 @@ def test_a_server_that_is_down_never_reaches_training(monkeypatch, caplog, tmp_p
     lost = [m for m in messages if "did not reach" in m]
     assert len(lost) == 1 and f"{sink.unsent} of {sink.unsent} scalar values" in lost[0]
     assert str(tmp_path / "run" / "metrics.jsonl") in lost[0]
+
+
+def test_values_beyond_max_pending_are_dropped_and_counted(monkeypatch, caplog):
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    sink = MLflowSink(tracking_uri=f"http://127.0.0.1:{free_port()}", flush_every=60, close_timeout=30,
+                      max_pending=10)
+    with caplog.at_level(logging.WARNING, logger="diag"):
+        for step in range(5):
+            sink.write(Record(step, {f"m{i}": float(i) for i in range(4)}))
+        assert sink.unsent <= 10
+        sink.close()
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("the oldest are dropped" in m for m in messages) == 1
+    assert sum("20 of 20 scalar values did not reach" in m for m in messages) == 1
