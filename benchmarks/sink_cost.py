@@ -1,7 +1,7 @@
 """What the MLflow sink costs a training step, at the default cadence, on a 32-layer x 32-head metric set.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/sink_cost.py            # ~2 min on 2 CPU cores
-    PYTHONPATH=. .venv/bin/python benchmarks/sink_cost.py --per-head     # every head's scalars: 1,024 heads
+    PYTHONPATH=. OMP_NUM_THREADS=1 .venv/bin/python benchmarks/sink_cost.py --steps 400   # ~3 min on 2 cores
+    PYTHONPATH=. OMP_NUM_THREADS=1 .venv/bin/python benchmarks/sink_cost.py --per-head   # every head, 1,024 heads
 
 1. The metric set: the Monitor at its default cadence (every=None) on a 32-layer, 32-head GPT of tiny width
    (hooks.demo's model, d_model 64) for one whole period of the cadence (100 steps, the update ratios' period),
@@ -151,7 +151,6 @@ def main() -> None:
         for _ in range(5):  # warm-up: allocator, first samples
             plain.step()
             fed.step()
-        plain.n = fed.n = 0
         base, with_sink = [], []
         p0 = time.process_time()
         for _ in range(args.steps):
