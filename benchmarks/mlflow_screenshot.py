@@ -59,6 +59,10 @@ def main() -> None:
             page.goto(f"{uri}/#/experiments/{experiment}/runs/{sink.run_id}/model-metrics")
             page.wait_for_load_state("load")  # the UI polls the server: the network never goes idle
             page.wait_for_timeout(8000)
+            close = page.get_by_role("button", name="Close", exact=True)
+            if close.count() == 1:  # the assistant panel beside the charts
+                close.click()
+                page.wait_for_timeout(500)
             search = page.get_by_placeholder("Search metric charts")
             if search.count():  # the charts of one signal: sigma_1 of every layer
                 search.first.fill("qk_sigma1")
