@@ -10,8 +10,10 @@ A sink may also have ``write_layout(layout)``: the custom-scalars layout of the 
 and ``write_view(record)``: what only a dashboard shows (the alert events, the constants as
 text, see :mod:`diag.outputs.tb_views`), and ``write_alerts(alerts)``: the
 :class:`~diag.detectors.base.Alert` objects of one step, for a backend with alerts of its own
-(W&B's ``run.alert``, MLflow's run tags); :class:`FanOut` passes them only to the sinks that
-have them.
+(W&B's ``run.alert``, MLflow's run tags), and ``set_logdir(path, write_report)``: the Monitor's logdir and
+the function that writes the run report of its files (``write_report(logdir, out) -> out``), for a sink that logs
+the report at close (the MLflow sink); :class:`FanOut` passes
+them only to the sinks that have them.
 
 Chosen libraries: ``torch.utils.tensorboard.SummaryWriter`` (the official
 writer, from the ``tensorboard`` package) for event files; the standard
@@ -262,6 +264,9 @@ class FanOut:
 
     def write_alerts(self, alerts: list) -> None:
         self._call("write_alerts", alerts, optional=True)  # only sinks that have it
+
+    def set_logdir(self, logdir: Path, write_report) -> None:
+        self._call("set_logdir", logdir, write_report, optional=True)  # only sinks that have it
 
     def flush(self) -> None:
         self._call("flush")

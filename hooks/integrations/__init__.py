@@ -6,7 +6,9 @@
 Each submodule imports its own framework; this package (and ``hooks``) imports neither.
 What both callbacks share lives here: the check of the Monitor arguments they pass on. With
 ``stop_on_critical`` on several ranks, the Monitor's detectors stop every rank together
-(:class:`hooks.parallel.detectors.SharedDetectors`).
+(:class:`hooks.parallel.detectors.SharedDetectors`). Both add an
+:class:`~diag.outputs.mlflow_sink.MLflowSink` on the main process when the trainer logs to MLflow
+(:func:`with_mlflow_sink`), writing into the trainer's own run.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 from diag.errors import ConfigError
 from hooks.monitor.monitor import Monitor
 
-__all__ = ["check_monitor_kwargs", "callback_options"]
+__all__ = ["check_monitor_kwargs", "callback_options", "with_mlflow_sink"]
 
 # Arguments of Monitor that a callback sets itself (logdir and every are the callbacks' own arguments).
 _SET_BY_CALLBACK = {"model": "the trainer's model", "purge_step": "the trainer's step on resume"}
@@ -44,3 +46,12 @@ def callback_options(every: object, kwargs: dict[str, Any]) -> dict[str, Any]:
     # (a resume continues it through purge_step); overwrite=False asks for the Monitor's refusal instead.
     checked.setdefault("overwrite", True)
     return checked
+
+
+def with_mlflow_sink(kwargs: dict[str, Any], make_sink) -> dict[str, Any]:
+    """``kwargs`` with ``make_sink()`` added to its ``sinks``, unless they already hold an MLflowSink (the user's
+    own, which decides where the values go)."""
+    sinks = list(kwargs.get("sinks", ()))
+    if any(type(s).__name__ == "MLflowSink" for s in sinks):
+        return kwargs
+    return {**kwargs, "sinks": [*sinks, make_sink()]}

@@ -32,10 +32,10 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from diag.detectors import TrainingHalted
 from diag.outputs.wandb_sink import WandbSink  # imports no wandb: building one does
-from hooks.integrations import callback_options
+from hooks.integrations import callback_options, with_mlflow_sink
 from hooks.monitor.monitor import Monitor
 
-__all__ = ["MonitorCallback", "STATE_FILE", "default_logdir"]
+__all__ = ["MonitorCallback", "STATE_FILE", "default_logdir", "reports_to_mlflow"]
 
 log = logging.getLogger("diag")
 
@@ -44,15 +44,25 @@ STATE_FILE = "attnscope_state.json"
 LAYOUT_FILE = "attnscope_layout.json"  # the Monitor's layouts (diag.offline.layoutfile), in each checkpoint-N
 
 
-def _reports_to_wandb(args: Any) -> bool:
-    """Whether the Trainer logs to W&B (``report_to`` names ``"wandb"``, or is ``"all"`` with wandb installed)."""
+def _reports_to(args: Any, backend: str) -> bool:
+    """Whether the Trainer logs to ``backend``: ``report_to`` names it, or is ``"all"`` and it is installed."""
     report_to = getattr(args, "report_to", None) or []
     report_to = [report_to] if isinstance(report_to, str) else list(report_to)
     if "all" in report_to:
-        import importlib.util
+        from transformers.integrations import get_available_reporting_integrations
 
-        return importlib.util.find_spec("wandb") is not None
-    return "wandb" in report_to
+        report_to = get_available_reporting_integrations()
+    return backend in report_to
+
+
+def _reports_to_wandb(args: Any) -> bool:
+    """Whether the Trainer logs to W&B (``report_to`` names ``"wandb"``, or is ``"all"`` with wandb installed)."""
+    return _reports_to(args, "wandb")
+
+
+def reports_to_mlflow(args: Any) -> bool:
+    """Whether the Trainer logs to MLflow: ``report_to`` holds "mlflow", or "all" and mlflow is installed."""
+    return _reports_to(args, "mlflow")
 
 
 def default_logdir(args: Any) -> Path:
@@ -85,6 +95,11 @@ class MonitorCallback(TrainerCallback):
     (:class:`hooks.parallel.detectors.SharedDetectors`). The detectors' state is saved as
     ``checkpoint-N/attnscope_state.json`` and loaded when training resumes from
     ``<output_dir>/checkpoint-N``.
+
+    When ``args.report_to`` holds ``"mlflow"`` (or ``"all"`` with mlflow installed), the main process adds an
+    :class:`~diag.outputs.mlflow_sink.MLflowSink` (unless ``sinks`` holds one): it writes into the run the
+    Trainer's MLflowCallback started, found at the first write (``mlflow.active_run()``), whichever callback
+    runs first at ``on_train_begin``; it never starts a run of its own beside the Trainer's.
     """
 
     def __init__(
@@ -107,10 +122,15 @@ class MonitorCallback(TrainerCallback):
         kwargs_here = dict(self.monitor_kwargs)
         if not main:
             kwargs_here["sinks"] = ()
-        elif _reports_to_wandb(args) and not any(isinstance(s, WandbSink) for s in kwargs_here.get("sinks", ())):
-            # the Trainer's own run (its WandbCallback starts it in on_train_begin, before or after this one):
-            # the sink writes into whichever run is active, and commits rows as the Trainer's logger does
-            kwargs_here["sinks"] = [*kwargs_here.get("sinks", ()), WandbSink(start_run=False, commit=True)]
+        else:
+            if _reports_to_wandb(args) and not any(isinstance(s, WandbSink) for s in kwargs_here.get("sinks", ())):
+                # the Trainer's own run (its WandbCallback starts it in on_train_begin, before or after this one):
+                # the sink writes into whichever run is active, and commits rows as the Trainer's logger does
+                kwargs_here["sinks"] = [*kwargs_here.get("sinks", ()), WandbSink(start_run=False, commit=True)]
+            if reports_to_mlflow(args):
+                from diag.outputs.mlflow_sink import MLflowSink
+
+                kwargs_here = with_mlflow_sink(kwargs_here, MLflowSink)
         logdir = (self.logdir or default_logdir(args)) if main else None
         self.monitor = Monitor(model, logdir, self.every, purge_step=state.global_step or None, **kwargs_here)
         if state.global_step > 0:

@@ -24,10 +24,19 @@ import lightning.pytorch as pl
 from torch import Tensor
 
 from diag.offline.checkpoint import LAYOUT_KEY
-from hooks.integrations import callback_options
+from hooks.integrations import callback_options, with_mlflow_sink
 from hooks.monitor.monitor import Monitor
 
-__all__ = ["MonitorCallback"]
+__all__ = ["MonitorCallback", "mlflow_logger"]
+
+
+def mlflow_logger(trainer: pl.Trainer):
+    """The trainer's ``MLFlowLogger``, or None (the class is looked up only when mlflow is installed)."""
+    try:
+        from lightning.pytorch.loggers import MLFlowLogger
+    except ImportError:
+        return None
+    return next((lg for lg in trainer.loggers if isinstance(lg, MLFlowLogger)), None)
 
 
 def _wandb_sinks(trainer: pl.Trainer, sinks: Any) -> list:
@@ -63,6 +72,10 @@ class MonitorCallback(pl.Callback):
     ``stop_on_critical`` every rank judges rank 0's observation, so all of them raise ``TrainingHalted`` at the
     same step (:class:`hooks.parallel.detectors.SharedDetectors`).
     ``state_dict``/``load_state_dict`` carry the detectors' state in Lightning checkpoints.
+
+    When one of ``trainer.loggers`` is an ``MLFlowLogger``, global rank 0 adds an
+    :class:`~diag.outputs.mlflow_sink.MLflowSink` (unless ``sinks`` holds one) that writes into that logger's run
+    (``logger.run_id`` at the logger's tracking URI); the logger ends its run, the sink never does.
     """
 
     def __init__(
@@ -85,6 +98,11 @@ class MonitorCallback(pl.Callback):
             kwargs["sinks"] = ()
         else:
             kwargs["sinks"] = [*kwargs.get("sinks", ()), *_wandb_sinks(trainer, kwargs.get("sinks", ()))]
+            if (logger := mlflow_logger(trainer)) is not None:
+                from diag.outputs.mlflow_sink import MLflowSink
+
+                kwargs = with_mlflow_sink(kwargs,
+                                          lambda: MLflowSink(logger.run_id, tracking_uri=logger._tracking_uri))
         self.monitor = Monitor(pl_module, logdir if main else None, self.every,
                                purge_step=trainer.global_step or None, **kwargs)
         if self._pending_state:

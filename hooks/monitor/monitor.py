@@ -23,6 +23,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -49,6 +50,13 @@ from hooks.parallel.ranks import rank, world_size
 __all__ = ["Monitor", "SIGNALS"]
 
 log = logging.getLogger("diag")
+
+
+def write_report(logdir: Path, out: Path) -> Path:
+    """The run report of ``logdir`` (``python -m diag report``), for a sink that logs it; imported when called."""
+    from diag.reports.run import write_run_report
+
+    return write_run_report(logdir, out)
 
 
 class Monitor:
@@ -146,6 +154,8 @@ class Monitor:
         files = [] if self.logdir is None else [TensorBoardSink(self.logdir, purge_step),
                                                 JsonlSink(self.logdir / "metrics.jsonl")]
         self.sinks = FanOut([*sinks, *files])
+        if self.logdir is not None:  # for a sink that logs the run report at close (MLflowSink)
+            self.sinks.set_logdir(self.logdir, write_report)
         alert_path = None if self.logdir is None else self.logdir / "alerts.jsonl"
         self.alert_sink = AlertSink(self.sinks, alert_path, on_alert if main else None, stop_on_critical)
         detectors = Detectors(alerts or AlertConfig())

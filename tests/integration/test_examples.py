@@ -186,3 +186,34 @@ def test_zero_config_sweep_prints_one_row_per_model_and_attention():
     assert rows[("codegen", "sdpa")][:4] == ["2", "2", "2", "0"] and rows[("codegen", "sdpa")][4] == "q,k"
     assert rows[("longformer", "eager")][:4] == ["2", "2", "0", "0"]
     assert "no sdpa attention" in rows[("longformer", "sdpa")][0]
+
+
+def test_alert_webhook_example_posts_each_episode_once(tmp_path):
+    """examples/alert_webhook.py at a local HTTP server that records the posts: one post per alert record of
+    alerts.jsonl at or above --min-level (the first steps at lr 5e-3 raise large_early_updates, info)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    posts: list[dict] = []
+
+    class Recorder(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            posts.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        out = run_example("alert_webhook.py", "--steps", "12", "--min-level", "info", "--logdir",
+                          str(tmp_path / "run"), "--url", f"http://127.0.0.1:{server.server_address[1]}/hook")
+    finally:
+        server.shutdown()
+        server.server_close()
+    alerts = [json.loads(line) for line in (tmp_path / "run" / "alerts.jsonl").read_text().splitlines()]
+    assert alerts and len(posts) == len({(a["kind"], a["where"], a["since"], a["status"]) for a in alerts})
+    assert f"{len(posts)} message(s) posted" in out
+    assert all(set(p) == {"text"} and "diag alert " in p["text"] for p in posts)
