@@ -189,7 +189,7 @@ def test_zero_config_sweep_prints_one_row_per_model_and_attention():
 
 
 def test_alert_webhook_example_posts_each_episode_once(tmp_path):
-    """examples/alert_webhook.py at a local HTTP server that records the posts: one post per alert record of
+    """examples/07_alert_webhook.py at a local HTTP server that records the posts: one post per alert record of
     alerts.jsonl at or above --min-level (the first steps at lr 5e-3 raise large_early_updates, info)."""
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -208,7 +208,7 @@ def test_alert_webhook_example_posts_each_episode_once(tmp_path):
     server = ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        out = run_example("alert_webhook.py", "--steps", "12", "--min-level", "info", "--logdir",
+        out = run_example("07_alert_webhook.py", "--steps", "12", "--min-level", "info", "--logdir",
                           str(tmp_path / "run"), "--url", f"http://127.0.0.1:{server.server_address[1]}/hook")
     finally:
         server.shutdown()

@@ -1,7 +1,7 @@
 """Alerts that reach a person: the Monitor's ``on_alert`` posting to a Slack-compatible webhook.
 
-    SLACK_WEBHOOK_URL=https://hooks.slack.com/services/... python examples/alert_webhook.py
-    python examples/alert_webhook.py --url http://127.0.0.1:8000/hook     # any server that takes a JSON POST
+    SLACK_WEBHOOK_URL=https://hooks.slack.com/services/... python examples/07_alert_webhook.py
+    python examples/07_alert_webhook.py --url http://127.0.0.1:8000/hook     # any server that takes a JSON POST
 
 Trains the demo's GPT with no warmup at a high learning rate (the collapse setting of ``python -m diag demo``)
 and posts ``{"text": ...}`` once when an episode of a warning or critical alert starts and once when it ends
