@@ -12,7 +12,7 @@ sequences of the batch (:mod:`diag.math.attention`); nothing larger survives the
 With ``only`` set (under FSDP2 alone each rank the layers it owns, :func:`hooks.parallel.owners.share_attention`),
 the other layers are not captured once their layout is settled.
 The real call runs first, unchanged: outputs, RNG and autograd are untouched.
-Padded query rows do not count (:meth:`AttentionCapture._query_rows`): they are read
+Padded query rows do not count (:func:`query_rows`, which QK-clip shares): they are read
 from the model's own ``attention_mask`` (a keyword or positional argument of the root
 module's forward, recorded by a pre-hook on it) when it describes the kernel's
 sequence, else from the keys the kernel excludes from every row.
@@ -64,7 +64,7 @@ from hooks.layout.book import LayoutBook
 from hooks.layout.confirm import CapturedCall, Elementwise, Inputs, module_inputs
 from hooks.layout.discover import AttentionLayer
 
-__all__ = ["AttentionCapture", "Seen"]
+__all__ = ["AttentionCapture", "Seen", "query_rows"]
 
 
 def _attn_implementation(module) -> str | None:
@@ -131,6 +131,23 @@ def _key_weight(layer: AttentionLayer) -> Tensor | None:
     """The key projection's weight where it is a parameter of its own (its packing says which: separate, q_kv)."""
     name = packing_of(layer.layout).key_weight(layer.layout)
     return None if name is None else dict(layer.module.named_parameters()).get(name)
+
+
+def query_rows(logits: Tensor | LazyLogits, seen: Seen, cross: bool, model_mask: Tensor | None) -> Tensor | None:
+    """(n, Q) bool, False on padded query rows (all True without padding: the device decides, no host read);
+    None when every row counts: cross-attention, and a fused call with no mask but the causal flag and no
+    padding mask of the model's. ``model_mask``: the model's own (B, T) ``attention_mask``, used when it
+    describes the kernel's sequence; else a row whose position every row excludes as a key is padding."""
+    if cross or not seen.self_attn:
+        return None
+    if model_mask is None and isinstance(logits, LazyLogits) and not logits.masks:
+        return None  # no mask but the causal flag: every row is a token, known without reading the device
+    excluded = excluded_keys(logits)  # (n, Q, K)
+    if excluded.shape[1] != excluded.shape[2]:
+        return None
+    if model_mask is not None and model_mask.shape == (seen.batch, excluded.shape[1]):
+        return valid_query_rows(excluded, model_mask[: excluded.shape[0]])
+    return valid_query_rows(excluded)
 
 
 def _attention_mask(module: nn.Module, args: tuple, kwargs: dict) -> Tensor | None:
@@ -335,19 +352,5 @@ class AttentionCapture:
         return CapturedCall(seen, batch_first, time_first, self._mode.key_inputs, self._mode.between)
 
     def _query_rows(self, layer: AttentionLayer, seen: Seen, logits) -> Tensor | None:
-        """(n, Q) bool, False on padded query rows (all True without padding: the device decides, no host read);
-        None when every row counts: cross-attention, and a fused call with no mask but the causal flag and no
-        padding mask of the model's."""
-        if layer.cross or not seen.self_attn:
-            return None
-        mask = self._model_mask
-        if mask is None and isinstance(logits, LazyLogits) and not logits.masks:
-            return None  # no mask but the causal flag: every row is a token, known without reading the device
-        excluded = excluded_keys(logits)  # (n, Q, K)
-        if excluded.shape[1] != excluded.shape[2]:
-            return None
-        if mask is not None and mask.shape == (seen.batch, excluded.shape[1]):
-            rows = valid_query_rows(excluded, mask[: excluded.shape[0]])
-        else:
-            rows = valid_query_rows(excluded)
-        return rows
+        """(n, Q) bool, False on padded query rows; None when every row counts (:func:`query_rows`)."""
+        return query_rows(logits, seen, layer.cross, self._model_mask)

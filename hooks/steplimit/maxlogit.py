@@ -14,10 +14,10 @@ every micro-batch counts).
 * Eager softmax: the logits the softmax receives, as they are (with whatever the model added to them), a block
   of rows at a time in their own precision (float32 at least).
 
-Padded query rows do not count: the model's own ``attention_mask`` (a (B, T) argument of the root module's
-forward) says which rows are tokens when it describes the kernel's sequence, else a row whose position is
-excluded as a key from every row is padding (:func:`diag.math.attention.valid_query_rows`, the rule the
-Monitor's capture uses). The real call runs first, unchanged, and the reading runs under ``torch.no_grad()``
+Padded query rows do not count, by the rule of the Monitor's capture (:func:`hooks.capture.capture.query_rows`):
+the model's own ``attention_mask`` (a (B, T) argument of the root module's forward) says which rows are tokens
+when it describes the kernel's sequence, else a row whose position is excluded as a key from every row is
+padding. The real call runs first, unchanged, and the reading runs under ``torch.no_grad()``
 in the outermost mode (its pre-hook is prepended): outputs, RNG and autograd are untouched, and another capture
 on the same modules (the Monitor's) never sees these reads.
 """
@@ -32,8 +32,8 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from diag.math.attention import LazyLogits, excluded_by_additive_mask, valid_query_rows
-from hooks.capture.capture import _attention_mask
+from diag.math.attention import LazyLogits, excluded_by_additive_mask
+from hooks.capture.capture import _attention_mask, query_rows
 from hooks.capture.kernels import Product, Unsupported, is_attention_call, product_operands, read_call
 from hooks.layout.discover import AttentionLayer
 
@@ -143,31 +143,13 @@ class MaxLogits:
                                                   f"{layer.layout.n_heads}")
                     return
                 logits = seen.stats_logits()
-                rows = None
-                if seen.self_attn and not layer.cross:
-                    rows = self._query_rows(logits, seen.batch)
-                best = head_max(logits, rows)
+                best = head_max(logits, query_rows(logits, seen, layer.cross, self._model_mask))
                 prev = self.maxima.get(layer.index)
                 self.maxima[layer.index] = best if prev is None else torch.maximum(prev, best)
         except Unsupported as err:
             self.problems[layer.index] = str(err)
         except Exception as err:  # noqa: BLE001 - a fault here must never reach the forward pass
             self.problems[layer.index] = f"reading its attention call failed: {err!r}"
-
-    def _query_rows(self, logits: Tensor | LazyLogits, batch: int) -> Tensor | None:
-        """(N, Q) bool, False on padded query rows; None where every row counts (no mask but the causal one)."""
-        if isinstance(logits, LazyLogits):
-            if not logits.masks:
-                return None  # a causal or unmasked call: every row has a key and is a token
-            excluded = logits.excluded()
-        else:
-            excluded = excluded_by_additive_mask(logits[:, 0])
-        if excluded.shape[1] != excluded.shape[2]:
-            return None
-        mask = self._model_mask
-        if mask is not None and mask.shape == (batch, excluded.shape[1]):
-            return valid_query_rows(excluded, mask)
-        return valid_query_rows(excluded)
 
 
 def head_max(logits: Tensor | LazyLogits, valid: Tensor | None = None, chunk_bytes: int = CHUNK_BYTES) -> Tensor:
