@@ -132,9 +132,9 @@ class QKClip:
                               f"{len(layers)} found; exclude only the layers that must not be clipped")
         for layer in self.layers:
             _check_layer(layer, monitor is not None)
-        # the ranks that share out the batch of one set of weights (FSDP2 alone's mesh; every rank of a DDP job):
-        # their maxima are reduced at each clipping step, so that every rank clips its weights alike
-        self._group = _batch_group(self.layers)
+        # every rank of a job (other parts of the batch, other heads): their maxima are reduced at each clipping
+        # step, so that every rank clips its weights alike
+        self._group = _reduce_group()
         self.step_count = 0  # calls of step()
         self.interventions: list[Intervention] = []
         self.n_interventions = 0  # every intervention of the run, across resumes
@@ -429,7 +429,7 @@ def _check_args(model, tau, alpha, optimizer, every, monitor) -> None:
                           f"{type(monitor).__name__}")
 
 
-def _batch_group(layers: list[AttentionLayer]) -> object | None:
+def _reduce_group() -> object | None:
     """Every rank, when there are several: each holds some heads' maxima over some part of the batch (replicas,
     FSDP2's or a mesh's data dim: other parts of the batch; tensor parallelism: other heads); None in one
     process."""
