@@ -79,14 +79,13 @@ def _header(text: str, cfg: GPTConfig, model: GPT, lr: float, args: DemoRun) -> 
 def _wandb_sink(args: DemoRun) -> Sink:
     """The demo's W&B run: project ``attnscope-demo``, its files under the logdir (``<logdir>/wandb``), offline
     unless ``WANDB_MODE`` names another mode."""
+    import importlib.util
     import os
 
     from diag.outputs.wandb_sink import WandbSink
 
-    try:
-        import wandb  # noqa: F401 - the sink imports it; asked here for a message that says what to install
-    except ImportError as err:
-        raise ConfigError("--wandb needs the wandb package: pip install -e '.[wandb]'") from err
+    if importlib.util.find_spec("wandb") is None:  # the sink imports it; here: a message that says what to install
+        raise ConfigError("--wandb needs the wandb package: pip install -e '.[wandb]'")
     return WandbSink(project="attnscope-demo", dir=args.logdir or ".", mode=os.getenv("WANDB_MODE") or "offline")
 
 
