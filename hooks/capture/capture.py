@@ -64,7 +64,7 @@ from hooks.layout.book import LayoutBook
 from hooks.layout.confirm import CapturedCall, Elementwise, Inputs, module_inputs
 from hooks.layout.discover import AttentionLayer
 
-__all__ = ["AttentionCapture", "Seen", "query_rows"]
+__all__ = ["AttentionCapture", "Seen", "ModelMask", "query_rows"]
 
 
 def _attn_implementation(module) -> str | None:
@@ -150,6 +150,25 @@ def query_rows(logits: Tensor | LazyLogits, seen: Seen, cross: bool, model_mask:
     return valid_query_rows(excluded)
 
 
+class ModelMask:
+    """The model's own (B, T) ``attention_mask`` while its forward runs (None outside it): a pre-hook and a hook
+    on the root module, for the attention calls inside that forward (:func:`query_rows`). Shared by the Monitor's
+    capture and QK-clip's reader."""
+
+    def __init__(self) -> None:
+        self.mask: Tensor | None = None
+
+    def register(self, model: nn.Module) -> list[RemovableHandle]:
+        return [model.register_forward_pre_hook(self._start, with_kwargs=True),
+                model.register_forward_hook(self._end, always_call=True)]
+
+    def _start(self, module, args, kwargs):
+        self.mask = _attention_mask(module, args, kwargs)
+
+    def _end(self, module, args, output):
+        self.mask = None
+
+
 def _attention_mask(module: nn.Module, args: tuple, kwargs: dict) -> Tensor | None:
     """The ``attention_mask`` argument of a forward call, if it is a (B, T) padding mask."""
     mask = kwargs.get("attention_mask")
@@ -201,7 +220,7 @@ class AttentionCapture:
         self._inputs: tuple[Inputs, Inputs] | None = None  # batch-first, time-first
         self._calls: dict[int, int] = {}  # attention calls per layer in the captured forward
         self._skipped: dict[int, str] = {}  # layers whose forward ran while armed, but not for training
-        self._model_mask: Tensor | None = None
+        self._root = ModelMask()
         self._mode: _Mode | None = None
         self._pending_bytes = 0  # Grams of ranks not yet solved (diag.math.attention.solve_ranks)
 
@@ -215,8 +234,7 @@ class AttentionCapture:
         self.results, self.problems, self.checked = {}, {}, {}
         self.notes, self._calls, self._skipped, self._pending_bytes = {}, {}, {}, 0
         if self.model is not None:  # the root's attention_mask, for the attention calls inside its forward only
-            self._handles.append(self.model.register_forward_pre_hook(self._root_hook, with_kwargs=True))
-            self._handles.append(self.model.register_forward_hook(self._root_done, always_call=True))
+            self._handles += self._root.register(self.model)
         for layer in self.layers:
             pre = layer.module.register_forward_pre_hook(self._pre_hook(layer), with_kwargs=True)
             post = layer.module.register_forward_hook(self._post_hook(layer), always_call=True)
@@ -226,7 +244,7 @@ class AttentionCapture:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self._model_mask = None
+        self._root.mask = None
         self._exit_mode()
 
     def take(self) -> tuple[dict[int, AttentionStats], dict[int, str]]:
@@ -247,12 +265,6 @@ class AttentionCapture:
                     stats.rank, stats.pending = torch.full_like(stats.entropy, torch.nan), None
                     problems.setdefault(index, f"attention rank failed: {err!r}")
         return results, problems
-
-    def _root_hook(self, module, args, kwargs):
-        self._model_mask = _attention_mask(module, args, kwargs)
-
-    def _root_done(self, module, args, output):
-        self._model_mask = None
 
     def _pre_hook(self, layer: AttentionLayer):
         def hook(module, args, kwargs):
@@ -353,4 +365,4 @@ class AttentionCapture:
 
     def _query_rows(self, layer: AttentionLayer, seen: Seen, logits) -> Tensor | None:
         """(n, Q) bool, False on padded query rows; None when every row counts (:func:`query_rows`)."""
-        return query_rows(logits, seen, layer.cross, self._model_mask)
+        return query_rows(logits, seen, layer.cross, self._root.mask)

@@ -33,7 +33,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from diag.math.attention import LazyLogits, excluded_by_additive_mask
-from hooks.capture.capture import _attention_mask, query_rows
+from hooks.capture.capture import ModelMask, query_rows
 from hooks.capture.kernels import Product, Unsupported, is_attention_call, product_operands, read_call
 from hooks.layout.discover import AttentionLayer
 
@@ -76,7 +76,7 @@ class MaxLogits:
         self.problems: dict[int, str] = {}  # layer index -> why an attention call of it was not read
         self._handles: list[RemovableHandle] = []
         self._mode: _Mode | None = None
-        self._model_mask: Tensor | None = None
+        self._root = ModelMask()
 
     @property
     def armed(self) -> bool:
@@ -86,8 +86,7 @@ class MaxLogits:
         if self._handles:
             return
         if self.model is not None:
-            self._handles.append(self.model.register_forward_pre_hook(self._root_hook, with_kwargs=True))
-            self._handles.append(self.model.register_forward_hook(self._root_done, always_call=True))
+            self._handles += self._root.register(self.model)
         for layer in self.layers:
             self._handles.append(layer.module.register_forward_pre_hook(self._pre_hook(layer), prepend=True))
             self._handles.append(layer.module.register_forward_hook(self._post_hook(layer), always_call=True))
@@ -96,7 +95,7 @@ class MaxLogits:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self._model_mask = None
+        self._root.mask = None
         self._exit_mode()
 
     def take(self) -> tuple[dict[int, Tensor], dict[int, str]]:
@@ -104,12 +103,6 @@ class MaxLogits:
         maxima, problems = self.maxima, self.problems
         self.maxima, self.problems = {}, {}
         return maxima, problems
-
-    def _root_hook(self, module, args, kwargs):
-        self._model_mask = _attention_mask(module, args, kwargs)
-
-    def _root_done(self, module, args, output):
-        self._model_mask = None
 
     def _pre_hook(self, layer: AttentionLayer):
         def hook(module, args):
@@ -143,7 +136,7 @@ class MaxLogits:
                                                   f"{layer.layout.n_heads}")
                     return
                 logits = seen.stats_logits()
-                best = head_max(logits, query_rows(logits, seen, layer.cross, self._model_mask))
+                best = head_max(logits, query_rows(logits, seen, layer.cross, self._root.mask))
                 prev = self.maxima.get(layer.index)
                 self.maxima[layer.index] = best if prev is None else torch.maximum(prev, best)
         except Unsupported as err:

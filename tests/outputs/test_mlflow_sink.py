@@ -17,19 +17,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mlflow
 import pytest
 import torch
+from mlflow.tracking import MlflowClient
+from mlflow.utils.validation import MAX_METRICS_PER_BATCH, path_not_unique, validate_param_and_metric_name
 
 from diag.detectors.base import Alert
+from diag.outputs.mlflow_sink import ALERT_TAG_PREFIX, MLflowSink, mlflow_key, tag_of_key
 from diag.outputs.sinks import Record
 from tests.support.mlflow_server import free_port, mlflow_server
-
-mlflow = pytest.importorskip("mlflow")
-
-from mlflow.tracking import MlflowClient  # noqa: E402
-from mlflow.utils.validation import MAX_METRICS_PER_BATCH, path_not_unique, validate_param_and_metric_name  # noqa: E402
-
-from diag.outputs.mlflow_sink import ALERT_TAG_PREFIX, MLflowSink, mlflow_key, tag_of_key  # noqa: E402
 
 
 @pytest.fixture(scope="module")

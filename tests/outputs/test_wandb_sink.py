@@ -18,31 +18,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import wandb
 
 from diag.detectors.base import Alert
 from diag.outputs.alert_sink import shown_where
 from diag.outputs.sinks import FanOut, Record
+from diag.outputs.wandb_sink import ALERT_COLUMNS, ALERT_TABLE, CHART_PREFIX, STEP_METRIC, WandbSink, wandb_key
 from tests.support import wandb_runs
 
-wandb = pytest.importorskip("wandb")
-
-from diag.outputs.wandb_sink import ALERT_COLUMNS, ALERT_TABLE, CHART_PREFIX, STEP_METRIC, WandbSink, wandb_key  # noqa: E402,I001
-
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def offline(tmp_path, monkeypatch) -> Path:
-    """W&B offline with every file of it under tmp_path (W&B reads the environment once per process setup:
-    torn down before and after, so a run started without dir=, as the trainers start theirs, goes there too);
-    no run left active afterwards."""
-    for name, value in wandb_runs.offline_env(tmp_path / "wandb-home").items():
-        monkeypatch.setenv(name, value)
-    wandb.teardown()
-    yield tmp_path / "wandb-home"
-    if wandb.run is not None:
-        wandb.finish()
-    wandb.teardown()
 
 
 def _same(a: float | None, b: float) -> bool:

@@ -7,17 +7,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from mlflow.tracking import MlflowClient
+from transformers import Trainer
 
-pytest.importorskip("mlflow")
-pytest.importorskip("transformers")
-pl = pytest.importorskip("lightning.pytorch")
-
-from mlflow.tracking import MlflowClient  # noqa: E402
-from transformers import Trainer  # noqa: E402
-
-from diag.outputs.mlflow_sink import SHARED_RUN_PREFIX, MLflowSink, mlflow_key  # noqa: E402
-from tests.hooks.integrations.test_integrations import LitGPT, gpt2, hf_args, lit_fit, token_dataset  # noqa: E402
-from tests.support.mlflow_server import mlflow_server  # noqa: E402
+from diag.outputs.mlflow_sink import SHARED_RUN_PREFIX, MLflowSink, mlflow_key
+from tests.hooks.integrations.test_integrations import LitGPT, gpt2, hf_args, lit_fit, token_dataset
+from tests.support.mlflow_server import mlflow_server
 
 
 @pytest.fixture(scope="module")

@@ -8,28 +8,11 @@ import json
 import warnings
 from pathlib import Path
 
-import pytest
 import torch
+import wandb
 
+from diag.outputs.wandb_sink import STEP_METRIC, WandbSink, wandb_key
 from tests.support import wandb_runs, zoo
-
-wandb = pytest.importorskip("wandb")
-
-from diag.outputs.wandb_sink import STEP_METRIC, WandbSink, wandb_key  # noqa: E402
-
-
-@pytest.fixture
-def offline(tmp_path, monkeypatch) -> Path:
-    """W&B offline with every file of it under tmp_path (W&B reads the environment once per process setup:
-    torn down before and after, so a run started without dir=, as the trainers start theirs, goes there too);
-    no run left active afterwards."""
-    for name, value in wandb_runs.offline_env(tmp_path / "wandb-home").items():
-        monkeypatch.setenv(name, value)
-    wandb.teardown()
-    yield tmp_path / "wandb-home"
-    if wandb.run is not None:
-        wandb.finish()
-    wandb.teardown()
 
 
 def _monitor_keys(rows: list[dict]) -> set[tuple[int, str]]:

@@ -16,13 +16,13 @@ import math
 import numpy as np
 import pytest
 import torch
+import transformer_lens  # the test extra installs transformer_lens<4
 
 from diag.math.attention import stats_from_probabilities_reference
 from hooks import QKClip
 from hooks.monitor.monitor import Monitor
 from tests.support.harness import assert_sigma1_by_hand, one_step
 
-transformer_lens = pytest.importorskip("transformer_lens", reason="the test extra installs transformer_lens<4")
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 H, D, E, T, B = 4, 16, 64, 12, 3
