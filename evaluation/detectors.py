@@ -170,7 +170,7 @@ def collapse_matches(run: Run, alerts: list, cfg: AlertConfig) -> dict:
             "quiet_warning": onset is None and first(alerts, "collapse_warning") is not None}
 
 
-ALARMS = ("malignant_collapse", "collapse_warning", "collapse_damage")  # a collapse alert, for the twin test
+ALARMS = ("malignant_collapse", "collapse_warning", "collapse_damage", "collapse_stall")  # a collapse alert: twin test
 
 
 def judge_collapse(run: Run, cfg: AlertConfig, every, twin: Run | None) -> dict:

@@ -59,10 +59,11 @@ LEVELS = {"malignant": "warning"}  # the rest, and every baseline episode: info
 WHAT = {
     "malignant_collapse": ("malignant entropy collapse: most queries put their mass on the same few keys "
                            "(sparse and low-rank attention, which precedes the crash in Qi et al.)",
-                           "watch the loss; if it stops falling (a collapse_damage record), restart from a checkpoint "
-                           "before step {since} with warmup, a lower learning rate, QK-norm or a spectral step limit",
+                           "watch the loss; if it rises or stops well above its trend (a collapse_damage record), "
+                           "restart from a checkpoint before step {since} with warmup, a lower learning rate, QK-norm "
+                           "or a spectral step limit",
                            "one head alone can be a deliberate pointer head: watch whether more heads of the layer "
-                           "follow and whether the loss still falls (collapse_damage says when it stops)"),
+                           "follow and whether the loss still falls (collapse_stall says when it stops)"),
     "benign_collapse": ("benign entropy collapse: sparse attention, each query on a different key (full rank)",
                         "usually nothing; watch whether it turns malignant", ""),
     "uniform_attention": ("uniform attention: near-uniform weights over the keys, low rank",
@@ -281,6 +282,15 @@ class AttentionStates(Detector):
     def baseline(self, label: str, since: int | None) -> bool:
         """Whether an episode of layer ``label`` that began at ``since`` is the model's baseline."""
         return self.machine.baseline(label, since)
+
+    def head_sinces(self, state: str) -> dict[str, set[int]]:
+        """Per layer label, where the episodes in ``state`` of its heads began, open or still settling their dwell:
+        the steps at which a layer episode that opens later can say it began."""
+        episodes, out = self.machine.heads[state], {}
+        for key in episodes.keys:
+            if (since := episodes.since(key)) is not None:
+                out.setdefault(key.rsplit("/", 1)[0], set()).add(since)
+        return out
 
     def on_sink(self, key: str) -> bool:
         """Whether the head ``key`` holds a sink, or its last sample put ``sink_share`` of the queries' mass or more

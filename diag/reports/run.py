@@ -38,6 +38,10 @@ ADVICE = {
                         "sigmaReparam, a spectral step limit); watch the head's attention entropy and rank",
     "malignant_collapse": "go back to a checkpoint from before it and restart with warmup, a lower learning "
                           "rate, QK-norm or a spectral step bound",
+    "collapse_damage": "stop: restart from a checkpoint before the collapse with warmup, a lower learning rate, "
+                       "QK-norm or a spectral step limit",
+    "collapse_stall": "compare the loss with a run you trust (an earlier run, a QK-norm run) and look at the "
+                      "learning-rate schedule; restart from before the collapse if it sits above",
     "benign_collapse": "usually nothing: sparse but full-rank heads train well; watch whether it spreads or "
                        "turns malignant",
     "uniform_attention": "look at the head; low-rank attention across layers is rank collapse",
