@@ -97,11 +97,13 @@ class CollapseDamage(Detector):
         since = self.states.layer_since("malignant", label)
         if since is None or self.states.baseline(label, since):
             return self._update(step, label, since, (False, True), (False, True), {})
-        trend = self.trends.get(label, {}).get(since)
-        w = self.cfg.damage_window
+        mine = self.trends.setdefault(label, {})
+        if since not in mine:  # a state that did not keep it: from the samples still here
+            mine[since] = fit_trend(self.losses, since, self.cfg.damage_fit, self.cfg.damage_window)
+        trend, w = mine[since], self.cfg.damage_window
         last = self.losses.window(w)
         after, level = fall(*last, w)
-        if trend is None or len(last[0]) < MIN_WINDOW or last[0][0] <= since or not math.isfinite(after):
+        if len(last[0]) < MIN_WINDOW or last[0][0] <= since or not math.isfinite(after):
             return []  # not judged yet: no whole window after the collapse
         values = {"loss_fall_before": trend.fall_before, "loss_fall_since": after, "loss_since_collapse": level,
                   "window_start": float(last[0][0])}

@@ -7,18 +7,20 @@ window's **fall** is its least-squares slope times ``steps``, as a fraction of i
 falls.
 
 The **trend** before a collapse that began at ``since``: the samples of the ``fit_steps`` steps before it (at least
-:data:`MIN_FIT` samples), and those of its last half and quarter (:data:`SCALES`), each fitted with a curve whose
-fall slows down as healthy loss curves' do over such a span, a saturating exponential ``a + b exp(-(s - first) /
-tau)`` (a line as ``tau`` grows without bound): least squares for each ``tau`` of a grid (``a``, ``b`` linear for
-a given ``tau``), the best ``tau`` refined between its neighbours. Every ``tau`` whose fit the samples do not reject
-(its squared residuals exceed the best's by less than ``q`` noise variances, ``q`` Student's t quantile squared: a
-99% profile-likelihood interval) is a plausible continuation; the noise is the residual deviation of the best
-fit over the whole span. :meth:`Trend.line` is the **highest** plausible continuation of every span at each step,
-the most pessimistic one the samples allow: where they cannot pin ``tau`` down, or a shorter span shows the loss
-levelling off, about flat at its recent level; where the whole span is one the curve does not follow (the first
-steps' plunge, a sudden drop inside it), its fits stay high and wide. It is read over :meth:`Trend.horizon`, as
-many steps after the collapse as the trend was fitted over, and held at its value there beyond it: never
-extrapolated further.
+:data:`MIN_FIT` samples) and those of their last half and quarter (:data:`SCALES`; :data:`MIN_FIT` samples each at
+least, or half the whole span's and :data:`MIN_RECENT` at least where the loss is sampled rarely), each fitted with
+a curve whose fall slows down as healthy loss curves' do over such a span: a saturating exponential
+``a + b exp(-(s - first) / tau)``, a line as ``tau`` grows without bound. Least squares for each ``tau`` of a grid
+(``a`` and ``b`` are linear for a given ``tau``), the best ``tau`` refined between its neighbours. Every ``tau``
+whose fit the samples do not reject (its squared residuals exceed the best's by less than ``q`` noise variances,
+``q`` Student's t quantile squared: a 99% profile-likelihood interval) is a plausible continuation. The noise is
+the least residual deviation of a best fit over :data:`MIN_FIT` samples or more.
+
+:meth:`Trend.line` is the **highest** plausible continuation of every span at each step, the most pessimistic one
+the samples allow: where they cannot pin ``tau`` down, or a shorter span shows the loss levelling off, about flat
+at its recent level; where the whole span is one the curve does not follow (the first steps' plunge, a sudden drop
+inside it), its fits stay high and wide. It is read over :meth:`Trend.horizon`, as many steps after the collapse as
+the trend was fitted over, and held at its value there beyond it: never extrapolated further.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ __all__ = ["MIN_FIT", "MIN_WINDOW", "Series", "Trend", "fall", "fit_trend"]
 
 MIN_WINDOW = 3  # loss samples each window needs
 MIN_FIT = 8  # loss samples the trend needs: 3 parameters (a, b, tau) and 5 to estimate the noise
+MIN_RECENT = 5  # ... and its last half and quarter at least, where the loss is sampled rarely
 TAUS = tuple(2.0 ** (k / 2) for k in range(-8, 11))  # tau in units of the fitted span, 1/16 to 32 (and a line)
 SCALES = (1.0, 0.5, 0.25)  # the trend is fitted over the whole span, and over its last half and quarter
 Z = 2.5758293035489  # the standard normal's 99.5% quantile
@@ -99,9 +102,9 @@ def t_squared(nu: int) -> float:
 class Trend:
     """The loss before a collapse that began at ``since``: the plausible continuations ``(a, b, tau, first)`` of
     each span, fitted from step ``first`` (``tau`` in steps; None: the line ``a + b (s - first)``); ``start``, the
-    first step of the whole span (the horizon is as long); the noise (the residual deviation of its best fit); the
-    fall and mean of the window just before ``since``. No fits when fewer than :data:`MIN_FIT` samples came before
-    it."""
+    first step of the whole span (the horizon is as long); the noise (the least residual deviation of a span's best
+    fit); the fall and mean of the window just before ``since``. No fits when fewer than :data:`MIN_FIT` samples
+    came before it."""
 
     since: int
     start: int
@@ -152,20 +155,28 @@ class Trend:
 
 
 def fit_trend(series: Series, since: int, fit_steps: int, window_steps: int) -> Trend:
-    """The :class:`Trend` of the samples before ``since``: fitted over the last ``fit_steps`` steps before it and
-    over :data:`SCALES` of them (each at least :data:`MIN_FIT` samples), the window of ``window_steps`` before it
-    for its fall. The noise, and whether the fall slows down, are the whole span's."""
+    """The :class:`Trend` of the samples before ``since``: fitted over the last ``fit_steps`` steps before it (at
+    least :data:`MIN_FIT` samples) and over their last half and quarter (:data:`SCALES`), the window of
+    ``window_steps`` before it for its fall. Whether the fall slows down is the whole span's."""
     fall_before, level_before = fall(*series.window(window_steps, before=since), window_steps)
     end = bisect.bisect_left(series.steps, since)
     spans: list[tuple[int, list, float]] = []  # (first step, plausible fits, residual deviation), longest first
+    least = MIN_FIT
     for scale in SCALES:
-        first = min(bisect.bisect_left(series.steps, since - scale * fit_steps, 0, end), max(end - MIN_FIT, 0))
-        if end - first >= MIN_FIT and all(series.steps[first] != f for f, _, _ in spans):
-            spans.append((series.steps[first], *_fit(series.steps[first:end], series.values[first:end], since)))
+        first = min(bisect.bisect_left(series.steps, since - scale * fit_steps, 0, end), max(end - least, 0))
+        if end - first < least or any(series.steps[first] == f for f, _, _ in spans):
+            continue
+        spans.append((series.steps[first], *_fit(series.steps[first:end], series.values[first:end], since)))
+        # the shorter spans: MIN_FIT samples each where the whole span holds twice as many or more, else half its
+        # samples (MIN_RECENT at least), so that a loss sampled rarely still has its recent samples read apart
+        least = min(least, max(MIN_RECENT, (end - first) // 2)) if scale == 1 else least
     if not spans:
         return Trend(since, since, (), math.nan, fall_before, level_before)
     slowing = all(tau is not None and b > 0 for _, b, tau, _ in spans[0][1])
-    return Trend(since, spans[0][0], tuple(f for _, fits, _ in spans for f in fits), spans[0][2], fall_before,
+    # the loss's noise about its curve: the least deviation of a span of MIN_FIT samples or more (a longer span
+    # the curve does not follow, or a noise that grows with the loss in a plunge, leaves larger residuals)
+    noise = min(deviation for first, _, deviation in spans if end - bisect.bisect_left(series.steps, first) >= MIN_FIT)
+    return Trend(since, spans[0][0], tuple(f for _, fits, _ in spans for f in fits), noise, fall_before,
                  level_before, slowing)
 
 

@@ -200,3 +200,18 @@ def test_stop_on_critical_stops_at_the_damage_record_never_at_the_stall_warning(
 
     assert halted(healthy, 120, 1500) is None
     assert halted(fast, 300, 600) == (440, "collapse_damage")
+
+
+def test_a_state_without_trends_or_stalls_loads_and_goes_on_from_the_samples_it_kept():
+    """A detector state that kept only the loss samples and the damage episodes: the trend is fitted from the
+    samples still there, and the records go on."""
+    observations = list(script(rising, collapse_from=400, steps=1000))
+    first = Detectors(AlertConfig())
+    for o in observations[:45]:
+        first.observe(o)
+    state = json.loads(json.dumps(first.state_dict()))
+    state["damage"] = {"losses": state["damage"]["losses"], "episodes": state["damage"]["episodes"]}
+    resumed = Detectors(AlertConfig())
+    resumed.load_state_dict(state)
+    out = [a for o in observations[45:] for a in resumed.observe(o)]
+    assert damage(out)[0][:2] == (510, "critical")

@@ -220,7 +220,7 @@ def test_a_loss_that_rises_after_the_collapse_and_stays_up_is_critical_within_th
     steps, and stays there."""
     cfg = AlertConfig()
 
-    @settings(max_examples=max(EXAMPLES[every] // 2, 1), **SETTINGS)
+    @settings(max_examples=EXAMPLES[every], **SETTINGS)
     @given(curve=curves(family, n_max=5_000), noise=small_noise(), where=st.floats(0.1, 0.8),
            jump=st.floats(0.15, 0.5), ramp=st.integers(0, 500))
     def check(curve, noise, where, jump, ramp):
@@ -237,18 +237,22 @@ def test_a_loss_that_rises_after_the_collapse_and_stays_up_is_critical_within_th
         assume(start is not None and start + delay(cfg.damage_window, every) < curve.n)
         assert found and found[0][0] <= start + delay(cfg.damage_window, every), (found, start)
         assert found[0][1:] == ("collapse_damage", since)
+        judged.append(since)
 
+    judged: list[int] = []
     check()
+    assert len(judged) >= EXAMPLES[every] // 2  # not a test of nothing: the assumptions keep most examples
 
 
 @pytest.mark.parametrize("every", CADENCES)
 @pytest.mark.parametrize("family", ("exponential", "power"))
 def test_a_loss_that_stops_falling_at_the_collapse_while_it_fell_fast_is_critical_within_the_delay(family, every):
-    """Before the collapse the loss falls fast (by 20% of its level or more over the next half span) and slows
-    down as these curves do, with a time constant the fitted span shows (a quarter of it to all of it), from a
-    height of half to three times its floor above it; at the collapse it stops: it sits above where its trend was
-    heading. (After a plunge, a power law whose span before the collapse covers more of its time, no trend says
-    where the loss would have levelled off: docs/alerts.md#collapse_damage.)"""
+    """Before the collapse the loss falls fast (by 25% of its level or more over the part of the next span in which
+    the evidence must begin, the span less the delay) and slows down as these curves do, with a time constant the
+    fitted span shows (a quarter of it to all of it), from a height of half to three times its floor above it; at
+    the collapse it stops: it sits above where its trend was heading. (After a plunge, a power law whose span
+    before the collapse covers more of its time, no trend says where the loss would have levelled off:
+    docs/alerts.md#collapse_damage.)"""
     cfg = AlertConfig()
     span = max(cfg.damage.damage_fit, MIN_FIT * every)  # what the trend is fitted over
 
@@ -266,16 +270,22 @@ def test_a_loss_that_stops_falling_at_the_collapse_while_it_fell_fast_is_critica
             assume(power * tau >= 3)
             s0 = power * tau * span - since
             healthy = floor + height * floor * ((s + s0) / (since + s0)) ** -power
-        assume(healthy[since] - healthy[since + span // 2] >= 0.2 * healthy[since])  # fast: 20% in half a span
+        # fast: by 25% of its level before the evidence must have begun for the record to come within the horizon
+        assume(healthy[since] - healthy[since + span - delay(cfg.damage.damage_window, every)] >= 0.25 * healthy[since])
         noiseless = np.where(s < since, healthy, healthy[since])
         losses = noisy(noiseless, *noise)
         found = critical(replay(losses, since, every, cfg))
         start = evidence_from(losses, noiseless, since, every, cfg, trend_too=True)
-        assert start is not None  # the trend the detector fits sees where the loss was heading
-        assert found and since < found[0][0] <= start + delay(cfg.damage_window, every), (found, start)
+        # critical within the trend's horizon, and within the delay of its evidence where that is clear (twice the
+        # margin above the line)
+        assert found and since < found[0][0] <= since + span + every, found
+        assert start is None or found[0][0] <= start + delay(cfg.damage_window, every), (found, start)
         assert found[0][1:] == ("collapse_damage", since)
+        judged.append(since)
 
+    judged: list[int] = []
     check()
+    assert len(judged) >= EXAMPLES[every] // 2  # not a test of nothing: the assumptions keep most examples
 
 
 def falling(s):  # tests/detectors/test_damage.py's healthy curve
