@@ -160,23 +160,24 @@ def fit_trend(series: Series, since: int, fit_steps: int, window_steps: int) -> 
     ``window_steps`` before it for its fall. Whether the fall slows down is the whole span's."""
     fall_before, level_before = fall(*series.window(window_steps, before=since), window_steps)
     end = bisect.bisect_left(series.steps, since)
-    spans: list[tuple[int, list, float]] = []  # (first step, plausible fits, residual deviation), longest first
+    spans: list[tuple[int, int, list, float]] = []  # (first step, samples, plausible fits, deviation), longest first
     least = MIN_FIT
     for scale in SCALES:
         first = min(bisect.bisect_left(series.steps, since - scale * fit_steps, 0, end), max(end - least, 0))
-        if end - first < least or any(series.steps[first] == f for f, _, _ in spans):
+        if end - first < least or any(series.steps[first] == span[0] for span in spans):
             continue
-        spans.append((series.steps[first], *_fit(series.steps[first:end], series.values[first:end], since)))
-        # the shorter spans: MIN_FIT samples each where the whole span holds twice as many or more, else half its
-        # samples (MIN_RECENT at least), so that a loss sampled rarely still has its recent samples read apart
-        least = min(least, max(MIN_RECENT, (end - first) // 2)) if scale == 1 else least
+        spans.append((series.steps[first], end - first,
+                      *_fit(series.steps[first:end], series.values[first:end], since)))
+        if scale == 1:  # the shorter spans: MIN_FIT samples where the whole span holds twice as many, else half of
+            # its samples (MIN_RECENT at least), so that a loss sampled rarely still has its recent samples read apart
+            least = max(MIN_RECENT, min(MIN_FIT, (end - first) // 2))
     if not spans:
         return Trend(since, since, (), math.nan, fall_before, level_before)
-    slowing = all(tau is not None and b > 0 for _, b, tau, _ in spans[0][1])
-    # the loss's noise about its curve: the least deviation of a span of MIN_FIT samples or more (a longer span
-    # the curve does not follow, or a noise that grows with the loss in a plunge, leaves larger residuals)
-    noise = min(deviation for first, _, deviation in spans if end - bisect.bisect_left(series.steps, first) >= MIN_FIT)
-    return Trend(since, spans[0][0], tuple(f for _, fits, _ in spans for f in fits), noise, fall_before,
+    slowing = all(tau is not None and b > 0 for _, b, tau, _ in spans[0][2])
+    # the loss's noise about its curve: the least deviation of a span of MIN_FIT samples or more (a longer span the
+    # curve does not follow, or a noise that grows with the loss in a plunge, leaves larger residuals)
+    noise = min(deviation for _, n, _, deviation in spans if n >= MIN_FIT)
+    return Trend(since, spans[0][0], tuple(f for _, _, fits, _ in spans for f in fits), noise, fall_before,
                  level_before, slowing)
 
 

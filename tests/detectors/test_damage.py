@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
+import pytest
 
 from diag.detectors import AlertConfig, Detectors, Observation, TrainingHalted
 from diag.detectors.config import DamageConfig
+from diag.errors import ConfigError
 from diag.outputs.alert_sink import AlertSink
 from diag.outputs.sinks import FanOut
 
@@ -215,3 +218,12 @@ def test_a_state_without_trends_or_stalls_loads_and_goes_on_from_the_samples_it_
     resumed.load_state_dict(state)
     out = [a for o in observations[45:] for a in resumed.observe(o)]
     assert damage(out)[0][:2] == (510, "critical")
+
+
+def test_the_damage_fields_are_checked():
+    for bad, words in ((dict(damage_fit=1), "damage_fit=1: expected a number of steps in [2"),
+                       (dict(damage_rel=5), "damage_rel=5: expected a fraction"),
+                       (dict(damage_noise=0), "damage_noise=0: expected a positive number"),
+                       (dict(stall_rel="1%"), "stall_rel='1%': expected a number")):
+        with pytest.raises(ConfigError, match=re.escape(words)):
+            AlertConfig(**bad)

@@ -7,8 +7,9 @@ and attention every 10 steps (or at every loss sample when rarer). Healthy curve
 + cosine and warmup-stable-decay schedules the loss follows, a power law in the schedule's progress, a late drop)
 get no critical record, whatever the onset, the length (to 20,000 steps) and the cadence. Damaged curves (the loss
 rises after the collapse and stays up, or stops falling there while it fell fast) get one within the delay
-docs/alerts.md#collapse_damage states: the end of the first whole window (``damage_window`` steps, 3 samples or
-more) at which the evidence holds, plus a sample.
+docs/alerts.md#collapse_damage states: two windows and a sample (four samples where the loss is sampled rarely)
+after the loss stays above the line it is read against by twice the margin, and a stop within the trend's
+horizon. Each run is a cheap loop of Observations through the attention states and the damage detector.
 """
 
 from __future__ import annotations
