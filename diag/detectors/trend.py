@@ -112,9 +112,8 @@ class Trend:
     noise: float
     fall_before: float
     level_before: float
-    # the samples show the loss's fall slowing down: every plausible fit over the whole span falls and slows down
-    # (no straight line). A loss whose fall is straight, or speeds up, as before the end of a warmup or in the
-    # middle of a sudden drop, says nothing of where it will level off
+    # the samples show the loss's fall slowing down as one exponential would (:func:`_slowing`); a fall that is
+    # straight, speeds up or slows down ever faster (a warmup, a sudden drop) says nothing of where it levels off
     slowing: bool = False
 
     @cached_property
@@ -173,12 +172,23 @@ def fit_trend(series: Series, since: int, fit_steps: int, window_steps: int) -> 
             least = max(MIN_RECENT, min(MIN_FIT, (end - first) // 2))
     if not spans:
         return Trend(since, since, (), math.nan, fall_before, level_before)
-    slowing = all(tau is not None and b > 0 for _, b, tau, _ in spans[0][2])
+    slowing = _slowing(spans[0][2], [fits for _, _, fits, _ in spans[1:]])
     # the loss's noise about its curve: the least deviation of a span of MIN_FIT samples or more (a longer span the
     # curve does not follow, or a noise that grows with the loss in a plunge, leaves larger residuals)
     noise = min(deviation for _, n, _, deviation in spans if n >= MIN_FIT)
     return Trend(since, spans[0][0], tuple(f for _, _, fits, _ in spans for f in fits), noise, fall_before,
                  level_before, slowing)
+
+
+def _slowing(whole: list, recent: list[list]) -> bool:
+    """Whether the loss's fall slows down as one exponential would: every plausible fit over the whole span falls
+    and slows down (no straight line), and each shorter span allows a time constant at least half the whole
+    span's shortest (a fall that slows down ever faster, as at the end of a warmup, comes to its floor sooner than
+    any exponential fitted to its past says: its continuation is not known)."""
+    if not all(tau is not None and b > 0 for _, b, tau, _ in whole):
+        return False
+    shortest = min(tau for _, _, tau, _ in whole)
+    return all(max(math.inf if tau is None else tau for _, _, tau, _ in fits) >= shortest / 2 for fits in recent)
 
 
 def _solve(s: np.ndarray, v: np.ndarray, taus: list[float | None]) -> tuple[np.ndarray, ...]:
