@@ -21,6 +21,7 @@ import numpy as np
 
 from diag.cli.common import kv_map_arg, positive, tensorboard_command
 from diag.errors import DiagError
+from diag.layouts.vocab import QKVLayout
 from diag.math.metrics import DEFAULT_SEC_TOP
 from diag.offline.series import Analysis, analyze_checkpoints
 from diag.offline.store import FOLDER as STORE_FOLDER
@@ -158,12 +159,19 @@ def _table(analysis: Analysis) -> str:
     return "\n".join(lines)
 
 
+def _heads(layout: QKVLayout) -> str:
+    """``4 heads of 16``; with grouped-query attention ``4 query heads, 2 key/value heads, of 16``."""
+    if layout.kv_heads == layout.n_heads:
+        return f"{layout.n_heads} heads of {layout.head_dim}"
+    return f"{layout.n_heads} query heads, {layout.kv_heads} key/value heads, of {layout.head_dim}"
+
+
 def _describe(analysis: Analysis, out: Path, report: Path | None) -> str:
     la = analysis.layers[0]
     steps = analysis.steps
     head = [
         f"analysed {len(steps)} checkpoint(s), steps {steps[0]}..{steps[-1]}; {len(analysis.layers)} attention "
-        f"layers ({la.layout.adapter}, {la.layout.n_heads} heads of {la.layout.head_dim}); "
+        f"layers ({la.layout.adapter}, {_heads(la.layout)}); "
         f"{analysis.heads.note if analysis.heads else ''}",
         *analysis.assumptions,
         _table(analysis),
