@@ -130,7 +130,8 @@ class _Records:
             self.out.layers, self.out.heads = list(entry.layers or ()), entry.heads
             self.per_head = per_head_default(sum(la.layout.n_heads for la in self.out.layers))
         if result.updates is not None and self.previous is not None:
-            self._emit(self.previous.step, result.updates, True)
+            gap = None if entry.step_from == "position" else entry.step - self.previous.step
+            self._emit(self.previous.step, result.updates, True, gap)
         arrays = {label: dict(metrics) for label, metrics in result.spectra.items()}
         if result.probe_error is not None:
             self.out.failures.append((str(entry.path), result.probe_error))
@@ -142,12 +143,13 @@ class _Records:
         if entry.step_from == "position":
             self.out.positions.append(str(entry.path))
 
-    def _emit(self, step: int, arrays: LayerArrays, update: bool) -> None:
+    def _emit(self, step: int, arrays: LayerArrays, update: bool, gap: int | None = 1) -> None:
+        """``gap``: the optimizer steps an update spans (None: not known, the steps are positions)."""
         (self.out.updates if update else self.out.spectra)[step] = arrays
         record = build_record(step, arrays, self.per_head)
         self.out.records.append(record)
         self.sinks.write(record)
-        alerts = self.detectors.observe(Observation(step, None, arrays))
+        alerts = self.detectors.observe(Observation(step, None, arrays, update_steps=gap))
         self.out.alerts += alerts
         self.alert_sink.emit(alerts)
 
