@@ -66,14 +66,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                          "from a checkpoint")
     analyze.add_argument("--jobs", type=positive, default=1, metavar="N", help="worker processes for a series "
                          "(default: 1); the outputs equal one process's")
-    analyze.add_argument("--resume", action="store_true", help="continue an analysis in --out that was stopped: "
-                         "checkpoints already computed (kept in --out/per-checkpoint) are not computed again, and "
-                         "the outputs are written anew, equal to an uninterrupted run's")
+    analyze.add_argument("--resume", action="store_true", help="continue an analysis in --out that was stopped, "
+                         "or add the checkpoints written since to a finished one: checkpoints already computed (kept "
+                         "in --out/per-checkpoint) are not computed again, and the outputs are written anew, equal "
+                         "to an uninterrupted run's. A finished analysis of the same checkpoints has nothing to "
+                         "continue: said, and nothing written")
     analyze.add_argument("--sec-top", type=positive, default=DEFAULT_SEC_TOP, metavar="S",
                          help=f"s of the spectral energy concentration SEC_s (default: {DEFAULT_SEC_TOP})")
     analyze.add_argument("--json", action="store_true", help="print a JSON summary on stdout (for scripts)")
     analyze.add_argument("--no-report", action="store_true", help="no figures and no index.html")
-    analyze.add_argument("--overwrite", action="store_true", help="replace the outputs of an earlier run in --out")
+    analyze.add_argument("--overwrite", action="store_true", help="replace the analysis in --out (finished or "
+                         "stopped) and its outputs: every checkpoint is analysed again")
     analyze.add_argument("--quiet", action="store_true", help="no progress bar and no summary table")
     analyze.add_argument("--probe", metavar="FILE", help="also measure attention: run the model built from a "
                          "Hugging Face config.json on these inputs (token ids, or text with the folder's tokenizer)")
