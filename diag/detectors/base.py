@@ -62,12 +62,14 @@ class Observation:
     """One sampled step: ``layers[label][metric]`` is an array over heads (or of size 1). ``loss`` is this step's;
     ``loss_mean`` the mean loss of the steps since the previous loss sample, this one included (the Monitor
     keeps every step's loss and averages them on their device at the sample, hooks/monitor/lossmean.py; None: not
-    known, ``loss`` stands for it)."""
+    known, ``loss`` stands for it). ``update_steps``: the optimizer steps the ``update_*`` metrics span, from
+    ``step`` on (the Monitor's: 1; a checkpoint series: the gap to the next checkpoint; None: not known)."""
 
     step: int
     loss: float | None
     layers: dict[str, dict[str, np.ndarray]]
     loss_mean: float | None = None
+    update_steps: int | None = 1
 
 
 class Detector(ABC):

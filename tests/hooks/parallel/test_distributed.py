@@ -154,7 +154,7 @@ def test_two_ranks_log_the_single_process_numbers(mode, single, tmp_path, reques
     # beside the run's own files: TensorBoard sub-runs (L00/, alerts/<level>/) holding event files only
     logs = tmp_path / "logs"
     assert sorted(p.name for p in logs.iterdir() if not p.name.startswith("events") and not p.is_dir()) == [
-        "attnscope_layout.json", "metrics.jsonl"  # the layouts, for `python -m diag analyze`
+        "alerts.jsonl", "attnscope_layout.json", "metrics.jsonl"  # the layouts, for `python -m diag analyze`
     ]
     assert all(f.name.startswith("events") for d in logs.iterdir() if d.is_dir() for f in d.rglob("*") if f.is_file())
     _check_collectives(mode, tmp_path)
