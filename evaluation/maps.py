@@ -21,13 +21,15 @@ import torch
 from torch import Tensor, nn
 
 __all__ = ["COLUMN_MASS", "EVEN", "MapRecorder", "Maps", "TOP_KEYS", "TOP_MASS", "demo_attention", "load_maps",
-           "measure"]
+           "measure", "save_maps"]
 
 TOP_KEYS = (1, 2, 3, 4, 6, 8, 12, 16)  # a query's top keys ...
 TOP_MASS = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 0.99)  # ... holding at least this much of its mass
 COLUMN_MASS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)  # the key columns that hold this much of all queries' mass
 EVEN = (0.6, 0.7, 0.8, 0.9, 0.95)  # a query's entropy, as a share of uniform attention's over the keys it sees
 SEQS = 4  # the sequences of each batch whose maps are measured
+KEYS = ("focused", "columns", "even", "shared")  # what is kept of each map, per head
+DEMO_ATTENTION = ("c_attn", "n_head", "causal", "q_norm", "k_norm")  # what hooks.demo.SelfAttention has
 
 
 @dataclass
@@ -94,10 +96,8 @@ class MapRecorder:
     the Monitor's capture enters its mode), under no_grad: the training run computes exactly what it would."""
 
     def __init__(self, model: nn.Module, path: Path) -> None:
-        from hooks.demo import SelfAttention
-
         self.path = path
-        self.modules = [m for m in model.modules() if isinstance(m, SelfAttention)]
+        self.modules = [m for m in model.modules() if all(hasattr(m, a) for a in DEMO_ATTENTION)]
         if not self.modules:
             raise ValueError(f"MapRecorder: {type(model).__name__} has no hooks.demo.SelfAttention; it reads the "
                              "demo's GPT and ViT only")
@@ -127,18 +127,23 @@ class MapRecorder:
         for handle in self.handles:
             handle.remove()
         self.handles = []
-        arrays: dict[str, np.ndarray] = {"steps": np.array(self.steps)}
-        for label, samples in self.samples.items():
-            for key in ("focused", "columns", "even", "shared"):
-                arrays[f"{label}/{key}"] = np.stack([s[key] for s in samples[:len(self.steps)]])
-            arrays[f"{label}/rows"] = np.array(self.rows.get(label, 0))
-        np.savez_compressed(self.path, **arrays)
+        stacked = {key: {label: np.stack([s[key] for s in samples]) for label, samples in self.samples.items()}
+                   for key in KEYS}
+        save_maps(Maps(np.array(self.steps), **stacked, rows=dict(self.rows)), self.path)
+
+
+def save_maps(maps: Maps, path: Path) -> None:
+    arrays: dict[str, np.ndarray] = {"steps": maps.steps}
+    for label in maps.layers:
+        for key in KEYS:
+            arrays[f"{label}/{key}"] = getattr(maps, key)[label]
+        arrays[f"{label}/rows"] = np.array(maps.rows[label])
+    np.savez_compressed(path, **arrays)
 
 
 def load_maps(path: Path) -> Maps:
     with np.load(path) as f:
         data = {k: f[k] for k in f.files}
     labels = sorted({k.split("/")[0] for k in data if "/" in k})
-    return Maps(data["steps"], *({label: data[f"{label}/{key}"] for label in labels}
-                                 for key in ("focused", "columns", "even", "shared")),
+    return Maps(data["steps"], *({label: data[f"{label}/{key}"] for label in labels} for key in KEYS),
                 {label: int(data[f"{label}/rows"]) for label in labels})
