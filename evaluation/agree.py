@@ -1,6 +1,6 @@
 """Whether the detectors' malignant collapses are the ones the ground truth sees in the full attention maps.
 
-    OMP_NUM_THREADS=1 .venv/bin/python -m evaluation.agree RUNS [--set SET] [--only PART] [--figure PNG]
+    OMP_NUM_THREADS=1 .venv/bin/python -m evaluation.agree RUNS [--set SET] [--only PART] [--figure PNG] [--scope head]
     OMP_NUM_THREADS=1 .venv/bin/python -m evaluation.agree RUNS --replica    # the implementation check
 
 For every run under ``RUNS`` recorded at every step with its attention maps (``attention.npz``,
@@ -10,7 +10,8 @@ detectors' (:func:`diag.detectors.states.episodes_of` with the default ``StatesC
 setting, one row of a Markdown table (:func:`curve`): the layers with a malignant onset on each side, those
 where both have one within the matching window (the detectors' onset at most 10 steps before the truth's and at
 most 50 after it: :data:`evaluation.matching.COLLAPSE`), those only one side has, and their agreement
-(both / (both + truth only + detectors only)); ``--figure`` draws it.
+(both / (both + truth only + detectors only)); ``--figure`` draws it; ``--scope head`` compares the heads'
+onsets instead.
 
 ``--replica`` lists instead every episode on which :mod:`evaluation.replica` (the detectors' definition written a
 second time) and the detectors differ, one line each, and exits 1 when any do: a check of the streaming
@@ -223,6 +224,7 @@ def main() -> None:
     parser.add_argument("--set", choices=sorted(SETS), help="only the runs of this set (default: every run found)")
     parser.add_argument("--only", action="append", default=[], help="only runs whose name contains this")
     parser.add_argument("--figure", type=Path, help="draw the curve into this PNG")
+    parser.add_argument("--scope", choices=("layer", "head"), default="layer", help="compare layers' onsets or heads'")
     parser.add_argument("--replica", action="store_true", help="list the replica's differences from the detectors")
     args = parser.parse_args()
     runs = [r for r in load_runs(args.runs, SETS[args.set] if args.set else None)
@@ -236,7 +238,7 @@ def main() -> None:
               f"{len(found)} differences on {len({d.run for d in found})} runs")
         sys.exit(1 if found else 0)
     mapped = [r for r in every_step if (r.path / MAPS).exists()]
-    rows = curve(mapped, sweep=SWEEP)
+    rows = curve(mapped, sweep=SWEEP, scope=args.scope)
     print(table(rows))
     print(f"\n{len(mapped)} runs with their attention maps ({len(runs) - len(mapped)} others skipped: "
           f"{', '.join(r.name for r in runs if r not in mapped) or 'none'})")
