@@ -21,6 +21,7 @@ machine's implementation, not of the definition.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections import defaultdict
 from dataclasses import dataclass
@@ -125,32 +126,38 @@ def table(rows: list[tuple[str, float, Agreement]], base: Definition | None = No
 
 def figure(rows: list[tuple[str, float, Agreement]], path: Path, base: Definition | None = None) -> None:
     """One panel per parameter: the share of the truth's onsets the detectors have, of the detectors' the truth
-    has, and the agreement, against the setting (the default marked)."""
+    has (none drawn where that side has none), and the agreement, against the setting (the default marked)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     base = base or Definition()
     names = list(dict.fromkeys(name for name, _, _ in rows))
-    fig = Figure(figsize=(3.3 * len(names), 3.4))
+    columns = 3
+    fig = Figure(figsize=(11, 3.3 * -(-len(names) // columns)))
     FigureCanvasAgg(fig)
     for i, name in enumerate(names):
-        ax = fig.add_subplot(1, len(names), i + 1)
+        ax = fig.add_subplot(-(-len(names) // columns), columns, i + 1)
         mine = [(v, a) for n, v, a in rows if n == name]
         xs = [v for v, _ in mine]
-        ax.plot(xs, [a.both / a.truth if a.truth else 1.0 for _, a in mine], "o-", label="truth's onsets matched")
-        ax.plot(xs, [a.both / a.detectors if a.detectors else 1.0 for _, a in mine], "s-",
+        ax.plot(xs, [a.agreement for _, a in mine], "k^-", lw=2, label="agreement", zorder=1)
+        ax.plot(xs, [a.both / a.truth if a.truth else math.nan for _, a in mine], "o--", label="truth's onsets matched")
+        ax.plot(xs, [a.both / a.detectors if a.detectors else math.nan for _, a in mine], "s:",
                 label="detectors' onsets matched")
-        ax.plot(xs, [a.agreement for _, a in mine], "k^--", label="agreement")
         ax.axvline(getattr(base, name), color="#888888", ls=":", lw=1)
-        ax.set(xlabel=name, ylim=(-0.02, 1.02), xscale="log" if name in ("few_columns", "window") else "linear")
+        if name in ("few_columns", "window"):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(xs, [f"1/{round(1 / v)}" if name == "few_columns" else f"{v:g}" for v in xs])
+            ax.minorticks_off()
+        ax.set(xlabel=name, ylim=(-0.03, 1.03))
         ax.grid(alpha=0.3)
+        if i % columns == 0:
+            ax.set_ylabel("share of layers' onsets")
         if i == 0:
-            ax.set_ylabel("share of layers' malignant onsets")
-            ax.legend(fontsize="x-small", loc="lower left")
-    fig.suptitle("ground truth (full attention maps) against the detectors' malignant onsets, per layer; "
-                 "dotted: the truth's default", fontsize="small")
+            ax.legend(fontsize="x-small", loc="lower right")
+    fig.suptitle("malignant onsets per layer: the ground truth (full attention maps) against the detectors, one "
+                 "parameter at a time (dotted: the truth's default)", fontsize="small")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
 
 
 @dataclass(frozen=True)
