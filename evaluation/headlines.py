@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from evaluation.seeds import BOUNDARY_LR
 
-__all__ = ["GOALS", "Goal", "headline_table", "verdicts", "wilson"]
+__all__ = ["GOALS", "Goal", "headline_table", "tally", "verdicts", "wilson"]
 
 Rows = dict  # a run's judged rows by cadence ("default", 2, 5, 10, 20)
 
@@ -116,13 +116,19 @@ def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
     return max(0.0, (centre - half) / (1 + z * z / n)), min(1.0, (centre + half) / (1 + z * z / n))
 
 
+def tally(judged: dict[str, dict[str, bool]], key: str) -> tuple[int, int]:
+    """``judged``: run -> its verdicts. (The runs the goal ``key`` applies to, how many of them meet it.)"""
+    mine = [v[key] for v in judged.values() if key in v]
+    return len(mine), sum(mine)
+
+
 def headline_table(judged: dict[str, dict[str, bool]]) -> list[str]:
     """``judged``: run -> its verdicts. One line per goal: the runs it applies to, how many meet it, the share
     and its 95% Wilson interval, and the runs that do not."""
     out = ["| goal | runs | met | share | 95% interval | not met |", "|---|---|---|---|---|---|"]
     for g in GOALS:
         mine = {run: v[g.key] for run, v in judged.items() if g.key in v}
-        n, k = len(mine), sum(mine.values())
+        n, k = tally(judged, g.key)
         lo, hi = wilson(k, n)
         share = f"{k / n:.1%}" if n else "-"
         interval = f"{lo:.1%}-{hi:.1%}" if n else "-"

@@ -10,8 +10,8 @@ does not suffer. The collapsed heads of the runs the alerts are built for spread
 differ between sequences instead (docs/metrics.md#attention-sinks). Entropy alone cannot tell these apart; rank
 and where the mass goes are needed too.
 
-The definition, used alike by the live detector (:class:`AttentionStates`) and, written apart, by the
-evaluation's ground truth (``evaluation/groundtruth.py``), has four parts:
+The definition, used alike by the live detector (:class:`AttentionStates`) and, written a second time, by the
+evaluation's implementation check (``evaluation/replica.py``), has four parts:
 
 * **lines, per sample and head**: sparse when the attention entropy is at most ``sparse_entropy`` nats; low-rank
   when the effective rank is at most ``1 + low_rank_frac * (rows - 1)`` (rank 1 is the floor: every row the
@@ -219,7 +219,7 @@ def _has_attention(m: dict) -> bool:
 
 def episodes_of(observations: Iterable[Observation], cfg: StatesConfig) -> list[StateEpisode]:
     """Every state episode of a run, heads and layers, from its observations in step order; the same machine as
-    the live detector (the evaluation's ground truth is a second implementation, written apart)."""
+    the live detector (``evaluation/replica.py`` is a second implementation, written apart)."""
     machine = _Machine(cfg)
     open_: dict[tuple[str, str], tuple[int, int]] = {}
     done: list[StateEpisode] = []
