@@ -5,8 +5,8 @@ without warmup, in float64, for 45 steps: a head of layer 0 collapses into spars
 steps, the layer within 30, and the detectors ask for closer looks on the way (attention at every step while a head
 nears the malignant lines). The same global batches in one process and on 2 gloo ranks; the loop passes the Monitor
 the global batch's loss, so rank 0's detectors read the one process's inputs to float rounding (float64: the
-different order of the gradients' reduction stays below 1e-8 relative over the first 25 steps; the collapse then
-amplifies it, to 1e-4 by step 40). Checked:
+losses of the two runs, whose gradients are reduced in another order, agree within 1e-8 relative up to step 25; the
+collapse then amplifies the difference, to 1e-4 and more by step 40). Checked:
 
 * every rank took rank 0's decision after every judged step: the same closer look after every ``monitor.step`` on
   both ranks, the same attention steps;
