@@ -113,8 +113,8 @@ class CloserLook:
       risk is judged on fresh attention.
 
     The detectors are asked again at every judged step, so a look lasts while its reason does. Off (``period``
-    None) when attention is already sampled at the shortest period, or the Monitor runs on several processes
-    (the ranks would have to agree on every sampled step)."""
+    None) when attention is already sampled at the shortest period. On several processes rank 0's detectors
+    decide and every rank takes the same look (:mod:`hooks.monitor.sharedlook`)."""
 
     def __init__(self, cadence: Cadence, enabled: bool = True) -> None:
         base = cadence.base
