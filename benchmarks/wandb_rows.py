@@ -17,10 +17,11 @@ Each must hold ``user/loss`` at every step 0-5 and every Monitor step 0-5 (``att
 ``--at-once N`` processes run the loops (``--runs`` split between them, one after another in each) while
 ``--others`` processes write other offline W&B runs (tables and images, row after row) until the loops are done.
 W&B's service writes the end of a run's file when it closes the run, on a message ``run.finish()`` sends without
-waiting for an answer (docs/integrations.md#reading-a-run-back); every ``--late-every``-th run of each process holds
-that message back for ``--late`` seconds, as a machine too busy to run the service promptly does: there the read
-at once misses rows, so does any reader that starts within those seconds and does not wait for the exit record
-(``wandb leet inspect --json`` alone takes 1-4 s to start), and ``read_offline_run`` must still get them all.
+waiting for an answer (docs/integrations.md#weights-biases, "Reading a run back"); every ``--late-every``-th
+run of each process holds that message back for ``--late`` seconds, as a machine too busy to run the service
+promptly does: there the read at once misses rows, so does any reader that starts within those seconds and does
+not wait for the exit record (``wandb leet inspect --json`` alone takes 1-4 s to start), and ``read_offline_run``
+must still get them all.
 
 Prints one line per run and the counts; exits 1 when a run read with ``read_offline_run`` lacks a row.
 """

@@ -20,9 +20,8 @@ STEPS = list(range(6))
 
 def test_thirty_user_loops_three_at_once_keep_every_row(tmp_path):
     out = tmp_path / "results.json"
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "wandb_rows.py"), "--out", str(tmp_path / "runs"),
-                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=1500,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "wandb_rows.py"), "--json", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=1500, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, f"{done.stdout[-6000:]}\n{done.stderr[-4000:]}"
     results = json.loads(out.read_text())
     assert len(results) == 30 and len({r["run"] for r in results}) == 30
