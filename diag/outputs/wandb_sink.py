@@ -308,6 +308,7 @@ class WandbSink:
             self.run.log(charts, commit=self._commits())
 
     def _log_alert_table(self) -> None:
+        self.run.summary[f"{ROOT}/alerts_fired"] = sum(a.status == "firing" for a in self._alerts)  # 0: none fired
         if not self._alerts:
             return
         table = self.wandb.Table(columns=ALERT_COLUMNS, data=[

@@ -145,6 +145,7 @@ def test_a_run_of_its_own_is_started_committed_and_finished(tmp_path, offline):
     metrics = [r for r in back.records if r["type"] == "metric"]
     assert {m["metric"].get("glob_name") for m in metrics} >= {"attnscope/*", "qk_sigma1/*", "update_ratio_q/*"}
     assert all(m["metric"].get("step_metric") == STEP_METRIC for m in metrics if "glob_name" in m["metric"])
+    assert back.summary["attnscope/alerts_fired"] == 0  # no alert fired: the summary says so, not nothing
 
 
 def test_monitor_steps_wait_for_the_users_rows_and_close_writes_the_rest(tmp_path, offline):
