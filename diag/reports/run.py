@@ -5,7 +5,8 @@ Read from the run's ``metrics.jsonl`` and ``alerts.jsonl`` only (no TensorBoard,
 * the loss, and one chart per signal the catalog puts in the report (:mod:`diag.catalog.metrics`)
   with a line per layer (for a per-head metric, the statistic across heads that moves towards
   trouble), the alert episodes in a strip above each, a lane per level;
-* the alert timeline (each kind's episodes) and every alert with its advice and a link to its docs;
+* the alert timeline (each kind's episodes) and every alert with its advice (the message's own, else the
+  catalog's, :mod:`diag.catalog.alerts`) and a link to its kind's docs section;
 * heatmaps over time: every head (rows) at every sampled step for the catalog's heatmap
   metrics (sigma_1, SEC and the attention entropy).
 
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from diag.catalog.alerts import ALERTS, advice
 from diag.catalog.metrics import METRICS, chart_stat, metrics_with
 from diag.catalog.tags import parse_tag
 from diag.errors import ConfigError
@@ -32,28 +34,7 @@ from diag.outputs.images import finite_range
 from diag.reports.charts import Frame, Line, layer_colours, line_chart, steps_heatmap, timeline
 from diag.reports.html import LEVEL_COLOURS, docs_link, grid, inline_img, page, table
 
-__all__ = ["ADVICE", "MOMENTS", "Run", "alert_episodes", "frame_of", "read_run", "split_advice", "write_run_report"]
-
-# kind -> what to do, in one line (the long form, with the evidence, is in docs/alerts.md)
-ADVICE = {
-    "collapse_warning": "add or lengthen warmup, lower the learning rate, or bound the step (QK-norm, "
-                        "sigmaReparam, a spectral step limit); watch the head's attention entropy and rank",
-    "malignant_collapse": "go back to a checkpoint from before it and restart with warmup, a lower learning "
-                          "rate, QK-norm or a spectral step bound",
-    "benign_collapse": "usually nothing: sparse but full-rank heads train well; watch whether it spreads or "
-                       "turns malignant",
-    "uniform_attention": "look at the head; low-rank attention across layers is rank collapse",
-    "eureka_plateau": "rule out a data or label bug first; then NormSoftmax, or train longer",
-    "eureka_moment": "nothing to do: the plateau ended",
-    "nonfinite_loss": "check the data of that step, lower the learning rate, clip gradients, check loss scaling",
-    "nonfinite_weights": "check the data of that step, lower the learning rate, clip gradients, check loss scaling",
-    "nonfinite_gradients": "check the data of that step, lower the learning rate, clip gradients, check loss scaling",
-    "gradient_overflow": "nothing if rare; if it repeats at every sample, look for non-finite float32 "
-                         "gradients or use bf16",
-    "loss_spike": "inspect the batch; clip gradients; if attn_max_logit climbs too, QK-norm or a lower "
-                  "learning rate",
-}
-
+__all__ = ["MOMENTS", "Run", "alert_episodes", "frame_of", "read_run", "split_advice", "write_run_report"]
 
 @dataclass
 class Run:
@@ -196,16 +177,27 @@ def split_advice(message: str) -> tuple[str, str | None]:
     return (what, todo) if sep else (message, None)
 
 
+def _advice(a: dict) -> str:
+    """What to do about one record, said once: the message's own advice, else the catalog's (a resolved record:
+    nothing, its episode ended)."""
+    todo = split_advice(a["message"])[1]
+    if todo is not None:
+        return todo
+    if a.get("status") == "resolved":
+        return "nothing: the episode ended"
+    return advice(a["kind"], a.get("since")) or "see the docs"
+
+
 def _alert_table(run: Run) -> str:
-    """Every record once: what happened, and what to do said once (the message's own advice, else the kind's)."""
+    """Every record once: what happened, what to do (:func:`_advice`) and a link to the kind's docs section."""
     if not run.alerts:
         return "<p>No alert was raised in this run.</p>"
     rows = []
     for a in run.alerts:
-        what, todo = split_advice(a["message"])
-        advice = todo if todo is not None else ADVICE.get(a["kind"], "see the docs")
-        rows.append([a["step"], a["level"], a["kind"], a.get("where") or "model", what,
-                     html.escape(advice) + "<br>" + docs_link("alerts.md", "the-kinds", f"docs: {a['kind']}")])
+        entry = ALERTS.get(a["kind"])
+        anchor = (entry.anchor or entry.name) if entry is not None else "the-kinds"
+        rows.append([a["step"], a["level"], a["kind"], a.get("where") or "model", split_advice(a["message"])[0],
+                     html.escape(_advice(a)) + "<br>" + docs_link("alerts.md", anchor, f"docs: {a['kind']}")])
     return table(["step", "level", "kind", "where", "message", "what to do"], rows, raw=(5,),
                  classes=[a["level"] for a in run.alerts])
 

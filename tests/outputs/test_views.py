@@ -118,7 +118,7 @@ def test_run_report_is_one_page_with_curves_heatmaps_and_alerts(tmp_path, capsys
     assert capsys.readouterr().out.strip() == f"report: {tmp_path / 'run' / 'report.html'}"
     assert page.count("<img src='data:image/png;base64,") >= 5  # alerts, loss, sigma_1, entropy, heatmap
     assert "collapse at 30" in page and "warning &lt;b&gt;" in page  # messages escaped
-    assert "what to do" in page and "go back to a checkpoint" in page
+    assert "what to do" in page and "restart from a checkpoint before the episode" in page  # the catalog's
     assert page.count("lower the learning rate now") == 1  # the message's own advice, said once
     assert "rows are heads, each sample a cell at its step" in page
     run = read_run(tmp_path / "run")
