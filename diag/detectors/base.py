@@ -17,12 +17,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from diag.catalog.alerts import ALERTS, DOCS, LEVELS  # each kind's docs section; the levels, lowest first
 from diag.errors import DiagError
 
 __all__ = ["Alert", "Observation", "Detector", "DetectorWrapper", "TrainingHalted", "DOCS", "LEVELS"]
-
-DOCS = "docs/alerts.md"  # every message ends with its section: docs/alerts.md#<kind>
-LEVELS = ("info", "warning", "critical")
 
 
 @dataclass(frozen=True)
@@ -45,7 +43,9 @@ class Alert:
 
     @property
     def anchor(self) -> str:
-        return f"{DOCS}#{self.kind}"
+        """Its section of docs/alerts.md (the catalog's, :mod:`diag.catalog.alerts`)."""
+        entry = ALERTS.get(self.kind)
+        return entry.docs if entry is not None else f"{DOCS}#{self.kind}"
 
 
 class TrainingHalted(DiagError):

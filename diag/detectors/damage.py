@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 
+from diag.catalog.alerts import ALERTS
 from diag.detectors.base import Alert, Detector, Observation
 from diag.detectors.config import DamageConfig
 from diag.detectors.episodes import Closed, Dwell, Episodes
@@ -26,8 +27,7 @@ from diag.detectors.states import AttentionStates
 
 __all__ = ["CollapseDamage"]
 
-TODO = ("restart from a checkpoint before step {since} with warmup, a lower learning rate, QK-norm or a spectral "
-        "step limit (docs/steplimit.md)")
+TODO = ALERTS["collapse_damage"].todo  # names {since}
 MIN_SAMPLES = 3  # loss samples each window needs
 
 

@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import math
 
+from diag.catalog.alerts import ALERTS
 from diag.detectors.base import Alert, Detector, Observation
 from diag.detectors.config import EarlyUpdatesConfig
 from diag.detectors.risk import TAU
 
 __all__ = ["EarlyUpdates", "least_step_ratio", "steps_bound"]
 
-TODO = ("What to do: nothing if the run is meant to have no warmup; collapse_warning says when a layer is "
-        "heading for collapse")
+TODO = f"What to do: {ALERTS['large_early_updates'].todo}"
 
 
 def steps_bound(tau: float, steps: int) -> float:

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from diag.catalog.alerts import ALERTS
 from diag.detectors.base import Alert, Detector, Observation
 from diag.detectors.config import RiskConfig
 from diag.detectors.episodes import Closed, Dwell, Episodes, Recurrence
@@ -200,8 +201,7 @@ def observe_features(trends: dict[str, HeadTrend], obs: Observation, window: int
 
 
 
-TODO = ("add or lengthen warmup, lower the learning rate, or bound the step (QK-norm, sigmaReparam, a spectral "
-        "step limit); watch attn_entropy and attn_rank of this layer's heads")
+TODO = ALERTS["collapse_warning"].todo
 
 
 def _trust_text(model: RiskModel, p: float) -> str:
