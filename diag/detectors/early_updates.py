@@ -44,7 +44,7 @@ class EarlyUpdates(Detector):
             f"the update of step {obs.step} is large next to the weights: sigma_1(dW)/sigma_1(W) = {ratio:.3g} in "
             f"{label} (Qi et al. bound it at tau = 0.004). This is what a run without (or with a short) warmup "
             "looks like at this learning rate; it does not predict a collapse by itself. What to do: nothing "
-            "if the run is meant to have no warmup; collapse_warning says when a layer is heading for collapse"),
+            "if the run is meant to have no warmup; collapse_risk shows which layers are heading for collapse"),
             {"update_ratio": ratio}, "firing", obs.step)]
 
     def state_dict(self) -> dict:

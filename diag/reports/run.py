@@ -34,8 +34,6 @@ __all__ = ["ADVICE", "MOMENTS", "Run", "alert_episodes", "read_run", "split_advi
 
 # kind -> what to do, in one line (the long form, with the evidence, is in docs/alerts.md)
 ADVICE = {
-    "collapse_warning": "add or lengthen warmup, lower the learning rate, or bound the step (QK-norm, "
-                        "sigmaReparam, a spectral step limit); watch the head's attention entropy and rank",
     "malignant_collapse": "go back to a checkpoint from before it and restart with warmup, a lower learning "
                           "rate, QK-norm or a spectral step bound",
     "benign_collapse": "usually nothing: sparse but full-rank heads train well; watch whether it spreads or "
