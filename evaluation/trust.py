@@ -88,18 +88,10 @@ ROWS = (
          Measure("finetune_quiet", "sink fine-tunes without a warning or critical record")),
         "it reads the run's own loss, not a twin's: a collapse followed by a stall the learning rate causes anyway "
         "can get it, and a run that keeps falling, only slower than it would have, does not"),
-    Row("[`collapse_warning`](#collapse_warning)", "a forecast that a layer will collapse within 50 steps",
-        (Measure("warned", "collapse runs away from the boundary rate whose every collapsed layer was warned before "
-                 "its onset"),
-         Measure("warning_leads", "of those, warned 5 steps or more before"),
-         Measure("no_warning_without_collapse", "runs without a collapse, away from the boundary, without a "
-                 "warning"),
-         Measure("finetune_quiet", "sink fine-tunes without a warning or critical record")),
-        "fitted on the demo GPT at context 128: before onsets early in a run without warmup the risk crosses its "
-        "line at one or two samples, not the three the warning needs. Read it as rare and late; the layer's "
-        "`malignant_collapse` record is the alert that arrives"),
-    Row("[`collapse_risk`](#collapse_risk)", "ranking layers by how likely they are to collapse soon", (),
-        "read 0.55 as \"likely\", not as its number",
+    Row("[`collapse_risk`](#collapse_risk) (a logged number, no alert)",
+        "ranking layers by how likely they are to collapse soon; it starts the closer look", (),
+        "read 0.55 as \"likely\", not as its number. No line on it warned before half the collapses without "
+        "warning runs that never collapse ([why](#why-the-risk-raises-no-warning))",
         unscored="no goal of the replay scores it; its forecasts against the outcomes (Brier skill, calibration) "
                  "are in the set's `report.md`"),
     Row("[`eureka_plateau`](#eureka_plateau)",

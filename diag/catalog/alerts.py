@@ -85,13 +85,9 @@ ALERTS: dict[str, AlertKind] = {k.name: k for k in (
     AlertKind("collapse_damage", ("critical",),
               "a layer's malignant collapse is hurting the run: the loss fell before it and stopped falling after it",
               f"{_RESTART} (docs/steplimit.md)"),
-    AlertKind("collapse_warning", ("warning",),
-              "a layer's collapse_risk stayed high: a malignant collapse of its heads is likely soon",
-              "add or lengthen warmup, lower the learning rate, or bound the step (QK-norm, sigmaReparam, a spectral "
-              "step limit); watch attn_entropy and attn_rank of this layer's heads"),
     AlertKind("large_early_updates", ("info",),
               "the first updates are large next to the weights: no (or a short) warmup at this learning rate",
-              "nothing if the run is meant to have no warmup; collapse_warning says when a layer is heading for "
+              "nothing if the run is meant to have no warmup; collapse_risk shows which layers are heading for "
               "collapse"),
     AlertKind("eureka_plateau", ("warning",),
               "the loss is on a plateau while attention has not learned where to look: the model may be stuck "

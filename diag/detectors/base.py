@@ -32,7 +32,7 @@ class Alert:
     """
 
     step: int
-    kind: str  # e.g. "malignant_collapse", "collapse_warning", "eureka_plateau"
+    kind: str  # e.g. "malignant_collapse", "collapse_damage", "eureka_plateau"
     level: str  # "info", "warning" or "critical"
     where: str  # "L03/H05", "L03" or "" for the whole model
     message: str  # what happened and what to do; never repeats ``where``

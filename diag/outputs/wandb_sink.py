@@ -10,7 +10,7 @@
 What goes where (docs/integrations.md#weights-biases):
 
 * **Keys.** Every scalar of a record under its TensorBoard tag, the names of ``metrics.jsonl``
-  (``qk_sigma1/L00/max``, ``alerts/collapse_warning``); a tag without ``/`` (``loss``) goes under
+  (``qk_sigma1/L00/max``, ``alerts/malignant_collapse``); a tag without ``/`` (``loss``) goes under
   ``attnscope/`` (``attnscope/loss``), so that it never mixes with the user's own ``loss``
   (:func:`wandb_key`). A value that is not finite is logged as it is (NaN, inf), where ``metrics.jsonl``
   writes null.

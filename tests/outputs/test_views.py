@@ -106,7 +106,7 @@ def _write_run(folder, alerts=True):
     if alerts:
         found = [{"step": s, "kind": "malignant_collapse", "level": "critical", "where": "L00/H01",
                   "message": f"collapse at {s}", "values": {}} for s in (30, 40)]
-        found.append({"step": 10, "kind": "collapse_warning", "level": "warning", "where": "L01/H00",
+        found.append({"step": 10, "kind": "malignant_collapse", "level": "warning", "where": "L01/H00",
                       "message": "warning <b>. What to do: lower the learning rate now", "values": {}})
         (folder / "alerts.jsonl").write_text("".join(json.dumps(a) + "\n" for a in found))
 
@@ -130,10 +130,10 @@ def test_an_episode_is_shaded_from_its_start_to_its_resolved_record_or_the_end_o
     alerts = [{"step": 40, "since": 30, "kind": "malignant_collapse", "level": "critical", "where": "L00"},
               {"step": 90, "since": 30, "kind": "malignant_collapse", "level": "info", "where": "L00",
                "status": "resolved"},
-              {"step": 60, "since": 55, "kind": "collapse_warning", "level": "warning", "where": "L01"},
+              {"step": 60, "since": 55, "kind": "malignant_collapse", "level": "warning", "where": "L01"},
               {"step": 70, "since": 70, "kind": "eureka_moment", "level": "info", "where": ""}]
     assert alert_episodes(alerts, end=200) == [(("critical", "malignant_collapse", "L00", 30, 90)),
-                                               ("warning", "collapse_warning", "L01", 55, 200),
+                                               ("warning", "malignant_collapse", "L01", 55, 200),
                                                ("info", "eureka_moment", "", 70, 70)]
     assert alert_episodes([], end=10) == []
 

@@ -172,10 +172,10 @@ def test_monitor_steps_wait_for_the_users_rows_and_close_writes_the_rest(tmp_pat
 def test_alerts_go_to_run_alert_the_summary_and_the_table(tmp_path, offline):
     run = wandb.init(project="attnscope-test", dir=str(offline))
     sink = WandbSink()
-    fired = Alert(3, "collapse_warning", "warning", "L01", "entropy falls. What to do: warm up.", since=2,
+    fired = Alert(3, "malignant_collapse", "warning", "L01", "entropy falls. What to do: warm up.", since=2,
                   heads=("L01/H00", "L01/H02"))
     critical = Alert(4, "malignant_collapse", "critical", "L01/H00", "collapsed. What to do: lower lr.", since=4)
-    resolved = Alert(6, "collapse_warning", "warning", "L01", "recovered.", status="resolved", since=2)
+    resolved = Alert(6, "malignant_collapse", "warning", "L01", "recovered.", status="resolved", since=2)
     sink.write_alerts([fired, critical])
     sink.write_alerts([resolved])
     sink.close()
@@ -184,16 +184,16 @@ def test_alerts_go_to_run_alert_the_summary_and_the_table(tmp_path, offline):
     back = read_offline_run(run_dir)
     sent = back.alerts
     assert [s["level"] for s in sent] == ["WARN", "ERROR", "INFO"]
-    assert sent[0]["title"] == "attnscope collapse_warning at L01 (H00, H02)"
-    assert "What to do: warm up." in sent[0]["text"] and "docs/alerts.md#collapse_warning" in sent[0]["text"]
-    assert sent[2]["title"] == "attnscope collapse_warning resolved at L01"
+    assert sent[0]["title"] == "attnscope malignant_collapse at L01 (H00, H02)"
+    assert "What to do: warm up." in sent[0]["text"] and "docs/alerts.md#malignant_collapse" in sent[0]["text"]
+    assert sent[2]["title"] == "attnscope malignant_collapse resolved at L01"
     table = back.table(ALERT_TABLE)
-    assert [row[:6] for row in table["data"]] == [[3, "collapse_warning", "warning", "L01 (H00, H02)", "firing", 2],
+    assert [row[:6] for row in table["data"]] == [[3, "malignant_collapse", "warning", "L01 (H00, H02)", "firing", 2],
                                                   [4, "malignant_collapse", "critical", "L01/H00", "firing", 4],
-                                                  [6, "collapse_warning", "warning", "L01", "resolved", 2]]
+                                                  [6, "malignant_collapse", "warning", "L01", "resolved", 2]]
     summary = back.summary
     assert summary["attnscope/alerts_fired"] == 2
-    assert summary["attnscope/last_alert"].startswith("diag alert collapse_warning resolved at L01, step 6")
+    assert summary["attnscope/last_alert"].startswith("diag alert malignant_collapse resolved at L01, step 6")
 
 
 def test_a_failing_run_never_reaches_training(tmp_path, offline, recwarn):
@@ -207,7 +207,7 @@ def test_a_failing_run_never_reaches_training(tmp_path, offline, recwarn):
     run.finish()
     start = time.perf_counter()
     fan.write(Record(5, {"a/x": 2.0}))
-    fan.write_alerts([Alert(5, "collapse_warning", "warning", "L00", "m")])
+    fan.write_alerts([Alert(5, "malignant_collapse", "warning", "L00", "m")])
     sink.write_layout({"c": {"t": ["Multiline", ["^a/x$"]]}})
     fan.close()  # nothing raised
     assert time.perf_counter() - start < 5  # no call waited on the finished run (W&B's step query waits 30 s)

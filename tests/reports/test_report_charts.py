@@ -48,7 +48,7 @@ def _alert(step: int, kind: str, level: str, where: str = "L00", status: str = "
 # an info, a warning and a critical episode over the same steps, the last alert at step 200 of a run to 290
 OVERLAPPING = [_alert(0, "large_early_updates", "info", ""),
                _alert(20, "qk_clip", "info"), _alert(120, "qk_clip", "info", status="resolved", since=20),
-               _alert(40, "collapse_warning", "warning"),
+               _alert(40, "eureka_plateau", "warning"),
                _alert(60, "malignant_collapse", "warning", "L00/H01"),
                _alert(100, "collapse_damage", "critical"), _alert(200, "collapse_damage", "info", status="resolved",
                                                                  since=100)]
