@@ -6,9 +6,11 @@
     .venv/bin/python benchmarks/overhead.py --models medium --only 1 --reps 1   # 24 layers x 1024
     .venv/bin/python benchmarks/overhead.py --only 6 --reps 3 --threads 1   # attention at 128 .. 8,192 tokens
     python benchmarks/overhead.py --device cuda --models small medium --only 1 2 3 --reps 3   # on a GPU
+    python benchmarks/overhead.py --device cuda --models small --only 2 4 --min-step-ms 100   # a batch of >= 100 ms
 
 Prints, for each GPT-2-shaped model given (Hugging Face, sdpa attention, random
-init, batch 4 x 128 tokens), one after the other in the same run, with the
+init, batch 4 x 128 tokens: ``--batch``; ``--min-step-ms`` doubles the batch until a plain
+training step takes that long), one after the other in the same run, with the
 machine's load (``uptime``) beside each item. Times are this process's CPU time
 (``--clock cpu``, the default: another process's load adds waits to wall time, not
 to it; run with ``--threads 1`` so it counts one core's work) or wall time:
@@ -70,10 +72,12 @@ def clock() -> float:
 CLOCK = "cpu"
 DEVICE = "cpu"
 DATA = "fixed"
+BATCH = (4, 128)  # sequences x tokens of a training batch (--batch, --min-step-ms)
 
 
 class Batches:
-    """The training batches, 4 x 128 tokens, the same sequence of them for every model trained (``--data``):
+    """The training batches, ``BATCH`` (4 x 128 tokens unless --batch), the same sequence of them for every model
+    trained (``--data``):
 
     * ``fixed``: one batch of random tokens, trained on at every step;
     * ``text``: windows of the Python standard library's source (characters), a new batch every step, each
@@ -86,7 +90,7 @@ class Batches:
     def __init__(self, data: str = "fixed", seed: int = 0) -> None:
         self.data, self.gen = data, torch.Generator().manual_seed(seed)
         if data == "fixed":
-            self.fixed = torch.randint(0, 8192, (4, 128), generator=self.gen).to(DEVICE)
+            self.fixed = torch.randint(0, 8192, BATCH, generator=self.gen).to(DEVICE)
         else:
             from hooks.demo.data import encode, load_text
 
@@ -96,9 +100,10 @@ class Batches:
         """(input ids, labels) of the next step (labels as Hugging Face takes them: shifted inside)."""
         if self.data == "fixed":
             return self.fixed, self.fixed
-        starts = torch.randint(len(self.text) - 129, (8 if self.data == "stuck" else 4,), generator=self.gen)
-        windows = torch.stack([self.text[i : i + 128] for i in starts.tolist()]).to(DEVICE)
-        return windows[:4], windows[4:] if self.data == "stuck" else windows[:4]
+        (rows, tokens), doubled = BATCH, self.data == "stuck"
+        starts = torch.randint(len(self.text) - tokens - 1, (2 * rows if doubled else rows,), generator=self.gen)
+        windows = torch.stack([self.text[i : i + tokens] for i in starts.tolist()]).to(DEVICE)
+        return windows[:rows], windows[rows:] if doubled else windows[:rows]
 
 
 def load() -> str:
@@ -114,7 +119,7 @@ def build(size: str):
 
     layers, heads, width = SHAPES[size]
     torch.manual_seed(0)
-    cfg = GPT2Config(n_layer=layers, n_head=heads, n_embd=width, vocab_size=8192, n_positions=256)
+    cfg = GPT2Config(n_layer=layers, n_head=heads, n_embd=width, vocab_size=8192, n_positions=max(256, BATCH[1]))
     return GPT2LMHeadModel._from_config(cfg, attn_implementation="sdpa").to(DEVICE)
 
 
@@ -344,6 +349,31 @@ def overhead(model, reps: int, steps: int, everys=("default", "1", "10", "100"))
     return base
 
 
+def calibrate(model, min_ms: float, most: int) -> str:
+    """Doubles the batch's sequences (``BATCH``, from --batch) until a plain training step takes at least
+    ``min_ms`` (the median of 3 after one untimed step) or the batch holds ``most`` sequences; on a device that
+    runs out of memory, the last batch that fitted. Returns what it found, for the model's line."""
+    global BATCH
+    rows, tokens = BATCH
+    fitted = None
+    while True:
+        BATCH = (rows, tokens)
+        try:
+            train_steps(model, None, 1, 0)
+            step = statistics.median(train_steps(model, None, 3, 0))
+        except torch.OutOfMemoryError:
+            if fitted is None:
+                raise
+            torch.cuda.empty_cache()
+            BATCH = fitted[0]
+            return f"the largest that fits: {fitted[1] * 1e3:.0f} ms, short of {min_ms:g} ms"
+        fitted = (BATCH, step)
+        if step * 1e3 >= min_ms or 2 * rows > most:
+            short = "" if step * 1e3 >= min_ms else f", short of {min_ms:g} ms at the --max-batch limit"
+            return f"a plain step {step * 1e3:.0f} ms{short}"
+        rows *= 2
+
+
 def non_sampled_cost(model, base: float) -> None:
     """With a loss (a scalar with a graph, as a training step's): the step keeps its ``detach()`` for the mean
     loss since the last sample (every 64 kept losses are summed on their device); without one, for comparison."""
@@ -401,7 +431,7 @@ def families(model, base: float, reps: int) -> None:
     the first sample of a fresh Monitor (cold: no warm start for the update ratios' sigma_1, first
     buffers) and the median of ``reps`` warm ones 2 steps apart, as fractions of one training step."""
     print(f"4. sampled-step cost per signal family (fraction of one training step): {load()}")
-    ids = torch.randint(0, 8192, (4, 128), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    ids = torch.randint(0, 8192, BATCH, generator=torch.Generator().manual_seed(0)).to(DEVICE)
     for name, signals in (("loss", ()), ("grads", ("grads",)), ("spectra", ("spectra",)),
                           ("updates", ("updates",)), ("attention", ("attention",)), ("all", SIGNALS)):
         costs = _sample_costs(model, ids, signals, reps)
@@ -443,7 +473,7 @@ def attention_scaling(reps: int, lengths: tuple[int, ...], width: int, heads: in
     torch.manual_seed(0)
     layers = 2
     cfg = GPT2Config(n_layer=layers, n_head=heads, n_embd=width, vocab_size=8192, n_positions=max(lengths))
-    model = GPT2LMHeadModel._from_config(cfg, attn_implementation="sdpa")
+    model = GPT2LMHeadModel._from_config(cfg, attn_implementation="sdpa").to(DEVICE)
     monitor = Monitor(model, every=1, signals=("attention",), sinks=[MemorySink()])
     print(f"6. attention capture vs sequence length ({layers} layers x {heads} heads, d_model {width}, sdpa, "
           f"batch 1: one sequence captured): per sampled layer, as a share of the whole "
@@ -451,7 +481,7 @@ def attention_scaling(reps: int, lengths: tuple[int, ...], width: int, heads: in
           f"{ENTROPY_ROWS} rows spread through longer sequences, max logit in float32; every row: all of it in "
           f"float64 {load()}")
     for n in lengths:
-        ids = torch.randint(0, 8192, (1, n), generator=torch.Generator().manual_seed(n))
+        ids = torch.randint(0, 8192, (1, n), generator=torch.Generator().manual_seed(n)).to(DEVICE)
         _fwd_bwd(model, ids)
         costs: dict[str, list[float]] = {"default": [], "every row": []}
         plains = []
@@ -498,23 +528,31 @@ def main() -> None:
                         help="items 2-4: one random batch at every step (default), the standard library's source "
                              "as text, or that text with the labels of other windows (a loss that is stuck)")
     parser.add_argument("--device", default="cpu",
-                        help="the device the model trains on (cuda: wall time after a synchronisation; items 1-4)")
+                        help="the device the model trains on (cuda: wall time after a synchronisation; items 1-4, 6)")
+    parser.add_argument("--batch", type=int, nargs=2, default=[4, 128], metavar=("SEQUENCES", "TOKENS"),
+                        help="items 2-4: the training batch")
+    parser.add_argument("--min-step-ms", type=float, default=0.0,
+                        help="items 2-4: double the batch's sequences until a plain training step takes this long")
+    parser.add_argument("--max-batch", type=int, default=1024, help="with --min-step-ms: at most this many sequences")
     parser.add_argument("--memory-child", choices=["plain", "monitored"], help=argparse.SUPPRESS)
     args = parser.parse_args()
-    global CLOCK, DEVICE, DATA
-    CLOCK, DEVICE, DATA = args.clock, args.device, args.data
-    if DEVICE != "cpu" and (set(args.only or "123456") - set("1234")):
-        parser.error("--device other than cpu measures items 1-4 only: pass --only with some of 1 2 3 4")
+    global CLOCK, DEVICE, DATA, BATCH
+    CLOCK, DEVICE, DATA, BATCH = args.clock, args.device, args.data, tuple(args.batch)
+    if DEVICE != "cpu" and "5" in set(args.only or "123456"):
+        parser.error("--device other than cpu measures items 1-4 and 6 only (5 is the host's memory): pass --only")
     torch.set_num_threads(args.threads)
     if args.memory_child:
         memory_child(args.models[0], args.memory_child == "monitored", 4)
         return
     only = set(args.only or "123456")
-    for size in args.models:
+    for size in args.models if only - {"6"} else ():  # item 6 builds its own model
+        BATCH = tuple(args.batch)
         model = build(size)
+        found = f" ({calibrate(model, args.min_step_ms, args.max_batch)})" if args.min_step_ms else ""
         layers, heads, width = SHAPES[size]
         on = f"on {torch.cuda.get_device_name()}" if DEVICE.startswith("cuda") else f"{args.threads} threads"
-        print(f"model: GPT-2 shape {layers} layers x {heads} heads, d_model {width}; batch 4 x 128; {on} {load()}")
+        print(f"model: GPT-2 shape {layers} layers x {heads} heads, d_model {width}; batch {BATCH[0]} x {BATCH[1]}"
+              f"{found}; {on} {load()}")
         if "1" in only:
             spectra(model, args.reps)
         if only & {"2", "3", "4"}:

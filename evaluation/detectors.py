@@ -23,7 +23,7 @@ from collections import Counter
 from pathlib import Path
 
 from diag.detectors import AlertConfig, Detectors, Observation
-from evaluation.matching import COLLAPSE, match, records_of, warning_window
+from evaluation.matching import COLLAPSE, match, records_of
 from evaluation.seeds import BOUNDARY_LR, SETS
 from evaluation.spec import EVERYS
 from evaluation.truth import (
@@ -146,16 +146,13 @@ def twin_of(run: Run, runs: dict[str, Run]) -> Run | None:
     return runs.get(replace(run.spec, twin=kind, threads=1).name)
 
 
-def collapse_matches(run: Run, alerts: list, cfg: AlertConfig) -> dict:
-    """The run's collapsed layers and heads against their own records (:mod:`evaluation.matching`), its layers
-    against their own warnings within the risk's horizon, and the false records of each."""
+def collapse_matches(run: Run, alerts: list) -> dict:
+    """The run's collapsed layers and heads against their own records (:mod:`evaluation.matching`), and the false
+    records of each."""
     end = run.spec.steps - 1
     layers = match(records_of(alerts, "malignant_collapse", "layer"), onsets(run), COLLAPSE, end)
     heads = match(records_of(alerts, "malignant_collapse", "head"), onsets(run, "head"), COLLAPSE, end)
-    warnings = match(records_of(alerts, "collapse_warning", "layer"), onsets(run),
-                     warning_window(cfg.risk.risk_horizon), end)
     onset, first_record = collapse_onset(run), first(alerts, "malignant_collapse", scope="layer")
-    leads = [w["lead"] for w in warnings["onsets"]]
     return {"onset": onset, "head_onset": collapse_onset(run, "head"), "layers": layers["onsets"],
             "heads": heads["onsets"], "first_record": first_record,
             "caught": onset is not None and all(x["in_time"] for x in layers["onsets"]),
@@ -163,25 +160,21 @@ def collapse_matches(run: Run, alerts: list, cfg: AlertConfig) -> dict:
             # in time is unknown (counted apart, and as a miss in the plain count)
             "censored": any(x["censored"] for x in layers["onsets"]),
             "false_records": layers["false"], "false_head_records": heads["false"],
-            "quiet_record": onset is None and first_record is not None,
-            "warnings": warnings["onsets"], "false_warnings": warnings["false"],
-            "warned": onset is not None and all(x["in_time"] for x in warnings["onsets"]),
-            "lead": min(leads) if onset is not None and None not in leads else None,
-            "quiet_warning": onset is None and first(alerts, "collapse_warning") is not None}
+            "quiet_record": onset is None and first_record is not None}
 
 
-ALARMS = ("malignant_collapse", "collapse_warning", "collapse_damage", "collapse_stall")  # a collapse alert: twin test
+ALARMS = ("malignant_collapse", "collapse_damage", "collapse_stall")  # a collapse alert, for the twin test
 
 
 def judge_collapse(run: Run, cfg: AlertConfig, every, twin: Run | None) -> dict:
     """:func:`collapse_matches` at ``every``, and the twin test: whether a collapse alert (a layer's collapse
-    record, a warning or a damage record) came before the damage began."""
+    record or a damage record) came before the damage began."""
     alerts = replay_run(run, cfg, every)
     damaged, damage_from = damage(run, twin)
     alarm = min((a.step for a in alerts if a.status == "firing" and a.kind in ALARMS and "/" not in a.where),
                 default=None)
     return {"run": run.name, "every": every, "lr": run.spec.lr, "twin": run.spec.twin,
-            **collapse_matches(run, alerts, cfg),
+            **collapse_matches(run, alerts),
             "damaged": damaged, "damage_from": damage_from, "alarm": alarm,
             "alarm_before_damage": None if not damaged else alarm is not None and damage_from is not None
             and alarm < damage_from,

@@ -1,70 +1,76 @@
-"""The attention states of a recorded run, by the evaluation's own implementation of their definition.
+"""The ground truth of the attention states: Qi et al.'s definitions, read from the full attention maps.
 
-The detectors define four attention states (malignant, benign, uniform, sink) per head and per layer; the
-evaluation judges them against these states computed here, from the same definition but written apart from
-``diag/detectors/`` (this module imports nothing of it), so that a mistake in one implementation shows as a
-difference between the two (:mod:`evaluation.agree`) instead of being in both. It reads a run's every-step
-observations (:func:`evaluation.record.load_observations`) and follows the definition in four steps:
+Qi et al. (ICLR 2025) call an attention map in **malignant** entropy collapse when it is *sparse yet low-rank*:
+every query puts its mass on the same one or few keys, so that the map's mass stands in a few vertical lines
+(their matrix C: every row on the first key). **Benign** collapse is sparse but full-rank (each query on a key of
+its own, their matrix B: the identity); **uniform** attention is low rank without sparsity (their matrix A:
+every query spreading its mass evenly). An **attention sink** (Xiao et al. 2023) is the sparse, low-rank map
+whose mass stands on one key position that every sequence shares (the first token): its own state, as the
+detectors have it.
 
-1. **Series** (:func:`series_of`): per layer, the attention samples in step order as arrays over (samples,
-   heads): entropy ``e``, effective rank ``r``, the rows the rank saw, uniform attention's entropy ``u`` (none
-   recorded: infinite, so no head is ever uniform) and the sink share ``s`` (none recorded: 0, no sink).
-2. **Tests** (:func:`tests_of`): per sample and head, each state's entry and exit test, vectorised. With the
-   sparse line ``E`` (0.5 nats), the low-rank line ``R = 1 + 0.1 (rows - 1)`` and the exit factor ``f`` (1.5):
+This module reads those words off the maps that :mod:`evaluation.maps` measures at every step (how much of
+each query's mass its top keys hold, how many key columns hold all queries' mass, how evenly each query spreads
+its mass, what one shared key position holds), with its own parameters (:class:`Definition`), and imports
+nothing of ``diag`` or ``hooks`` (``diag`` itself imports the detectors; ``tests/evaluation/test_groundtruth.py``
+checks both). Per sample and head
+(:func:`head_states`), one state at most:
 
-   * sink: in when ``e <= E`` and ``s >= 0.5``; out when ``e > fE`` or ``s < 0.5 / f``;
-   * malignant: in when ``e <= E`` and ``r <= R`` and not sink-in; out when ``e > fE`` or ``r > fR``;
-   * benign: in when ``e <= E`` and ``r > R`` and not sink-in; out when ``e > fE``;
-   * uniform: in when ``r <= R`` and ``e >= 0.8 u``; out when ``r > fR`` or ``e < (1 - f (1 - 0.8)) u``.
+* **sparse**: at least ``queries`` of the head's queries are *focused*: their ``top_keys`` keys hold at least
+  ``top_mass`` of their mass;
+* **few columns** (low rank): the key columns that together hold ``column_mass`` of all queries' mass number at
+  most ``few_columns`` of the rows (averaged over the measured sequences);
+* **sink**: sparse, and one key position holds at least ``sink_mass`` of all queries' mass in every sequence;
+* **malignant**: sparse, few columns, no sink; **benign**: sparse, not few columns, no sink;
+* **uniform**: not sparse, and at least ``queries`` of the queries spread their mass *evenly* (their entropy
+  at least ``even`` of uniform attention's over the keys they see).
 
-   A sample whose ``e`` or ``r`` is not finite passes no test; a comparison with a sink share that is not
-   finite does not hold.
-3. **Dwell per head** (:func:`dwell`): a head enters a state once its entry test held at 2 samples spanning 10
-   steps or more (malignant and sink; benign and uniform at the first inside sample), samples passing neither test
-   not breaking the run and one passing the exit test resetting it; ``since`` is the run's first sample,
-   ``opened`` the sample that completes it. It leaves once the exit test held at 2 samples spanning 50 steps (an
-   inside sample resets that run); ``until`` is the exit run's first sample. A head with a malignant episode
-   open or pending is not benign.
-4. **Layers** (:func:`layer_spans`): a layer of ``H`` heads needs ``max(min(2, H), ceil(H / 2))`` of them. It
-   enters a state at the first sample where that many heads are in it and not on their way out (no exit run
-   begun), ``since`` the needed-th smallest of their ``since``; it leaves at the first sample where fewer than
-   that many are in it (those on their way out counted), ``until`` the ``until`` of the head whose exit took the
-   count below the need.
-
-An episode (head or layer) is a **baseline** episode when its ``since`` is the layer's first attention sample:
-the model was in the state when monitoring began.
+Over time (:func:`smooth`): a head is in a state at a step when the state's test holds at more than half of
+its samples within ``window // 2`` steps of it (the truth may read the future; a detector may not). A head's
+episode is a run of such steps: ``since`` (and ``opened``) its first step, ``until`` the first step after it
+(None: open at the end of the run). A **layer** is in a state while more than half of its heads are; a
+**baseline** episode begins at the layer's first sample.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 
 import numpy as np
 
-from diag.catalog.tags import head_label
+from evaluation.maps import COLUMN_MASS, EVEN, TOP_KEYS, TOP_MASS, Maps
 
-__all__ = ["Definition", "Episode", "STATES", "Series", "Track", "dwell", "episodes", "layer_needs",
-           "layer_spans", "series_of", "tests_of"]
+__all__ = ["Definition", "Episode", "STATES", "episodes", "head_name", "head_states", "runs", "smooth"]
 
 STATES = ("malignant", "benign", "uniform", "sink")
 
 
 @dataclass(frozen=True)
 class Definition:
-    """The definition's lines (per sample), dwells (steps and samples) and layer share."""
+    """The definition's parameters, each in the papers' terms (the defaults say what the words mean)."""
 
-    sparse_entropy: float = 0.5  # nats
-    low_rank_frac: float = 0.1  # the low-rank line: 1 + low_rank_frac * (rows - 1)
-    uniform_frac: float = 0.8  # of uniform attention's entropy
-    exit_factor: float = 1.5  # each exit line this far beyond its entry line
-    sink_share: float = 0.5  # of all queries' attention mass on one key position
-    collapse_persist: int = 2  # malignant: samples of the entry run ...
-    collapse_dwell: int = 10  # ... spanning this many steps
-    exit_samples: int = 2  # every state: samples of the exit run ...
-    exit_dwell: int = 50  # ... spanning this many steps
-    layer_share: float = 0.5
+    top_keys: int = 4  # "the same one or few keys": a query is focused when its top_keys keys ...
+    top_mass: float = 0.9  # ... hold at least this share of its mass
+    queries: float = 0.9  # "every query": a head passes a per-query test when this share of its queries do
+    column_mass: float = 0.9  # the key columns that together hold this share of all queries' mass ...
+    few_columns: float = 0.0625  # ... are few (low rank) when they number at most this share of the rows
+    even: float = 0.9  # a query spreads evenly when its entropy is this share of uniform attention's or more
+    sink_mass: float = 0.6  # a sink: one key position, the same in every sequence, holds this share of all mass
+    window: int = 21  # steps: a head is in a state where its test holds at most of its samples this close
+
+    def __post_init__(self) -> None:
+        for name, levels in (("top_keys", TOP_KEYS), ("top_mass", TOP_MASS), ("column_mass", COLUMN_MASS),
+                             ("even", EVEN)):
+            if getattr(self, name) not in levels:
+                raise ValueError(f"Definition.{name}={getattr(self, name)!r}: the maps are measured at "
+                                 f"{levels} (evaluation.maps); pick one of them")
+        for name in ("queries", "few_columns", "sink_mass"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ValueError(f"Definition.{name}={getattr(self, name)!r}: a share, in (0, 1]")
+        if self.window < 1:
+            raise ValueError(f"Definition.window={self.window!r}: a number of steps, at least 1")
+
+    def replace(self, **changes: float) -> Definition:
+        return Definition(**{f.name: changes.get(f.name, getattr(self, f.name)) for f in fields(self)})
 
 
 @dataclass(frozen=True)
@@ -73,167 +79,60 @@ class Episode:
 
     state: str
     where: str
-    since: int  # the first sample of the entry run
-    opened: int  # the sample at which the state is established
-    until: int | None  # the first sample of the exit run; None: still open at the end of the run
-    baseline: bool  # since is the layer's first attention sample
+    since: int  # the first step of the episode
+    opened: int  # the step at which it is established (the truth's: since)
+    until: int | None  # the first step after it; None: still open at the end of the run
+    baseline: bool  # since is the layer's first sample
 
 
-@dataclass
-class Series:
-    """One layer's attention samples in step order: ``steps`` (T,), the rest (T, H)."""
-
-    steps: np.ndarray
-    entropy: np.ndarray
-    rank: np.ndarray
-    rows: np.ndarray  # (T, 1)
-    uniform: np.ndarray  # (T, H) or (T, 1)
-    sink: np.ndarray  # (T, H) or (T, 1)
-
-    @property
-    def heads(self) -> int:
-        return self.entropy.shape[1]
+def head_name(h: int, heads: int) -> str:
+    """``"H05"``: head ``h`` of ``heads``, numbered as the Monitor's tags number it (at least two digits)."""
+    return "H" + str(h).zfill(max(2, len(str(max(heads - 1, 0)))))
 
 
-def _column(samples: list[dict], key: str, default: float) -> np.ndarray:
-    """(T, width) of one statistic; ``default`` where a sample lacks it."""
-    values = [np.atleast_1d(np.asarray(m[key], float)) if key in m else np.array([default]) for m in samples]
-    width = max(len(v) for v in values)
-    return np.stack([np.broadcast_to(v, (width,)) for v in values])
-
-
-def series_of(observations: Iterable) -> dict[str, Series]:
-    """Every layer's attention samples (observations holding ``attn_entropy``, ``attn_rank`` and ``attn_rows``
-    for it), in the order given (step order)."""
-    by_label: dict[str, tuple[list[int], list[dict]]] = {}
-    for obs in observations:
-        for label, m in obs.layers.items():
-            if all(k in m for k in ("attn_entropy", "attn_rank", "attn_rows")):
-                steps, samples = by_label.setdefault(label, ([], []))
-                steps.append(obs.step)
-                samples.append(m)
-    out = {}
-    for label, (steps, samples) in by_label.items():
-        widths = {len(np.atleast_1d(m["attn_entropy"])) for m in samples}
-        if len(widths) != 1:
-            raise ValueError(f"layer {label}: its attention samples have {sorted(widths)} heads; a layer's samples "
-                             "must all have the same heads (a recording of one model)")
-        out[label] = Series(np.array(steps), _column(samples, "attn_entropy", math.nan),
-                            _column(samples, "attn_rank", math.nan), _column(samples, "attn_rows", math.nan)[:, :1],
-                            _column(samples, "attn_entropy_uniform", math.inf), _column(samples, "attn_sink", 0.0))
-    return out
-
-
-def tests_of(x: Series, d: Definition) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Per state, (entry test, exit test) of every sample and head: boolean (T, H)."""
-    e, r, u, s = x.entropy, x.rank, x.uniform, x.sink
-    measured = np.isfinite(e) & np.isfinite(r)
-    sparse, f = d.sparse_entropy, d.exit_factor
-    r_line = 1.0 + d.low_rank_frac * np.maximum(x.rows - 1.0, 0.0)
+def head_states(maps: Maps, label: str, d: Definition) -> dict[str, np.ndarray]:
+    """Per state, whether each sample and head passes its test: boolean (N, H). A sample that is not finite
+    passes none."""
+    focused = maps.focused[label][:, :, TOP_KEYS.index(d.top_keys), TOP_MASS.index(d.top_mass)]  # (N, H)
+    columns = maps.columns[label][:, :, COLUMN_MASS.index(d.column_mass)]  # (N, H)
+    even = maps.even[label][:, :, EVEN.index(d.even)]  # (N, H)
+    shared = maps.shared[label]  # (N, H)
     with np.errstate(invalid="ignore"):
-        sink_in = measured & (e <= sparse) & (s >= d.sink_share)
-        return {
-            "sink": (sink_in, measured & ((e > f * sparse) | (s < d.sink_share / f))),
-            "malignant": (measured & (e <= sparse) & (r <= r_line) & ~sink_in,
-                          measured & ((e > f * sparse) | (r > f * r_line))),
-            "benign": (measured & (e <= sparse) & (r > r_line) & ~sink_in, measured & (e > f * sparse)),
-            "uniform": (measured & (r <= r_line) & (e >= d.uniform_frac * u),
-                        measured & ((r > f * r_line) | (e < (1.0 - f * (1.0 - d.uniform_frac)) * u))),
-        }
+        sparse = focused >= d.queries
+        few = columns <= d.few_columns * maps.rows[label]
+        sink = sparse & (shared >= d.sink_mass)
+        return {"malignant": sparse & few & ~sink, "benign": sparse & ~few & ~sink, "sink": sink,
+                "uniform": ~sparse & (focused == focused) & (even >= d.queries)}
 
 
-@dataclass
-class Track:
-    """One head in one state, after each of its samples, and its episodes as (since, opened, until)."""
-
-    held: np.ndarray  # in an episode (established, not yet left)
-    leaving: np.ndarray  # ... with its exit run begun
-    pending: np.ndarray  # an entry run under way, not yet established
-    since: np.ndarray  # the since of the episode held (-1: none)
-    closed: np.ndarray  # the until of the episode that ended at this sample (-1: none)
-    spans: list[tuple[int, int, int | None]] = field(default_factory=list)
+def smooth(steps: np.ndarray, inside: np.ndarray, window: int) -> np.ndarray:
+    """Whether ``inside`` (N, ...) holds at more than half of the samples within ``window // 2`` steps of each."""
+    lo = np.searchsorted(steps, steps - window // 2, side="left")
+    hi = np.searchsorted(steps, steps + window // 2, side="right")
+    total = np.concatenate([np.zeros((1, *inside.shape[1:])), np.cumsum(inside, 0)])
+    count = total[hi] - total[lo]
+    return 2 * count > (hi - lo).reshape(-1, *[1] * (inside.ndim - 1))
 
 
-def dwell(steps: np.ndarray, inside: np.ndarray, outside: np.ndarray, samples: int, span: int,
-          exit_samples: int, exit_span: int) -> Track:
-    """The dwell over one head's samples: enter after ``samples`` inside samples spanning ``span`` steps, leave
-    after ``exit_samples`` outside samples spanning ``exit_span`` steps; a sample passing neither test changes
-    nothing."""
-    n = len(steps)
-    track = Track(np.zeros(n, bool), np.zeros(n, bool), np.zeros(n, bool), np.full(n, -1), np.full(n, -1))
-    entry = exit_run = episode = None  # (first step, samples) of each run; (since, opened) of the episode
-    for t, (step, i, o) in enumerate(zip(steps.tolist(), inside.tolist(), outside.tolist())):
-        if episode is None:
-            if o:
-                entry = None
-            elif i:
-                first, count = entry or (step, 0)
-                entry = (first, count + 1)
-                if entry[1] >= samples and step - first >= span:
-                    episode, entry = (first, step), None
-        elif i:
-            exit_run = None
-        elif o:
-            first, count = exit_run or (step, 0)
-            exit_run = (first, count + 1)
-            if exit_run[1] >= exit_samples and step - first >= exit_span:
-                track.spans.append((*episode, first))
-                track.closed[t] = first
-                episode = exit_run = None
-        track.pending[t] = entry is not None
-        if episode is not None:
-            track.held[t], track.leaving[t], track.since[t] = True, exit_run is not None, episode[0]
-    if episode is not None:
-        track.spans.append((*episode, None))
-    return track
+def runs(steps: np.ndarray, inside: np.ndarray) -> list[tuple[int, int | None]]:
+    """The runs of consecutive samples where ``inside`` (N,) holds, as (first step, first step after or None)."""
+    edges = np.diff(np.concatenate([[0], inside.astype(int), [0]]))
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    return [(int(steps[a]), int(steps[b]) if b < len(steps) else None) for a, b in zip(starts, ends)]
 
 
-def layer_needs(heads: int, d: Definition) -> int:
-    """How many of a layer's heads must be in a state for the layer to be in it."""
-    return max(min(2, heads), math.ceil(d.layer_share * heads - 1e-9))
-
-
-def layer_spans(steps: np.ndarray, tracks: list[Track], need: int) -> list[tuple[int, int, int | None]]:
-    """A layer's episodes of one state from its heads' tracks, as (since, opened, until)."""
-    held = np.stack([tr.held for tr in tracks], 1)
-    holding = held & ~np.stack([tr.leaving for tr in tracks], 1)
-    since = np.stack([tr.since for tr in tracks], 1)
-    closed = np.stack([tr.closed for tr in tracks], 1)
-    spans, episode = [], None
-    for t in range(len(steps)):
-        if episode is None and holding[t].sum() >= need:
-            episode = (int(np.sort(since[t, holding[t]])[need - 1]), int(steps[t]))
-        elif episode is not None and held[t].sum() < need:
-            before = int(held[t - 1].sum())
-            ends = np.sort(closed[t][closed[t] >= 0])
-            spans.append((*episode, int(ends[before - need])))
-            episode = None
-    if episode is not None:
-        spans.append((*episode, None))
-    return spans
-
-
-def _layer_episodes(label: str, x: Series, d: Definition) -> list[Episode]:
-    tests = tests_of(x, d)
-    first, n = int(x.steps[0]), x.heads
-    out, malignant = [], []
-    for state in ("malignant", "benign", "uniform", "sink"):  # malignant first: a head open or pending in it
-        inside, outside = tests[state]  # is not benign
-        if state == "benign":
-            inside = inside & ~np.stack([tr.held | tr.pending for tr in malignant], 1)
-        enter = (d.collapse_persist, d.collapse_dwell) if state in ("malignant", "sink") else (1, 0)
-        tracks = [dwell(x.steps, inside[:, h], outside[:, h], *enter, d.exit_samples, d.exit_dwell)
-                  for h in range(n)]
-        malignant = tracks if state == "malignant" else malignant
-        for h, tr in enumerate(tracks):
-            out += [Episode(state, f"{label}/{head_label(h, n)}", s, o, u, s == first) for s, o, u in tr.spans]
-        out += [Episode(state, label, s, o, u, s == first)
-                for s, o, u in layer_spans(x.steps, tracks, layer_needs(n, d))]
-    return out
-
-
-def episodes(observations: Iterable, d: Definition | None = None) -> list[Episode]:
+def episodes(maps: Maps, d: Definition | None = None) -> list[Episode]:
     """Every state episode of a run, heads and layers, ordered by (opened, where, state)."""
     d = d or Definition()
-    out = [e for label, x in series_of(observations).items() for e in _layer_episodes(label, x, d)]
+    out = []
+    for label in maps.layers:
+        first = int(maps.steps[0])
+        for state, inside in head_states(maps, label, d).items():
+            held = smooth(maps.steps, inside, d.window)  # (N, H)
+            n = held.shape[1]
+            for h in range(n):
+                out += [Episode(state, f"{label}/{head_name(h, n)}", a, a, b, a == first)
+                        for a, b in runs(maps.steps, held[:, h])]
+            layer = 2 * held.sum(1) > n
+            out += [Episode(state, label, a, a, b, a == first) for a, b in runs(maps.steps, layer)]
     return sorted(out, key=lambda e: (e.opened, e.where, e.state))

@@ -12,16 +12,14 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from evaluation.seeds import BOUNDARY_LR
-
-__all__ = ["GOALS", "Goal", "headline_table", "verdicts", "wilson"]
+__all__ = ["GOALS", "Goal", "headline_table", "tally", "verdicts", "wilson"]
 
 Rows = dict  # a run's judged rows by cadence ("default", 2, 5, 10, 20)
 
 
-def _collapse(rows: Rows, test: Callable[[dict], bool | None], away: bool = False) -> bool | None:
+def _collapse(rows: Rows, test: Callable[[dict], bool | None]) -> bool | None:
     d = rows.get("default")
-    if d is None or d["kind"] != "collapse" or (away and d["lr"] == BOUNDARY_LR):
+    if d is None or d["kind"] != "collapse":
         return None
     return test(d)
 
@@ -62,14 +60,6 @@ GOALS = (
     Goal("heads_recorded", "runs with a head collapse: every collapsed head gets its own head's record within the "
          "same window", lambda rs: _collapse(rs, lambda d: all(x["in_time"] for x in d["heads"]) if d["heads"]
                                              else None)),
-    Goal("warned", "away from the boundary learning rate, runs with a layer collapse: every collapsed layer warned "
-         "(collapse_warning on that layer) within the risk's horizon before its onset",
-         lambda rs: _collapse(rs, lambda d: d["warned"] if d["onset"] is not None else None, away=True)),
-    Goal("warning_leads", "... of those warned: by 5 steps or more",
-         lambda rs: _collapse(rs, lambda d: d["lead"] >= 5 if d["onset"] is not None and d["warned"] else None,
-                              away=True)),
-    Goal("no_warning_without_collapse", "away from the boundary, runs without a layer collapse: no collapse_warning",
-         lambda rs: _collapse(rs, lambda d: not d["quiet_warning"] if d["onset"] is None else None, away=True)),
     Goal("alert_before_damage", "runs the twin test calls damaged: a collapse alert before the damage begins",
          lambda rs: _collapse(rs, lambda d: d["alarm_before_damage"] if d["damaged"] else None)),
     Goal("no_critical_without_damage", "collapse runs the twin test does not call damaged (twins included): no "
@@ -116,13 +106,19 @@ def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
     return max(0.0, (centre - half) / (1 + z * z / n)), min(1.0, (centre + half) / (1 + z * z / n))
 
 
+def tally(judged: dict[str, dict[str, bool]], key: str) -> tuple[int, int]:
+    """``judged``: run -> its verdicts. (The runs the goal ``key`` applies to, how many of them meet it.)"""
+    mine = [v[key] for v in judged.values() if key in v]
+    return len(mine), sum(mine)
+
+
 def headline_table(judged: dict[str, dict[str, bool]]) -> list[str]:
     """``judged``: run -> its verdicts. One line per goal: the runs it applies to, how many meet it, the share
     and its 95% Wilson interval, and the runs that do not."""
     out = ["| goal | runs | met | share | 95% interval | not met |", "|---|---|---|---|---|---|"]
     for g in GOALS:
         mine = {run: v[g.key] for run, v in judged.items() if g.key in v}
-        n, k = len(mine), sum(mine.values())
+        n, k = tally(judged, g.key)
         lo, hi = wilson(k, n)
         share = f"{k / n:.1%}" if n else "-"
         interval = f"{lo:.1%}-{hi:.1%}" if n else "-"

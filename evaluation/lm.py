@@ -3,7 +3,8 @@
 The GPT of ``hooks.demo`` (4 layers of 2 heads, d_model 128, context 128, batch 16, AdamW betas 0.9/0.95,
 weight decay 0.1) on the standard library's source (``corpus="stdlib"``) or on the English text of Python's own
 documentation (``corpus="pydoc"``: ``pydoc_data.topics``), with the spec's learning-rate schedule, optionally
-with QK-norm (the twin that cannot collapse) and at another width, depth, context and batch.
+with QK-norm (the twin that cannot collapse) and at another width, depth, context and batch. A run recorded at
+every step keeps its attention maps' measurements too (``attention.npz``, :mod:`evaluation.maps`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def train_spec(spec: RunSpec, out: Path) -> dict:
     gen = torch.Generator().manual_seed(spec.seed)
     model = GPT(cfg)
     optimizer = adamw(model, spec.lr)
-    with recording(Monitor(model, every=spec.every or None), out / "observations.jsonl") as monitor:
+    maps = out / "attention.npz" if spec.every == 1 else None  # the ground truth's attention maps (evaluation.maps)
+    with recording(Monitor(model, every=spec.every or None), out / "observations.jsonl", maps) as monitor:
         losses = train_steps(model, lambda: get_batch(data, cfg, gen), lambda batch: model(*batch), optimizer,
                              spec.steps, schedule=spec.lr_schedule, monitor=monitor)
     return {"losses": losses}

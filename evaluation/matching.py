@@ -6,18 +6,12 @@ step) it follows by at most ``after`` steps and precedes by at most ``before``; 
 none of its layer's (head's) episodes, on a layer with no episode or outside every window, is a *false record*.
 A layer (head) is judged on its first episode: its collapse is *caught* when a record is a hit for it.
 
-The windows:
-
-* ``COLLAPSE`` (a layer's or a head's ``malignant_collapse`` record): at most ``collapse_dwell`` (10) steps
-  early, at most 50 late. A record can precede the every-step onset only when the detectors, sampling fewer
-  steps, met the entry dwell on samples of the same entry run that skipped a sample the every-step dwell
-  counted (a layer's onset is normally its needed head's ``since`` plus the dwell); earlier than one dwell
-  before the onset it is the record of a state the every-step attention did not have yet. 50 late is the goal's
-  own bound ("within 50 steps").
-* ``warning_window(horizon)`` (``collapse_warning``, per layer): from ``horizon`` steps before the onset up to
-  the step before it: the warning states the risk of a collapse within ``horizon`` steps (``risk_horizon``,
-  50), so a warning that fired earlier than that was wrong when it fired, and one at or after the onset is no
-  warning.
+The window, ``COLLAPSE`` (a layer's or a head's ``malignant_collapse`` record): at most ``collapse_dwell`` (10)
+steps early, at most 50 late. A record can precede the every-step onset only when the detectors, sampling fewer
+steps, met the entry dwell on samples of the same entry run that skipped a sample the every-step dwell counted (a
+layer's onset is normally its needed head's ``since`` plus the dwell); earlier than one dwell before the onset it
+is the record of a state the every-step attention did not have yet. 50 late is the goal's own bound ("within 50
+steps").
 """
 
 from __future__ import annotations
@@ -26,7 +20,7 @@ from dataclasses import dataclass
 
 from evaluation.groundtruth import Episode
 
-__all__ = ["COLLAPSE", "Window", "match", "records_of", "warning_window"]
+__all__ = ["COLLAPSE", "Window", "match", "records_of"]
 
 
 @dataclass(frozen=True)
@@ -41,10 +35,6 @@ class Window:
 
 
 COLLAPSE = Window(10, 50)
-
-
-def warning_window(horizon: int) -> Window:
-    return Window(horizon, -1)
 
 
 def records_of(alerts: list, kind: str, scope: str) -> list[tuple[str, int]]:

@@ -6,14 +6,13 @@
 Replays a set frozen and sealed by :mod:`evaluation.freeze` (and refuses any other: one not sealed, one whose
 detectors' source differs from the frozen one, one whose records changed since the seal, one replayed already).
 Writes ``evaluation/frozen/SET/judged.json`` (per run: every goal's verdict with the evidence, its judged row at
-every cadence: onsets, records, warnings, damage) and ``evaluation/frozen/SET/report.md``, which it also
+every cadence: onsets, records, damage) and ``evaluation/frozen/SET/report.md``, which it also
 prints: the headlines (:mod:`evaluation.headlines`: each run counted once, 95% Wilson intervals), the collapse
 runs at every cadence (each layer's record against its own onset, evaluation.matching), the twin test, the
-warning away from the boundary learning rate, the false records per run and layer, the Eureka runs, the
-healthy runs with the NormSoftmax twin's verdict on each plateau alert, and ``collapse_risk``'s Brier score,
-its skill over two baselines and its calibration in bins with 90% intervals (the runs resampled, and beside it
-the interval that counts forecasts as independent). Nothing here tunes anything: the thresholds are
-AlertConfig's defaults.
+false records per run and layer, the Eureka runs, the healthy runs with the NormSoftmax twin's verdict on each
+plateau alert, and ``collapse_risk``'s Brier score, its skill over two baselines and its calibration in bins with
+90% intervals (the runs resampled, and beside it the interval that counts forecasts as independent). Nothing
+here tunes anything: the thresholds are AlertConfig's defaults.
 """
 
 from __future__ import annotations
@@ -176,7 +175,6 @@ def report_text(name: str, manifest: dict, runs: list, rows: list[dict], judged:
              "Wilson intervals.", "",
              "## Headlines", "", *headline_table({run: j["verdicts"] for run, j in judged.items()}), ""]
     for title, table in (("Collapse runs, per cadence", tables.collapse_table), ("The twin test", tables.damage_table),
-                         ("collapse_warning away from the boundary", tables.warning_table),
                          ("False records, per run and layer", tables.false_records_table),
                          ("Collapse runs one by one", tables.runs_table), ("Eureka runs", tables.eureka_table),
                          ("Eureka runs one by one", tables.eureka_runs_table), ("Healthy runs", tables.healthy_table)):

@@ -18,7 +18,7 @@ collapse), cross-fitted by seed; samples at the closer look's steps and at the d
 tuning runs (:func:`calibrate`).
 ``report``:
 Brier score and its skill over two baselines fitted on the design runs (the base rate per learning rate, and
-a configuration-only model: learning rate, warmup, QK-norm), calibration in bins, and per-run warning figures.
+a configuration-only model: learning rate, warmup, QK-norm) and calibration in bins.
 """
 
 from __future__ import annotations
@@ -140,20 +140,6 @@ def fit(samples: list[Sample], c: float = 0.1) -> RiskModel:
     return model
 
 
-def trust(runs: list[Run], levels=(0.2, 0.3, 0.5, 0.8)) -> list[list[float]]:
-    """What followed a layer's risk first reaching each level at the default cadence (with the shipped
-    model): [level, runs in which some layer reached it, of which that layer collapsed within the horizon]."""
-    rows = []
-    fs = [f for r in runs for f in forecasts(r)]
-    for level in levels:
-        reached: dict[str, int] = {}
-        for f in fs:
-            if f.p >= level and f.run not in reached:
-                reached[f.run] = f.y
-        rows.append([level, len(reached), sum(reached.values())])
-    return rows
-
-
 def calibrate(runs: list[Run], model: RiskModel) -> int:
     """Recalibrate the layer's probability on the forecasts a Monitor at its default cadence logs on ``runs``
     (the tuning set's): :func:`recalibrate`. The fit samples a closer look's steps; the Monitor forecasts where
@@ -183,8 +169,6 @@ def main() -> None:
     parser.add_argument("runs", type=Path)
     parser.add_argument("--set", nargs="+", default=["design"],
                         help="the sets whose runs are fitted on (calibrate: e.g. tuning report2)")
-    parser.add_argument("--trust", nargs="+", default=["design", "tuning"],
-                        help="the sets whose runs the warning's message quotes (default: design tuning)")
     parser.add_argument("--out", type=Path, default=MODEL_FILE)
     args = parser.parse_args()
     runs = [r for name in args.set for r in collapse_runs(args.runs, name)]
@@ -198,10 +182,7 @@ def main() -> None:
         print(f"{model.calibrated_on}: " + ", ".join(f"{x:.2f} -> {v:.3f}" for x, v in zip(*model.calibration)
                                                      if round(x * 40) % 4 == 0))
         args.out.write_text(json.dumps(model.to_dict(), indent=1) + "\n")
-        model.trust = trust(runs)  # what the runs did at each level, with the recalibrated model
-        model.trust_on = f"{sets} runs" if len(args.set) == 1 else "evaluation runs"
-        args.out.write_text(json.dumps(model.to_dict(), indent=1) + "\n")
-        print(f"trust over {len(runs)} runs: {model.trust}\nwrote {args.out}")
+        print(f"wrote {args.out}")
         return
     samples = [s for r in runs for dense in (True, False) for s in samples_of(r, dense=dense)]
     print(f"{len(runs)} runs, {len(samples)} layer samples, "
@@ -214,12 +195,7 @@ def main() -> None:
     print(f"  layer: scale {model.layer_scale:.3f} bias {model.layer_bias:.3f}")
     if args.command == "fit":
         args.out.write_text(json.dumps(model.to_dict(), indent=1) + "\n")
-        by_set = {name: collapse_runs(args.runs, name) for name in args.trust}
-        quoted = [r for runs_of_set in by_set.values() for r in runs_of_set]
-        model.trust = trust(quoted)
-        model.trust_on = " and ".join(name for name, found in by_set.items() if found) + " runs"
-        args.out.write_text(json.dumps(model.to_dict(), indent=1) + "\n")
-        print(f"trust over {len(quoted)} runs: {model.trust}\nwrote {args.out}")
+        print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -2,14 +2,15 @@
 
     python -m diag demo --logdir runs/demo && python -m diag report runs/demo
     python -m evaluation.screenshots runs/demo --report runs/demo/report.html --out docs/img
+    python -m evaluation.screenshots runs/demo --report runs/demo/report.html --reports-only --out shots
 
 Starts a real TensorBoard server (``python -m tensorboard.main``, bound to 127.0.0.1 only) on the
-folder above the run, opens its dashboards in headless Chromium from the system packages
+folder above the run (not with ``--reports-only``), opens its dashboards in headless Chromium from the system packages
 (``apt-get install chromium``), driven by Playwright (``pip install playwright``; no browser
 download: ``executable_path=/usr/bin/chromium``, software WebGL so the Time Series charts draw),
 and saves one PNG per view. It also reads from the pages what a user would check (the run names a
-chart's legend lists, the colours of its lines, the images' sizes) and prints it as JSON; the
-browser tests (tests/integration/test_browser.py) assert on the same facts.
+chart's legend lists, the colours of its lines, the images' sizes, where a report's figures stand on the page)
+and prints it as JSON; the browser tests (tests/integration/test_browser.py) assert on the same facts.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ CHROMIUM = os.environ.get("ATTNSCOPE_CHROMIUM", "/usr/bin/chromium")
 # software WebGL (SwiftShader): without it headless Chromium draws TensorBoard's Time Series axes but no lines
 CHROMIUM_ARGS = ["--no-sandbox", "--use-angle=swiftshader", "--enable-unsafe-swiftshader", "--ignore-gpu-blocklist"]
 VIEWPORT = {"width": 1280, "height": 900}
+REPORT_VIEWPORT = {"width": 1400, "height": 1000}  # a laptop's browser window: two figures side by side
+REPORT_SHOT_HEIGHT = 1600  # the top of a report: its summary and first figures
 
 
 def _free_port() -> int:
@@ -143,25 +146,38 @@ def images(page, base: str, out: Path) -> dict:
 
 
 def report(page, path: Path, out: Path, name: str) -> dict:
-    """An HTML report: its headings, its figures (decoded by the browser) and its alert rows."""
+    """An HTML report at :data:`REPORT_VIEWPORT`: its headings, its figures (decoded by the browser, with where
+    each grid's figures stand on the page) and its alert rows. The PNG is the page's top, up to
+    :data:`REPORT_SHOT_HEIGHT` pixels."""
+    page.set_viewport_size(REPORT_VIEWPORT)
     page.goto(path.resolve().as_uri())
     page.wait_for_load_state("load")
-    page.screenshot(path=str(out / f"{name}.png"), full_page=False)
+    height = min(page.evaluate("document.documentElement.scrollHeight"), REPORT_SHOT_HEIGHT)
+    page.screenshot(path=str(out / f"{name}.png"), full_page=True,
+                    clip={"x": 0, "y": 0, "width": REPORT_VIEWPORT["width"], "height": height})
     figures = page.locator("img").evaluate_all("xs => xs.map(x => [x.naturalWidth, x.naturalHeight, x.alt])")
-    return {"headings": page.locator("h1, h2").all_inner_texts(), "figures": figures,
-            "rows": page.locator("tr").count(), "text": page.locator("body").inner_text()}
+    grids = page.locator(".grid").evaluate_all(
+        "gs => gs.map(g => Array.from(g.querySelectorAll('img')).map(x => {const r = x.getBoundingClientRect();"
+        " return [r.left, r.top, r.width, r.height]}))")
+    page.set_viewport_size(VIEWPORT)
+    return {"headings": page.locator("h1, h2").all_inner_texts(), "figures": figures, "grids": grids,
+            "page_width": REPORT_VIEWPORT["width"], "rows": page.locator("tr").count(),
+            "text": page.locator("body").inner_text()}
 
 
-def shoot(run: Path, out: Path, reports: list[Path], tag: str = "by_layer/qk_sigma1/max") -> dict:
-    """Every view above, for the run folder ``run``; returns the facts read from the pages."""
+def shoot(run: Path, out: Path, reports: list[Path], tag: str = "by_layer/qk_sigma1/max",
+          dashboards: bool = True) -> dict:
+    """Every view above, for the run folder ``run`` (``dashboards=False``: the reports only, no TensorBoard);
+    returns the facts read from the pages."""
     out.mkdir(parents=True, exist_ok=True)
     facts: dict = {}
     with browser() as page:
-        with tensorboard(run.resolve().parent) as base:
-            facts["runs"] = json.loads(urllib.request.urlopen(base + "/data/runs").read())
-            facts["custom_scalars"] = custom_scalars(page, base, out, facts["runs"])
-            facts["time_series"] = time_series(page, base, out, tag)
-            facts["images"] = images(page, base, out)
+        if dashboards:
+            with tensorboard(run.resolve().parent) as base:
+                facts["runs"] = json.loads(urllib.request.urlopen(base + "/data/runs").read())
+                facts["custom_scalars"] = custom_scalars(page, base, out, facts["runs"])
+                facts["time_series"] = time_series(page, base, out, tag)
+                facts["images"] = images(page, base, out)
         for path in reports:
             name = {"report.html": "run", "index.html": "checkpoints"}.get(path.name, path.stem)
             facts[name] = report(page, path, out, f"report_{name}")
@@ -181,8 +197,9 @@ def main() -> None:
     parser.add_argument("run", type=Path, help="a run folder written by the Monitor (e.g. runs/demo)")
     parser.add_argument("--report", type=Path, action="append", default=[], help="an HTML report to open too")
     parser.add_argument("--out", type=Path, default=Path("screenshots"), help="folder for the PNGs")
+    parser.add_argument("--reports-only", action="store_true", help="only the HTML reports, no TensorBoard")
     args = parser.parse_args()
-    facts = shoot(args.run, args.out, args.report)
+    facts = shoot(args.run, args.out, args.report, dashboards=not args.reports_only)
     shrink(args.out)
     for value in facts.values():
         if isinstance(value, dict):

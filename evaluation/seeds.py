@@ -4,8 +4,8 @@ A run belongs to exactly one set and counts once, whatever the cadences it is re
 
 * **design**: the runs looked at to choose the features of ``collapse_risk``, to fit its coefficients
   (:mod:`evaluation.risk`) and to design the plateau's tests;
-* **tuning**: the runs on which the thresholds are chosen (the risk at which ``collapse_warning`` fires, the
-  plateau's lines), with the features and coefficients frozen;
+* **tuning**: the runs on which the thresholds are chosen (the plateau's lines, the isotonic map of
+  ``collapse_risk``), with the features and coefficients frozen;
 * **report** to **report11**: each recorded after the detectors and thresholds it reports were frozen, and
   looked at once, whole: the docs' tables come from these alone. A report set that has been looked at is
   consulted from then on, as the tuning runs are, when a detector or a threshold is chosen again, and that

@@ -1,18 +1,17 @@
 """The judged rows of a replay (:func:`evaluation.detectors.rows_of`) as markdown tables: one function per table.
 
-The collapse runs per cadence and one by one (each collapsed layer's onset against its own layer's record and
-warning, :mod:`evaluation.matching`), the false records per run and layer, the twin test, the warning away from
-the boundary learning rate, the Eureka runs, the plateau's signals on them, and the healthy runs.
+The collapse runs per cadence and one by one (each collapsed layer's onset against its own layer's record,
+:mod:`evaluation.matching`), the false records per run and layer, the twin test, the Eureka runs, the plateau's
+signals on them, and the healthy runs.
 """
 
 from __future__ import annotations
 
-from evaluation.seeds import BOUNDARY_LR
 from evaluation.spec import EVERYS
 from evaluation.truth import Run, accuracy_jump, context_free_loss
 
 __all__ = ["collapse_table", "damage_table", "eureka_runs_table", "eureka_table", "false_records_table",
-           "healthy_table", "plateau_signals_table", "runs_table", "warning_table"]
+           "healthy_table", "plateau_signals_table", "runs_table"]
 
 
 def _header(*columns: str) -> list[str]:
@@ -47,25 +46,25 @@ def collapse_table(rows: list[dict]) -> list[str]:
     return out
 
 
-def _layers_cell(judged: list[dict], record: str = "record") -> str:
+def _layers_cell(judged: list[dict]) -> str:
     """``L01 120 -> 118`` per layer: its onset, then its record (``-``: none in the window)."""
-    return ", ".join(f"{x['where']} {x['onset']} -> {'-' if x[record] is None else x[record]}" for x in judged) or "-"
+    return ", ".join(f"{x['where']} {x['onset']} -> {'-' if x['record'] is None else x['record']}" for x in judged) \
+        or "-"
 
 
 def runs_table(rows: list[dict]) -> list[str]:
-    """The collapse runs one by one at the default cadence: each collapsed layer's onset and its record, its
-    warning, the false records, the damage."""
-    out = _header("run", "layers: onset -> record", "layers: onset -> warning", "false layer records",
-                  "false warnings", "damaged (from)", "first collapse alert", "other warning or critical alerts")
+    """The collapse runs one by one at the default cadence: each collapsed layer's onset and its record, the false
+    records, the damage."""
+    out = _header("run", "layers: onset -> record", "false layer records", "damaged (from)", "first collapse alert",
+                  "other warning or critical alerts")
     for r in rows:
         if r["kind"] != "collapse" or r["every"] != "default":
             continue
         dmg = "-" if r["damaged"] is None else f"yes ({r['damage_from']})" if r["damaged"] else "no"
         false = ", ".join(f"{x['where']}@{x['step']}" for x in r["false_records"]) or "-"
-        warned = ", ".join(f"{x['where']}@{x['step']}" for x in r["false_warnings"]) or "-"
-        other = [a for a in r["bad"] if not a.startswith(("malignant_collapse", "collapse_warning"))]
-        out.append(f"| {r['run']} | {_layers_cell(r['layers'])} | {_layers_cell(r['warnings'])} | {false} | "
-                   f"{warned} | {dmg} | {'-' if r['alarm'] is None else r['alarm']} | {', '.join(other) or '-'} |")
+        other = [a for a in r["bad"] if not a.startswith("malignant_collapse")]
+        out.append(f"| {r['run']} | {_layers_cell(r['layers'])} | {false} | {dmg} | "
+                   f"{'-' if r['alarm'] is None else r['alarm']} | {', '.join(other) or '-'} |")
     return out
 
 
@@ -167,33 +166,15 @@ def healthy_table(rows: list[dict]) -> list[str]:
     return out
 
 
-def warning_table(rows: list[dict]) -> list[str]:
-    """collapse_warning away from the boundary learning rate, at the default cadence, each layer against its own
-    onset within the risk's horizon (evaluation.matching.warning_window)."""
-    rs = [r for r in rows if r["kind"] == "collapse" and r["every"] == "default" and r["lr"] != BOUNDARY_LR]
-    est = [r for r in rs if r["onset"] is not None]
-    none = [r for r in rs if r["onset"] is None]
-    warned = [r for r in est if r["warned"]]
-    leads = sorted(r["lead"] for r in warned)
-    return ["| runs | with a layer collapse | every collapsed layer warned in the horizon | runs without a layer "
-            "collapse warned | warnings leading by 5 steps or more | leads (steps) | warnings on a layer without a "
-            "collapse in their horizon |", "|---|---|---|---|---|---|---|",
-            f"| {len(rs)} | {len(est)} | {len(warned)}/{len(est)} | {sum(r['quiet_warning'] for r in none)}/"
-            f"{len(none)} | {sum(r['lead'] >= 5 for r in warned)}/{len(warned)} | "
-            f"{'-' if not leads else f'{leads[0]}-{leads[-1]} (median {leads[len(leads) // 2]})'} | "
-            f"{sum(len(r['false_warnings']) for r in rs)} ({sum(bool(r['false_warnings']) for r in rs)} runs) |"]
-
-
 def false_records_table(rows: list[dict]) -> list[str]:
-    """Every false layer collapse record and false warning, per run and per layer, at each cadence."""
+    """Every false layer collapse record, per run and per layer, at each cadence."""
     out = ["| run | every | kind | layer | steps |", "|---|---|---|---|---|"]
     for r in rows:
         if r["kind"] != "collapse":
             continue
-        for kind, key in (("malignant_collapse", "false_records"), ("collapse_warning", "false_warnings")):
-            by_layer: dict[str, list[int]] = {}
-            for x in r[key]:
-                by_layer.setdefault(x["where"], []).append(x["step"])
-            out += [f"| {r['run']} | {r['every']} | {kind} | {where} | {', '.join(map(str, steps))} |"
-                    for where, steps in sorted(by_layer.items())]
+        by_layer: dict[str, list[int]] = {}
+        for x in r["false_records"]:
+            by_layer.setdefault(x["where"], []).append(x["step"])
+        out += [f"| {r['run']} | {r['every']} | malignant_collapse | {where} | {', '.join(map(str, steps))} |"
+                for where, steps in sorted(by_layer.items())]
     return out

@@ -1,11 +1,13 @@
 """Ground truth, never from the detectors' state: what each recorded run did.
 
-* **Attention states** (:func:`states`): the evaluation's own implementation of the state definitions
-  (:mod:`evaluation.groundtruth`, written apart from the detectors' and checked on hand-labelled cases) over the
-  attention logged at every step: every episode of the four states, per head and per layer. An *established
-  collapse* is a layer's malignant episode (its ``opened`` step, the layer's *onset*); a run *collapses* when one
-  of its layers does. :func:`onsets` gives each layer's (or head's) onsets, against which the replay matches
-  that layer's (head's) own records.
+* **Attention states** (:func:`states`): the detectors' definition of the four states (``StatesConfig``),
+  evaluated over the attention logged at every step by :mod:`evaluation.replica` (a second implementation of
+  that definition): every episode per head and per layer. An *established collapse* is a layer's malignant
+  episode (its ``opened`` step, the layer's *onset*); a run *collapses* when one of its layers does.
+  :func:`onsets` gives each layer's (or head's) onsets, against which the replay matches that layer's (head's)
+  own records. This is the reference for *when* the replayed detectors, sampling every few steps, find what
+  their definition finds at every step; whether the definition finds what the papers call a malignant
+  collapse is judged against the full attention maps (:mod:`evaluation.groundtruth`, :mod:`evaluation.agree`).
 * **Damage** (:func:`damage`): the twin test. A run is *damaged by its attention* when its final loss (the mean
   of its last 50 steps) is above its QK-norm twin's (same seed, learning rate and schedule) by more than
   ``DAMAGE_MARGIN`` of the twin's; the damage begins where the two losses separate for good (the first step
@@ -38,8 +40,10 @@ from pathlib import Path
 
 import numpy as np
 
-from evaluation.groundtruth import Definition, Episode, episodes
+from diag.detectors.config import StatesConfig
+from evaluation.groundtruth import Episode
 from evaluation.record import load_observations
+from evaluation.replica import episodes
 from evaluation.spec import RunSpec
 
 __all__ = ["Run", "load_run", "load_runs", "states", "onsets", "malignant_episodes", "collapse_onset", "damage",
@@ -88,9 +92,10 @@ def load_runs(root: Path, specs: list[RunSpec] | None = None) -> list[Run]:
     return [load_run(root / s.name) for s in specs if (root / s.name / "run.json").exists()]
 
 
-def states(run: Run, definition: Definition | None = None) -> list[Episode]:
-    """Every attention-state episode of the run from its every-step attention (cached per definition)."""
-    definition = definition or Definition()
+def states(run: Run, definition: StatesConfig | None = None) -> list[Episode]:
+    """Every attention-state episode of the run from its every-step attention, by the detectors' definition
+    (cached per configuration)."""
+    definition = definition or StatesConfig()
     cache = run.__dict__.setdefault("_states", {})
     if definition not in cache:
         cache[definition] = episodes(run.obs, definition)

@@ -6,9 +6,9 @@
 A small character-level GPT (the demo's nanoGPT-style model, 2 layers of 2 heads, d_model 64)
 trained on the Python standard library's source with AdamW, gradient clipping and, by default,
 no warmup and a high learning rate (5e-3): the setting in which sigma_1(Wq^T Wk) runs away; the
-detectors note the large first updates (``large_early_updates``, info) at once and raise a
-``collapse_warning`` only if a head's attention then heads for collapse. ``--warmup 20`` is
-its healthy twin. The three lines that matter are marked 1, 2, 3.
+detectors note the large first updates (``large_early_updates``, info) at once, log each layer's
+``collapse_risk`` and raise ``malignant_collapse`` only if a head's attention then collapses.
+``--warmup 20`` is its healthy twin. The three lines that matter are marked 1, 2, 3.
 """
 
 from __future__ import annotations

@@ -172,6 +172,23 @@ def test_every_module_of_hooks_has_a_stage_and_none_imports_the_facade():
     assert facade == [], f"a stage imports the hooks facade: {facade}"
 
 
+def _may_import_the_reports(i: Import) -> bool:
+    """The command line, the ``diag`` facade (``diag.write_report``), and the Monitor's ``write_report`` inside a
+    function (handed to the sinks that log the run report at close; importing ``hooks`` imports no report code)."""
+    return under(i.module, "diag.cli", "diag.reports") or i.module == "diag" or (
+        i.module == "hooks.monitor.monitor" and i.function is not None)
+
+
+def test_the_reports_are_imported_by_the_command_line_the_facade_and_the_monitor_only():
+    seen = [i for i in _all_imports() if under(i.target, "diag.reports")]
+    bad = [f"{i.module}:{i.line} imports {i.target}" + (f" (in {i.function})" if i.function else "")
+           for i in seen if not _may_import_the_reports(i)]
+    assert not bad, bad
+    assert {i.module for i in seen if i.module.startswith("hooks")} == {"hooks.monitor.monitor"}
+    eager = imports_of("from diag.reports.run import write_run_report\n", "hooks.monitor.monitor")
+    assert not any(map(_may_import_the_reports, eager)), "a module-level import in the Monitor is caught"
+
+
 def test_the_math_walks_no_module():
     """No nn.Module attribute (``.named_modules()``, ``.parameters()``, hooks, ``nn.Module``) in diag/math."""
     bad = []

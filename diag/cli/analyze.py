@@ -21,9 +21,11 @@ import numpy as np
 
 from diag.cli.common import kv_map_arg, positive, tensorboard_command
 from diag.errors import DiagError
+from diag.layouts.vocab import QKVLayout
 from diag.math.metrics import DEFAULT_SEC_TOP
-from diag.offline.series import Analysis, analyze_checkpoints
+from diag.offline.series import Analysis, Series, prepare_series
 from diag.offline.store import FOLDER as STORE_FOLDER
+from diag.offline.store import UnitStore
 from diag.outputs.sinks import JsonlSink, Sink, TensorBoardSink, check_logdir
 
 __all__ = ["add_parser", "run"]
@@ -64,36 +66,65 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                          "from a checkpoint")
     analyze.add_argument("--jobs", type=positive, default=1, metavar="N", help="worker processes for a series "
                          "(default: 1); the outputs equal one process's")
-    analyze.add_argument("--resume", action="store_true", help="continue an analysis in --out that was stopped: "
-                         "checkpoints already computed (kept in --out/per-checkpoint) are not computed again, and "
-                         "the outputs are written anew, equal to an uninterrupted run's")
+    analyze.add_argument("--resume", action="store_true", help="continue an analysis in --out that was stopped, "
+                         "or add the checkpoints written since to a finished one: checkpoints already computed (kept "
+                         "in --out/per-checkpoint) are not computed again, and the outputs are written anew, equal "
+                         "to an uninterrupted run's. A finished analysis of the same checkpoints has nothing to "
+                         "continue: said, and nothing written")
     analyze.add_argument("--sec-top", type=positive, default=DEFAULT_SEC_TOP, metavar="S",
                          help=f"s of the spectral energy concentration SEC_s (default: {DEFAULT_SEC_TOP})")
     analyze.add_argument("--json", action="store_true", help="print a JSON summary on stdout (for scripts)")
     analyze.add_argument("--no-report", action="store_true", help="no figures and no index.html")
-    analyze.add_argument("--overwrite", action="store_true", help="replace the outputs of an earlier run in --out")
+    analyze.add_argument("--overwrite", action="store_true", help="replace the analysis in --out (finished or "
+                         "stopped) and its outputs: every checkpoint is analysed again")
     analyze.add_argument("--quiet", action="store_true", help="no progress bar and no summary table")
     analyze.add_argument("--probe", metavar="FILE", help="also measure attention: run the model built from a "
                          "Hugging Face config.json on these inputs (token ids, or text with the folder's tokenizer)")
 
-def _prepare_out(out: Path, overwrite: bool, resume: bool) -> str | None:
-    """None when ``out`` is ready; else the reason it is not (the policy of every output folder:
-    :func:`diag.outputs.sinks.check_logdir`). ``resume`` keeps the computed checkpoints (``per-checkpoint/``)
-    and replaces the outputs, which are written again from them; ``overwrite`` replaces both."""
-    units = out / STORE_FOLDER
+def _refused(out: Path, overwrite: bool, resume: bool) -> str | None:
+    """Why ``out`` cannot take this analysis (the policy of every output folder:
+    :func:`diag.outputs.sinks.check_logdir`), or None; nothing in it is removed here."""
     if overwrite and resume:
         return "pass either --overwrite (start again) or --resume (continue), not both"
-    if not (overwrite or resume) and units.is_dir() and any(units.iterdir()):
+    if overwrite or resume:
+        return None
+    store = UnitStore(out / STORE_FOLDER)
+    state = store.state()
+    if state == "finished":
+        return (f"{out} holds a finished analysis ({_what(store)}); pass --overwrite to analyse again from the start "
+                "and replace it, --resume to add the checkpoints written or re-written since, or another folder")
+    if state == "stopped":
         return (f"{out} holds a stopped analysis ({STORE_FOLDER}/); pass --resume to continue it, --overwrite to "
                 "replace it, or another folder")
     try:
-        check_logdir(out, overwrite=overwrite or resume,
-                     how="--overwrite to replace it, or --resume to continue the analysis it holds")
+        check_logdir(out, how="--overwrite to replace it, or --resume to continue the analysis it holds")
+    except DiagError as err:
+        return str(err)
+    return None
+
+
+def _what(store: UnitStore) -> str:
+    """``per-checkpoint/: 4 checkpoints, steps 0..30``: the finished analysis a store holds."""
+    done = store.finished() or {}
+    steps, n = done.get("steps") or [], done.get("checkpoints", 0)
+    span = f", steps {steps[0]}..{steps[-1]}" if len(steps) > 1 else f", step {steps[0]}" if steps else ""
+    return f"{STORE_FOLDER}/: {n} checkpoint{'' if n == 1 else 's'}{span}"
+
+
+def _prepare_out(out: Path, overwrite: bool, resume: bool) -> str | None:
+    """None when ``out`` is ready; else the reason it is not. ``resume`` keeps the computed checkpoints
+    (``per-checkpoint/``) and replaces the outputs, which are written again from them; ``overwrite`` replaces
+    both."""
+    if not (overwrite or resume):
+        return None  # checked by _refused: no earlier run there
+    units = out / STORE_FOLDER
+    try:
+        check_logdir(out, overwrite=True)
     except DiagError as err:
         return str(err)
     if overwrite and units.is_dir():
         shutil.rmtree(units)
-    if (overwrite or resume) and (out / "report").is_dir():
+    if (out / "report").is_dir():
         for old in (out / "report").iterdir():
             if old.is_file() and old.suffix in (".png", ".html"):
                 old.unlink()
@@ -158,12 +189,19 @@ def _table(analysis: Analysis) -> str:
     return "\n".join(lines)
 
 
+def _heads(layout: QKVLayout) -> str:
+    """``4 heads of 16``; with grouped-query attention ``4 query heads, 2 key/value heads, of 16``."""
+    if layout.kv_heads == layout.n_heads:
+        return f"{layout.n_heads} heads of {layout.head_dim}"
+    return f"{layout.n_heads} query heads, {layout.kv_heads} key/value heads, of {layout.head_dim}"
+
+
 def _describe(analysis: Analysis, out: Path, report: Path | None) -> str:
     la = analysis.layers[0]
     steps = analysis.steps
     head = [
         f"analysed {len(steps)} checkpoint(s), steps {steps[0]}..{steps[-1]}; {len(analysis.layers)} attention "
-        f"layers ({la.layout.adapter}, {la.layout.n_heads} heads of {la.layout.head_dim}); "
+        f"layers ({la.layout.adapter}, {_heads(la.layout)}); "
         f"{analysis.heads.note if analysis.heads else ''}",
         *analysis.assumptions,
         _table(analysis),
@@ -176,18 +214,23 @@ def _describe(analysis: Analysis, out: Path, report: Path | None) -> str:
     return "\n".join(head)
 
 
-def _analyze(args: argparse.Namespace, out: Path, probe, user_model) -> Analysis | None:
-    """The analysis written to ``out``; None (after one ``error:`` line) when the options cannot be used."""
+def _prepare(args: argparse.Namespace, out: Path) -> Series:
+    """The series planned, nothing computed or written (DiagError: --layout unreadable, or given with --heads;
+    --probe or --model unusable)."""
+    return prepare_series(args.paths, heads=args.heads, kv_heads=args.kv_heads, sec_top=args.sec_top,
+                          probe=_probe(args.probe), layout=args.layout, model_layout=_model_layout(),
+                          kv_map=args.kv_map, user_model=_user_model(args.model), jobs=args.jobs,
+                          store=out / STORE_FOLDER)
+
+
+def _analyze(args: argparse.Namespace, out: Path, series: Series) -> Analysis | None:
+    """The analysis written to ``out``; None (after one ``error:`` line) when it cannot be made."""
     sinks: list[Sink] = [TensorBoardSink(out), JsonlSink(out / "metrics.jsonl")]
     progress = _progress(args.quiet)
     try:
         with _log_above_progress(progress is not None):
-            return analyze_checkpoints(args.paths, heads=args.heads, kv_heads=args.kv_heads,
-                                       sec_top=args.sec_top, sinks=sinks, alerts_path=out / "alerts.jsonl",
-                                       progress=progress, probe=probe, layout=args.layout,
-                                       model_layout=_model_layout(), kv_map=args.kv_map, user_model=user_model,
-                                       jobs=args.jobs, store=out / STORE_FOLDER)
-    except DiagError as err:  # --layout unreadable, or given with --heads
+            return series.run(sinks, out / "alerts.jsonl", progress=progress)
+    except DiagError as err:
         print(f"error: {err}", file=sys.stderr)
         return None
     finally:
@@ -195,20 +238,36 @@ def _analyze(args: argparse.Namespace, out: Path, probe, user_model) -> Analysis
             sink.close()
 
 
+def _nothing_to_continue(out: Path, series: Series) -> bool:
+    """``--resume`` on a finished analysis of these very checkpoints and options: said, and nothing touched."""
+    if not (series.finished() and (out / "metrics.jsonl").is_file()):
+        return False
+    print(f"note: {out} holds a finished analysis of these checkpoints with these options "
+          f"({_what(UnitStore(out / STORE_FOLDER))}): nothing to continue, its outputs are left as they are; "
+          "pass --overwrite to analyse them again", file=sys.stderr)
+    return True
+
+
 def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
-    reason = _prepare_out(out, args.overwrite, args.resume)
+    reason = _refused(out, args.overwrite, args.resume)
     if reason:
         print(f"error: {reason}", file=sys.stderr)
         return 2
     if args.quiet:
         logging.getLogger("diag").setLevel(logging.WARNING)
     try:
-        probe, user_model = _probe(args.probe), _user_model(args.model)
+        series = _prepare(args, out)
     except DiagError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    analysis = _analyze(args, out, probe, user_model)
+    if args.resume and _nothing_to_continue(out, series):
+        return 0
+    reason = _prepare_out(out, args.overwrite, args.resume)
+    if reason:
+        print(f"error: {reason}", file=sys.stderr)
+        return 2
+    analysis = _analyze(args, out, series)
     if analysis is None:
         return 2
     for _, message in analysis.failures:

@@ -7,9 +7,13 @@ import shlex
 import sys
 from dataclasses import fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from diag.cli.common import every, non_negative, positive, tensorboard_command
 from diag.errors import DiagError
+
+if TYPE_CHECKING:
+    from hooks.monitor.monitor import Monitor
 
 __all__ = ["add_parser", "run"]
 
@@ -35,6 +39,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       "it, such a folder is refused)")
     demo.add_argument("--wandb", action="store_true", help="also write into a Weights & Biases run, offline unless "
                       "WANDB_MODE says otherwise (its files under LOGDIR/wandb; needs pip install -e '.[wandb]')")
+    demo.add_argument("--mlflow", metavar="URI", default=None, help="also write into a run of its own in the MLflow "
+                      "experiment attnscope-demo at this tracking URI (a server, http://HOST:PORT, or a local store; "
+                      "needs pip install -e '.[mlflow]')")
     demo.add_argument("--quiet", action="store_true", help="no progress output")
 
 
@@ -51,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from hooks.demo import DemoRun, run_demo
 
     try:
-        run_demo(DemoRun(**{f.name: getattr(args, f.name) for f in fields(DemoRun)}))
+        monitor = run_demo(DemoRun(**{f.name: getattr(args, f.name) for f in fields(DemoRun)}))
     except DiagError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
@@ -60,4 +67,17 @@ def run(args: argparse.Namespace) -> int:
     if args.wandb:
         runs = shlex.quote(str(Path(args.logdir) / "wandb" / "latest-run"))
         print(f"W&B run:     {runs} (offline: upload it with wandb sync {runs})")
+    return _mlflow_outcome(monitor, args.mlflow) if args.mlflow else 0
+
+
+def _mlflow_outcome(monitor: Monitor, uri: str) -> int:
+    """Where the MLflow run is; 1 when values of the run never reached the server (the sink has said why)."""
+    from diag.outputs.mlflow_sink import MLflowSink
+
+    (sink,) = [s for s in monitor.sinks.sinks if isinstance(s, MLflowSink)]
+    if sink.run_id is None or sink.unsent:
+        print(f"error: --mlflow {uri}: {sink.unsent} values did not reach the tracking server (the messages above say "
+              f"why); every value is in {monitor.logdir / 'metrics.jsonl'}", file=sys.stderr)
+        return 1
+    print(f"MLflow run:  {sink.run_id} in experiment attnscope-demo at {sink.tracking_uri}")
     return 0

@@ -17,12 +17,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from diag.catalog.alerts import ALERTS, DOCS, LEVELS  # each kind's docs section; the levels, lowest first
 from diag.errors import DiagError
 
 __all__ = ["Alert", "Observation", "Detector", "DetectorWrapper", "TrainingHalted", "DOCS", "LEVELS"]
-
-DOCS = "docs/alerts.md"  # every message ends with its section: docs/alerts.md#<kind>
-LEVELS = ("info", "warning", "critical")
 
 
 @dataclass(frozen=True)
@@ -34,7 +32,7 @@ class Alert:
     """
 
     step: int
-    kind: str  # e.g. "malignant_collapse", "collapse_warning", "eureka_plateau"
+    kind: str  # e.g. "malignant_collapse", "collapse_damage", "eureka_plateau"
     level: str  # "info", "warning" or "critical"
     where: str  # "L03/H05", "L03" or "" for the whole model
     message: str  # what happened and what to do; never repeats ``where``
@@ -45,7 +43,9 @@ class Alert:
 
     @property
     def anchor(self) -> str:
-        return f"{DOCS}#{self.kind}"
+        """Its section of docs/alerts.md (the catalog's, :mod:`diag.catalog.alerts`)."""
+        entry = ALERTS.get(self.kind)
+        return entry.docs if entry is not None else f"{DOCS}#{self.kind}"
 
 
 class TrainingHalted(DiagError):
@@ -62,12 +62,14 @@ class Observation:
     """One sampled step: ``layers[label][metric]`` is an array over heads (or of size 1). ``loss`` is this step's;
     ``loss_mean`` the mean loss of the steps since the previous loss sample, this one included (the Monitor
     keeps every step's loss and averages them on their device at the sample, hooks/monitor/lossmean.py; None: not
-    known, ``loss`` stands for it)."""
+    known, ``loss`` stands for it). ``update_steps``: the optimizer steps the ``update_*`` metrics span, from
+    ``step`` on (the Monitor's: 1; a checkpoint series: the gap to the next checkpoint; None: not known)."""
 
     step: int
     loss: float | None
     layers: dict[str, dict[str, np.ndarray]]
     loss_mean: float | None = None
+    update_steps: int | None = 1
 
 
 class Detector(ABC):

@@ -95,12 +95,9 @@ class StatesConfig(Checked):
 
 @dataclass(frozen=True)
 class RiskConfig(Checked):
-    """``collapse_risk`` and the ``collapse_warning`` it raises (:mod:`diag.detectors.risk`)."""
+    """``collapse_risk``, a logged number and the closer look's reason to watch a layer (:mod:`diag.detectors.risk`)."""
 
     risk_horizon: Steps = 50  # p = P(a layer's malignant collapse established within this many steps)
-    warn_risk: Probability = 0.2  # collapse_warning when a layer's p reaches this ...
-    warn_samples: Samples = 3  # ... at this many of its samples in a row (one sample's spike is not a trend)
-    risk_clear: Probability = 0.2  # ... and it ends once p stayed under this for exit_dwell steps
     watch_risk: Probability = 0.2  # the Monitor samples attention closely while a layer's p is this or more ...
     watch_growth: Factor = 4.0  # ... or a head's sigma_1(Wq^T Wk) grew this much within risk_window steps
     risk_window: Annotated[int, Kind(1, whole="steps", meaning="a number of steps")] = 20  # trend window

@@ -1,7 +1,7 @@
 """The detectors behind one protocol, fanned out by one container that carries their state.
 
 ``Detectors(cfg).observe(obs)`` asks every detector in turn (non-finite values, attention
-states, the collapse risk and its warning, the collapse's damage and stall, the early-update
+states, the collapse risk (a logged number), the collapse's damage and stall, the early-update
 note, loss spikes, the plateau) and returns their alerts in that order; each detector takes
 its own part of ``cfg``.
 ``state_dict()`` is the union of the detectors' states (their keys are distinct; checked
@@ -41,7 +41,7 @@ class Detectors(Detector):
         self.cfg = cfg or AlertConfig()
         cfg = self.cfg
         states = AttentionStates(cfg.states)
-        self.detectors: list[Detector] = [NonFinite(), states, CollapseRisk(cfg.risk, states, cfg.states.exit_dwell),
+        self.detectors: list[Detector] = [NonFinite(), states, CollapseRisk(cfg.risk, states),
                                           CollapseDamage(cfg.damage, states, cfg.states.exit_dwell),
                                           EarlyUpdates(cfg.early), LossSpike(cfg.spike), Plateau(cfg.plateau)]
         self.detectors += list(extra or [])

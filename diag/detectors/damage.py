@@ -29,6 +29,7 @@ import math
 
 import numpy as np
 
+from diag.catalog.alerts import ALERTS
 from diag.detectors.base import Alert, Detector, Observation
 from diag.detectors.config import DamageConfig
 from diag.detectors.episodes import Closed, Dwell, Episodes
@@ -37,13 +38,13 @@ from diag.detectors.trend import MIN_FIT, MIN_WINDOW, Series, Trend, fall, fit_t
 
 __all__ = ["CollapseDamage"]
 
-TODO = ("restart from a checkpoint before step {since} with warmup, a lower learning rate, QK-norm or a spectral "
-        "step limit (docs/steplimit.md)")
-CHECK = ("compare the loss over the same steps with a run you trust (an earlier run, a run with QK-norm), and look "
-         "at the learning-rate schedule (a decay, or its end, stalls the loss by itself); if this run sits above the "
-         "other, " + TODO)
-LEVEL = {"collapse_damage": "critical", "collapse_stall": "warning"}
+TODO = ALERTS["collapse_damage"].todo  # names {since}
+CHECK = ALERTS["collapse_stall"].todo  # names {since}
 Window = tuple[np.ndarray, np.ndarray]  # (steps, losses) of the samples of a window
+
+
+def _resolved(event: Closed) -> str:
+    return f"resolved: the loss falls again, or the layer left its collapse, at step {event.until}"
 
 
 def _change(fall_: float) -> str:
@@ -139,21 +140,24 @@ class CollapseDamage(Detector):
     def _update(self, step: int, label: str, since: int | None, damage: tuple[bool, bool],
                 stall: tuple[bool, bool], values: dict[str, float]) -> list[Alert]:
         out = []
-        for kind, episodes, (inside, outside) in (("collapse_damage", self.damage, damage),
-                                                 ("collapse_stall", self.stall, stall)):
-            # a stall says less than the damage record: none opens beside an open one
-            inside = inside and not (kind == "collapse_stall" and self.damage.active(label))
-            event = episodes.update(label, step, inside, outside)
-            if isinstance(event, Closed):
-                out.append(Alert(step, kind, "info", label, f"resolved: the loss falls again, or the layer left "
-                                 f"its collapse, at step {event.until}", {"duration_steps": float(event.duration)},
-                                 "resolved", event.since))
-            elif event is not None:
-                message = (self._damage if kind == "collapse_damage" else self._stall)(step, since, values)
-                out.append(Alert(step, kind, LEVEL[kind], label, message, values, "firing", since))
+        event = self.damage.update(label, step, *damage)
+        if isinstance(event, Closed):
+            out.append(Alert(step, "collapse_damage", "info", label, _resolved(event),
+                             {"duration_steps": float(event.duration)}, "resolved", event.since))
+        elif event is not None:
+            out.append(Alert(step, "collapse_damage", "critical", label, self._damage(step, since, values), values,
+                             "firing", since))
+        # a stall says less than the damage record: none opens beside an open one
+        event = self.stall.update(label, step, stall[0] and not self.damage.active(label), stall[1])
+        if isinstance(event, Closed):
+            out.append(Alert(step, "collapse_stall", "info", label, _resolved(event),
+                             {"duration_steps": float(event.duration)}, "resolved", event.since))
+        elif event is not None:
+            out.append(Alert(step, "collapse_stall", "warning", label, self._stall(since, values), values, "firing",
+                             since))
         return out
 
-    def _stall(self, step: int, since: int, v: dict[str, float]) -> str:
+    def _stall(self, since: int, v: dict[str, float]) -> str:
         w = self.cfg.damage_window
         return (f"the loss stopped falling after the layer's malignant collapse since step {since}: it "
                 f"{_change(v['loss_fall_before'])} over the {w} steps before it, {_change(v['loss_fall_since'])} "

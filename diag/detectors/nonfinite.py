@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
+from diag.catalog.alerts import ALERTS
 from diag.detectors.base import Alert, Detector, Observation
 from diag.detectors.episodes import Closed, Dwell, Episodes
 
@@ -22,7 +23,7 @@ __all__ = ["NonFinite", "REPORTED", "unreported", "overflowed", "overflow_alert"
 
 CHECKS = (("weights", ("qk_sigma1",)), ("gradients", ("grad_norm_q", "grad_norm_k", "grad_norm_v")))
 REPORTED = ("loss", "qk_", "grad_")  # tags whose non-finite values the nonfinite_* alerts report
-TODO = "check the data of that step, lower the learning rate, clip gradients, check mixed-precision loss scaling"
+KINDS = {"loss": "nonfinite_loss", "weights": "nonfinite_weights", "gradients": "nonfinite_gradients"}
 
 
 class NonFinite(Detector):
@@ -45,12 +46,12 @@ class NonFinite(Detector):
         for what in sorted(seen):
             event = self.episodes.update(what, obs.step, seen[what], not seen[what])
             if isinstance(event, Closed):
-                alerts.append(Alert(obs.step, f"nonfinite_{what}", "info", "", f"resolved: {what} finite again "
+                alerts.append(Alert(obs.step, KINDS[what], "info", "", f"resolved: {what} finite again "
                                     f"after {event.duration} steps", {"duration_steps": float(event.duration)},
                                     "resolved", event.since))
             elif event is not None:
-                alerts.append(Alert(obs.step, f"nonfinite_{what}", "critical", "",
-                                    f"non-finite {what} at step {obs.step}. What to do: {TODO}", {}, "firing",
+                alerts.append(Alert(obs.step, KINDS[what], "critical", "", f"non-finite {what} at step "
+                                    f"{obs.step}. What to do: {ALERTS[KINDS[what]].todo}", {}, "firing",
                                     obs.step))
         return alerts
 
@@ -86,4 +87,5 @@ def overflowed(layers: Mapping[str, Mapping[str, np.ndarray]]) -> bool:
 def overflow_alert(step: int) -> Alert:
     """``gradient_overflow`` (info): a routine fp16 event, not a sign of a broken run."""
     return Alert(step, "gradient_overflow", "info", "", f"gradients overflowed at step {step} under fp16 loss "
-                 "scaling; the GradScaler skips this update and lowers its scale")
+                 "scaling; the GradScaler skips this update and lowers its scale. What to do: "
+                 f"{ALERTS['gradient_overflow'].todo}")

@@ -29,13 +29,13 @@ import math
 
 import numpy as np
 
+from diag.catalog.alerts import ALERTS
 from diag.detectors.base import Alert, Detector, Observation
 from diag.detectors.config import PlateauConfig
 
 __all__ = ["Plateau", "fit_trend"]
 
-TODO = ("rule out a data or label bug first; then NormSoftmax (divide the logits by their standard deviation "
-        "before the softmax), more seeds, or a longer budget. More learning rate or warmup does not address it")
+TODO = ALERTS["eureka_plateau"].todo
 
 
 # While the plateau lasts its trend follows the loss, except for samples whose smoothed loss lies more than this
@@ -309,8 +309,8 @@ class Plateau(Detector):
                 Alert(step, "eureka_moment", "info", "", (
                     f"Eureka-moment at step {since}: the loss left its plateau ({smoothed:.4g} over the last "
                     f"{self.cfg.eureka_span} steps against {expected:.4g} on the plateau's trend{deep}) while the Q/K "
-                    "gradient share rose or attention entropy fell. What to do: nothing; validation accuracy should "
-                    "follow"), values, "firing", since)]
+                    f"gradient share rose or attention entropy fell. What to do: {ALERTS['eureka_moment'].todo}"),
+                    values, "firing", since)]
 
     def _refit(self, point: list[float]) -> None:
         """Still on the plateau: the window rolls on and the trend follows it (a plateau may sink slowly);

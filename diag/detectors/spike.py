@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+from diag.catalog.alerts import ALERTS
 from diag.detectors.base import Alert, Detector, Observation
 from diag.detectors.config import SpikeConfig
 from diag.detectors.episodes import Closed, Dwell, Episodes
@@ -19,7 +20,7 @@ __all__ = ["LossSpike"]
 
 EMA_STEPS = 10  # the average keeps 90% of its weight per this many steps
 
-TODO = "inspect the batch; clip gradients; if attn_max_logit climbs too, consider QK-norm or a lower learning rate"
+TODO = ALERTS["loss_spike"].todo
 
 
 class LossSpike(Detector):

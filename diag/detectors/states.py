@@ -10,8 +10,8 @@ does not suffer. The collapsed heads of the runs the alerts are built for spread
 differ between sequences instead (docs/metrics.md#attention-sinks). Entropy alone cannot tell these apart; rank
 and where the mass goes are needed too.
 
-The definition, used alike by the live detector (:class:`AttentionStates`) and, written apart, by the
-evaluation's ground truth (``evaluation/groundtruth.py``), has four parts:
+The definition, used alike by the live detector (:class:`AttentionStates`) and, written a second time, by the
+evaluation's implementation check (``evaluation/replica.py``), has four parts:
 
 * **lines, per sample and head**: sparse when the attention entropy is at most ``sparse_entropy`` nats; low-rank
   when the effective rank is at most ``1 + low_rank_frac * (rows - 1)`` (rank 1 is the floor: every row the
@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from diag.catalog.alerts import ALERTS
 from diag.catalog.tags import head_label
 from diag.detectors.base import Alert, Detector, Observation
 from diag.detectors.config import StatesConfig
@@ -56,23 +57,10 @@ STATES = ("malignant", "benign", "uniform", "sink")
 KINDS = {"malignant": "malignant_collapse", "benign": "benign_collapse", "uniform": "uniform_attention",
          "sink": "attention_sink"}
 LEVELS = {"malignant": "warning"}  # the rest, and every baseline episode: info
-WHAT = {
-    "malignant_collapse": ("malignant entropy collapse: most queries put their mass on the same few keys "
-                           "(sparse and low-rank attention, which precedes the crash in Qi et al.)",
-                           "watch the loss; if it rises or stops well above its trend (a collapse_damage record), "
-                           "restart from a checkpoint before step {since} with warmup, a lower learning rate, QK-norm "
-                           "or a spectral step limit",
-                           "one head alone can be a deliberate pointer head: watch whether more heads of the layer "
-                           "follow and whether the loss still falls (collapse_stall says when it stops)"),
-    "benign_collapse": ("benign entropy collapse: sparse attention, each query on a different key (full rank)",
-                        "usually nothing; watch whether it turns malignant", ""),
-    "uniform_attention": ("uniform attention: near-uniform weights over the keys, low rank",
-                          "look at the head; low rank across layers is the rank collapse of Dong et al.", ""),
-    "attention_sink": ("attention sink: most of every query's mass on one key position shared by every sequence "
-                       "(what pretrained language models' heads do with their first token; it does not hurt the "
-                       "loss by itself)", "nothing; a head that leaves its sink for a few keys of its own is a "
-                       "malignant_collapse record", ""),
-}
+# kind -> (what it is, what to do: both from the catalog, diag/catalog/alerts.py; a head's note)
+HEAD_NOTES = {"malignant_collapse": "one head alone can be a deliberate pointer head: watch whether more heads of "
+              "the layer follow and whether the loss still falls (collapse_stall says when it stops)"}
+WHAT = {kind: (ALERTS[kind].means, ALERTS[kind].todo, HEAD_NOTES.get(kind, "")) for kind in KINDS.values()}
 BASELINE = ("present when monitoring began (the model came with it, e.g. a pretrained model's heads): a "
             "baseline, not an event of this run", "nothing by itself; a head or layer that enters it later is "
             "recorded at its own level")
@@ -220,7 +208,7 @@ def _has_attention(m: dict) -> bool:
 
 def episodes_of(observations: Iterable[Observation], cfg: StatesConfig) -> list[StateEpisode]:
     """Every state episode of a run, heads and layers, from its observations in step order; the same machine as
-    the live detector (the evaluation's ground truth is a second implementation, written apart)."""
+    the live detector (``evaluation/replica.py`` is a second implementation, written apart)."""
     machine = _Machine(cfg)
     open_: dict[tuple[str, str], tuple[int, int]] = {}
     done: list[StateEpisode] = []

@@ -18,7 +18,10 @@ and the series goes on.
 The work is split in three: the plan (:mod:`diag.offline.plan`: steps and layers, from headers), the
 units (:mod:`diag.offline.units`: one checkpoint at a time, one layer at a time, against the checkpoint
 before it; in worker processes with ``jobs``, :mod:`diag.offline.jobs`; kept on disk with ``store``,
-:mod:`diag.offline.store`), and the records, written here in step order from the units.
+:mod:`diag.offline.store`; each taken from where it is, :mod:`diag.offline.source`), and the records, written
+here in step order from the units. :func:`prepare_series` makes the plan and names the units without computing
+or writing anything (the command line asks it whether ``--out`` already holds this very analysis, finished);
+:meth:`Series.run` computes and writes.
 """
 
 from __future__ import annotations
@@ -34,17 +37,17 @@ from diag.layouts.statedict import Heads, StateDictLayer
 from diag.layouts.vocab import QKVLayout
 from diag.math.metrics import DEFAULT_SEC_TOP
 from diag.offline.checkpoint import STEP_KEYS, STEP_NAMES
-from diag.offline.jobs import Pool
 from diag.offline.layers import ModelLayoutFn
 from diag.offline.layoutfile import LayoutEntry, LayoutFile, read_layout_file
-from diag.offline.plan import LayoutChoice, Planned, make_plan
-from diag.offline.store import UnitStore, fingerprint
-from diag.offline.units import ProbeFn, UnitResult, compute_unit
+from diag.offline.plan import LayoutChoice, Plan, Planned, make_plan
+from diag.offline.source import UnitSource
+from diag.offline.store import UnitStore
+from diag.offline.units import ProbeFn
 from diag.outputs.alert_sink import AlertSink
 from diag.outputs.records import LayerArrays, build_record, per_head_default
 from diag.outputs.sinks import FanOut, Record, Sink
 
-__all__ = ["Analysis", "ProbeFn", "analyze_checkpoints"]
+__all__ = ["Analysis", "ProbeFn", "Series", "analyze_checkpoints", "prepare_series"]
 
 
 @dataclass
@@ -107,54 +110,7 @@ def _num(x: float) -> float | None:
     return float(x) if math.isfinite(x) else None
 
 
-class _Units:
-    """Each analysable checkpoint's unit, against the last checkpoint that succeeded before it: from the store,
-    from a worker (which computed it against the checkpoint planned before it), or computed here."""
-
-    def __init__(self, entries: list[Planned], sec_top: int, probe: ProbeFn | None, store: UnitStore | None,
-                 jobs: int) -> None:
-        self.sec_top, self.probe = sec_top, probe
-        identity = getattr(probe, "identity", None)
-        self.probe_id = None if probe is None else identity() if callable(identity) else None
-        self.store = store if probe is None or self.probe_id is not None else None  # an unnamed probe: no store
-        ok = [e for e in entries if e.error is None]
-        self.planned = {e.path: (ok[i - 1] if i else None) for i, e in enumerate(ok)}
-        self.futures: dict[Path, object] = {}
-        self.pool = Pool(jobs, sec_top, probe, self.store) if jobs > 1 and len(ok) > 1 else None
-        if self.pool is not None:
-            for entry in ok:
-                previous = self.planned[entry.path]
-                key = self._key(entry, previous)
-                if key is None or self.store is None or not self.store.has(key):
-                    self.futures[entry.path] = self.pool.submit(entry, previous, key)
-
-    def _key(self, entry: Planned, previous: Planned | None) -> str | None:
-        if self.store is None:
-            return None
-        return fingerprint(entry, previous, self.sec_top, self.probe_id)
-
-    def result(self, entry: Planned, previous: Planned | None) -> UnitResult:
-        key = self._key(entry, previous)
-        cached = None if key is None or self.store is None else self.store.load(key)
-        if cached is not None:
-            return cached
-        future = self.futures.pop(entry.path, None)
-        if future is not None and self.planned[entry.path] is previous:
-            result = future.result()
-        else:
-            result = compute_unit(entry, previous, self.sec_top, self.probe)
-            if key is not None and self.store is not None and not result.previous_failed:
-                self.store.save(key, result)
-        if result.previous_failed:  # the checkpoint before was analysed but cannot be read now: no update
-            return self.result(entry, None)
-        return result
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.close()
-
-
-class _Series:
+class _Records:
     """The records, in step order, from the units."""
 
     def __init__(self, out: Analysis, sinks: FanOut, alert_sink: AlertSink, detectors: Detectors) -> None:
@@ -162,7 +118,7 @@ class _Series:
         self.previous: Planned | None = None
         self.per_head = True
 
-    def add(self, entry: Planned, units: _Units) -> None:
+    def add(self, entry: Planned, units: UnitSource) -> None:
         if entry.error is not None:
             self.out.failures.append((str(entry.path), entry.error))
             return
@@ -174,7 +130,8 @@ class _Series:
             self.out.layers, self.out.heads = list(entry.layers or ()), entry.heads
             self.per_head = per_head_default(sum(la.layout.n_heads for la in self.out.layers))
         if result.updates is not None and self.previous is not None:
-            self._emit(self.previous.step, result.updates, True)
+            gap = None if entry.step_from == "position" else entry.step - self.previous.step
+            self._emit(self.previous.step, result.updates, True, gap)
         arrays = {label: dict(metrics) for label, metrics in result.spectra.items()}
         if result.probe_error is not None:
             self.out.failures.append((str(entry.path), result.probe_error))
@@ -186,12 +143,13 @@ class _Series:
         if entry.step_from == "position":
             self.out.positions.append(str(entry.path))
 
-    def _emit(self, step: int, arrays: LayerArrays, update: bool) -> None:
+    def _emit(self, step: int, arrays: LayerArrays, update: bool, gap: int | None = 1) -> None:
+        """``gap``: the optimizer steps an update spans (None: not known, the steps are positions)."""
         (self.out.updates if update else self.out.spectra)[step] = arrays
         record = build_record(step, arrays, self.per_head)
         self.out.records.append(record)
         self.sinks.write(record)
-        alerts = self.detectors.observe(Observation(step, None, arrays))
+        alerts = self.detectors.observe(Observation(step, None, arrays, update_steps=gap))
         self.out.alerts += alerts
         self.alert_sink.emit(alerts)
 
@@ -219,6 +177,63 @@ def _check_options(layout: object, heads: int | None, kv_heads: int | None, kv_m
                           "model it builds; pass it without layout=/heads=/kv_heads= (--layout, --heads, --kv-heads)")
     if not isinstance(jobs, int) or jobs < 1:
         raise ConfigError(f"analyze_checkpoints(jobs={jobs!r}): expected a whole number of processes >= 1")
+
+
+@dataclass
+class Series:
+    """A series planned (its checkpoints in step order, their layers) and its units named: nothing computed or
+    written yet (:func:`prepare_series`)."""
+
+    plan: Plan
+    units: UnitSource
+    jobs: int = 1
+
+    def finished(self) -> bool:
+        """Whether the store holds a finished analysis of exactly this series (same checkpoints, same options)."""
+        return self.units.finished()
+
+    def run(self, sinks: Sequence[Sink] = (), alerts_path: Path | None = None, alerts: AlertConfig | None = None,
+            progress: Callable[[Iterable], Iterable] | None = None) -> Analysis:
+        """The analysis, its records written to ``sinks`` and its alerts to ``alerts_path``."""
+        out = Analysis(failures=list(self.plan.failures))
+        fan = FanOut(list(sinks))
+        records = _Records(out, fan, AlertSink(fan, alerts_path), Detectors(alerts))
+        store = self.units.store
+        if store is not None:
+            store.begin()
+        self.units.start(self.jobs)
+        try:
+            for entry in progress(self.plan.entries) if progress else self.plan.entries:
+                records.add(entry, self.units)
+        finally:
+            self.units.close()
+        if store is not None:
+            store.forget_others()
+            store.finish(out.steps)
+        fan.flush()
+        return out
+
+
+def prepare_series(
+    paths: Iterable[str | Path],
+    *,
+    heads: int | None = None,
+    kv_heads: int | None = None,
+    sec_top: int = DEFAULT_SEC_TOP,
+    probe: ProbeFn | None = None,
+    layout: str | Path | LayoutFile | Mapping[str, QKVLayout] | None = None,
+    model_layout: ModelLayoutFn | None = None,
+    kv_map: str | None = None,
+    user_model: ModelLayoutFn | None = None,
+    jobs: int = 1,
+    store: str | Path | None = None,
+) -> Series:
+    """The plan of :func:`analyze_checkpoints` (its options, the same), ready to :meth:`Series.run`."""
+    _check_options(layout, heads, kv_heads, kv_map, user_model, jobs)
+    choice = LayoutChoice(_layout_file(layout), heads, kv_heads, model_layout, kv_map, user_model)
+    plan = make_plan(paths, choice)
+    units = UnitSource(plan.entries, sec_top, probe, None if store is None else UnitStore(store))
+    return Series(plan, units, jobs)
 
 
 def analyze_checkpoints(
@@ -253,21 +268,9 @@ def analyze_checkpoints(
     grouped-query pairing where the layouts assume one (``"grouped"``, ``"tiled"`` or ``"0,1,0,1"``).
     ``jobs``: worker processes (the results are those of one). ``store``: a folder where each
     checkpoint's arrays are kept; a later call with the same checkpoints and options reads them
-    instead of computing them again (how ``--out`` resumes).
+    instead of computing them again (how ``--out`` resumes), and an analysis that ran to its end says
+    so there (:meth:`diag.offline.store.UnitStore.state`).
     """
-    _check_options(layout, heads, kv_heads, kv_map, user_model, jobs)
-    choice = LayoutChoice(_layout_file(layout), heads, kv_heads, model_layout, kv_map, user_model)
-    plan = make_plan(paths, choice)
-    out = Analysis(failures=list(plan.failures))
-    fan = FanOut(list(sinks))
-    series = _Series(out, fan, AlertSink(fan, alerts_path), Detectors(alerts))
-    units = _Units(plan.entries, sec_top, probe, None if store is None else UnitStore(store), jobs)
-    try:
-        for entry in progress(plan.entries) if progress else plan.entries:
-            series.add(entry, units)
-    finally:
-        units.close()
-    if units.store is not None:
-        units.store.forget_others()
-    fan.flush()
-    return out
+    series = prepare_series(paths, heads=heads, kv_heads=kv_heads, sec_top=sec_top, probe=probe, layout=layout,
+                            model_layout=model_layout, kv_map=kv_map, user_model=user_model, jobs=jobs, store=store)
+    return series.run(sinks, alerts_path, alerts, progress)

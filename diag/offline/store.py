@@ -7,6 +7,10 @@ layouts, ``sec_top`` and the probe. A later run over the same checkpoints and op
 computes only what is missing; anything changed (a file re-written, another option) has another name and
 is computed again. The outputs are always written from the units in step order, so a resumed analysis's
 ``metrics.jsonl`` equals an uninterrupted one's byte for byte.
+
+An analysis that ran to its end leaves ``finished`` beside its units (a JSON object): the units it used, its
+number of checkpoints and its steps. It is removed when an analysis starts, so a folder of units without it holds a
+stopped analysis (:meth:`UnitStore.state`).
 """
 
 from __future__ import annotations
@@ -21,9 +25,10 @@ from diag.layouts.vocab import QKVLayout
 from diag.offline.plan import Planned
 from diag.offline.units import UnitResult
 
-__all__ = ["UnitStore", "FOLDER"]
+__all__ = ["UnitStore", "FOLDER", "FINISHED"]
 
 FOLDER = "per-checkpoint"  # under analyze's --out
+FINISHED = "finished"  # written by an analysis that ran to its end (JSON; not a unit: no .json suffix)
 VERSION = 1  # of the unit computation: a change to what a unit holds changes every name
 
 
@@ -75,11 +80,48 @@ class UnitStore:
 
     def load(self, key: str) -> UnitResult | None:
         self.used.add(key)
-        path = self.folder / f"{key}.json"
+        return self._read(key)
+
+    def _read(self, key: str) -> UnitResult | None:
         try:
-            return UnitResult.from_json(json.loads(path.read_text(encoding="utf-8")))
+            return UnitResult.from_json(json.loads((self.folder / f"{key}.json").read_text(encoding="utf-8")))
         except (OSError, ValueError, KeyError, TypeError):  # not there, or not whole: computed again
             return None
+
+    def state(self) -> str | None:
+        """``"finished"`` (an analysis ran to its end), ``"stopped"`` (units without that), or None (no unit)."""
+        if (self.folder / FINISHED).is_file():
+            return "finished"
+        if self.folder.is_dir() and any(self.folder.iterdir()):
+            return "stopped"
+        return None
+
+    def finished(self) -> dict[str, Any] | None:
+        """What the finished analysis wrote in ``finished`` (``units``, ``checkpoints``, ``steps``), or None."""
+        try:
+            done = json.loads((self.folder / FINISHED).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        return done if isinstance(done, dict) and isinstance(done.get("units"), list) else None
+
+    def holds_finished(self, keys: list[str]) -> bool:
+        """Whether a finished analysis of exactly these units is here, every unit whole."""
+        done = self.finished()
+        return (done is not None and set(done["units"]) == set(keys)
+                and all(self._read(key) is not None for key in keys))
+
+    def begin(self) -> None:
+        """An analysis starts: until :meth:`finish`, the folder holds a stopped one."""
+        (self.folder / FINISHED).unlink(missing_ok=True)
+
+    def finish(self, steps: list[int]) -> None:
+        """The analysis ran to its end over ``steps``: record the units it used."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        done = {"units": sorted(self.used), "checkpoints": len(steps), "steps": steps}
+        path = self.folder / FINISHED
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(done), encoding="utf-8")
+        tmp.replace(path)
 
     def save(self, key: str, result: UnitResult) -> None:
         self.used.add(key)
@@ -94,5 +136,5 @@ class UnitStore:
         if not self.folder.is_dir():
             return
         for old in self.folder.iterdir():
-            if old.suffix in (".json", ".tmp") and old.name.split(".")[0] not in self.used:
+            if old.name != FINISHED and old.suffix in (".json", ".tmp") and old.name.split(".")[0] not in self.used:
                 old.unlink(missing_ok=True)

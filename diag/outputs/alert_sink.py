@@ -40,7 +40,10 @@ def console_line(a: Alert) -> str:
 
 class AlertSink:
     """Sends alerts to the ``diag`` logger, every sink, ``alerts.jsonl`` and a user callback; with
-    ``stop_on_critical`` raises :class:`TrainingHalted` after writing a step with a critical alert."""
+    ``stop_on_critical`` raises :class:`TrainingHalted` after writing a step with a critical alert.
+
+    ``path`` (``alerts.jsonl``) is created at construction, empty, or kept as it is where it exists (a resumed
+    run appends to it): a reader tells "no alert" (an empty file) from "not written" (no file)."""
 
     def __init__(
         self,
@@ -52,6 +55,7 @@ class AlertSink:
         self.sinks, self.path, self.callback, self.stop = sinks, path, callback, stop_on_critical
         self.history: list[Alert] = []
         self._append_failed = False
+        self._append(b"")
 
     def emit(self, alerts: list[Alert]) -> None:
         if not alerts:
@@ -77,11 +81,14 @@ class AlertSink:
             raise TrainingHalted(critical[0])
 
     def _append_jsonl(self, alerts: list[Alert]) -> None:
-        if self.path is None:
-            return
         # One os.write on an O_APPEND descriptor, no user-space buffer (as diag.outputs.sinks.JsonlSink):
         # a process killed at any moment leaves whole lines only.
-        data = "".join(json.dumps(_plain({**asdict(a), "docs": a.anchor})) + "\n" for a in alerts).encode("utf-8")
+        self._append("".join(json.dumps(_plain({**asdict(a), "docs": a.anchor})) + "\n" for a in alerts).encode())
+
+    def _append(self, data: bytes) -> None:
+        """``data`` appended to ``path`` (created if missing; nothing: only created)."""
+        if self.path is None:
+            return
         try:
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:

@@ -9,7 +9,7 @@
 What goes where (docs/integrations.md#mlflow):
 
 * every scalar of a :class:`~diag.outputs.sinks.Record` is a metric of the run, at the record's step, under its
-  TensorBoard tag (``qk_sigma1/L03/H07``, ``alerts/collapse_warning``; :func:`mlflow_key` maps the characters
+  TensorBoard tag (``qk_sigma1/L03/H07``, ``alerts/malignant_collapse``; :func:`mlflow_key` maps the characters
   MLflow refuses, reversibly), after ``prefix``: none in a run the sink created (the run is the Monitor's, as a
   TensorBoard logdir is), ``attnscope/`` in a run it did not (the user's, a trainer's), where ``loss`` or
   ``grad_norm`` of the run's own would otherwise share a name with the Monitor's and mix two series. A value

@@ -10,7 +10,7 @@
 What goes where (docs/integrations.md#weights-biases):
 
 * **Keys.** Every scalar of a record under its TensorBoard tag, the names of ``metrics.jsonl``
-  (``qk_sigma1/L00/max``, ``alerts/collapse_warning``); a tag without ``/`` (``loss``) goes under
+  (``qk_sigma1/L00/max``, ``alerts/malignant_collapse``); a tag without ``/`` (``loss``) goes under
   ``attnscope/`` (``attnscope/loss``), so that it never mixes with the user's own ``loss``
   (:func:`wandb_key`). A value that is not finite is logged as it is (NaN, inf), where ``metrics.jsonl``
   writes null.
@@ -30,15 +30,22 @@ What goes where (docs/integrations.md#weights-biases):
 * **Charts.** Offline W&B cannot create workspace panels; at close the sink logs, for every chart of the
   custom-scalars layout (:mod:`diag.outputs.tb_layout`: one chart per metric, a line per layer), a
   ``wandb.plot.line_series`` under ``attnscope_charts/<family>/<tag>``: a custom chart panel titled as in
-  TensorBoard, the Monitor's step on x, one named line per layer (per alert level for the alerts chart).
+  TensorBoard, the Monitor's step on x, one named line per layer (per alert level for the alerts chart). They go
+  into the row open at close (in the user's run: the user's last row, or the sink's last row when Monitor steps
+  were still waiting; in a run the sink started: a row of its own); each chart's table is a file of the run
+  (``files/media/table/attnscope_charts/...``) and a ``run_table`` artifact.
 * **Alerts.** ``run.alert`` for each alert (a firing one at its level, INFO/WARN/ERROR; a resolved one at
   INFO), titled ``attnscope <kind> at <where>``, with the message, the step and the docs section. Every
   alert record is also a row of the table ``attnscope/alerts`` (step, kind, level, where, status, since,
-  message, docs), logged at close, and the summary keeps ``attnscope/alerts_fired`` (the number of
-  alerts that fired) and ``attnscope/last_alert`` (the newest record, as its console line).
+  message, docs), logged at close into the row of the charts, and the summary keeps
+  ``attnscope/alerts_fired`` (the number of alerts that fired) and ``attnscope/last_alert`` (the newest record,
+  as its console line).
 * **Ranks.** Built in a process whose ``torch.distributed`` is initialised with a rank other than 0, the
   sink does nothing (no run, no writes): the Monitor's integrations pass sinks to the main rank only, and a
   sink built by the user on every rank writes from rank 0 alone.
+* **Reading back.** ``run.finish()`` returns before W&B's service has written the end of the run's ``.wandb``
+  file (its last rows, the summary, the exit record); :func:`diag.outputs.wandb_read.read_offline_run` waits for
+  it (a reader that does not wait misses the last row).
 * **Faults.** Every method catches what W&B raises and reports it once on the ``diag`` logger: a sink
   never stops training. ``close`` finishes only a run the sink started itself.
 """
@@ -301,6 +308,7 @@ class WandbSink:
             self.run.log(charts, commit=self._commits())
 
     def _log_alert_table(self) -> None:
+        self.run.summary[f"{ROOT}/alerts_fired"] = sum(a.status == "firing" for a in self._alerts)  # 0: none fired
         if not self._alerts:
             return
         table = self.wandb.Table(columns=ALERT_COLUMNS, data=[

@@ -4,12 +4,15 @@ Read from the run's ``metrics.jsonl`` and ``alerts.jsonl`` only (no TensorBoard,
 
 * the loss, and one chart per signal the catalog puts in the report (:mod:`diag.catalog.metrics`)
   with a line per layer (for a per-head metric, the statistic across heads that moves towards
-  trouble), alert episodes shaded in the colour of their level;
-* heatmaps over time: every head (rows) at every sampled step (columns) for the catalog's heatmap
-  metrics (sigma_1, SEC and the attention entropy);
-* the alert timeline (a chart) and every alert with its advice and a link to its docs.
+  trouble), the alert episodes in a strip above each, a lane per level;
+* the alert timeline (each kind's episodes) and every alert with its advice (the message's own, else the
+  catalog's, :mod:`diag.catalog.alerts`) and a link to its kind's docs section;
+* heatmaps over time: every head (rows) at every sampled step for the catalog's heatmap
+  metrics (sigma_1, SEC and the attention entropy).
 
-Figures are inline PNGs (matplotlib, Agg canvas), so the page is one file that opens anywhere.
+Every chart spans the whole run (:func:`frame_of`) and the charts stand in a grid at the page's width
+(:mod:`diag.reports.charts`). Figures are inline PNGs (matplotlib, Agg canvas), so the page is one file that
+opens anywhere.
 """
 
 from __future__ import annotations
@@ -23,39 +26,15 @@ from pathlib import Path
 
 import numpy as np
 
+from diag.catalog.alerts import ALERTS, advice
 from diag.catalog.metrics import METRICS, chart_stat, metrics_with
-from diag.catalog.tags import parse_tag, parse_where
+from diag.catalog.tags import parse_tag
 from diag.errors import ConfigError
-from diag.outputs.figures import figure, grid_figure
 from diag.outputs.images import finite_range
-from diag.reports.html import LEVEL_COLOURS, docs_link, inline_img, integer_steps, page, table
+from diag.reports.charts import Frame, Line, layer_colours, line_chart, steps_heatmap, timeline
+from diag.reports.html import LEVEL_COLOURS, docs_link, grid, inline_img, page, table
 
-__all__ = ["ADVICE", "MOMENTS", "Run", "alert_episodes", "read_run", "split_advice", "write_run_report"]
-
-# kind -> what to do, in one line (the long form, with the evidence, is in docs/alerts.md)
-ADVICE = {
-    "collapse_warning": "add or lengthen warmup, lower the learning rate, or bound the step (QK-norm, "
-                        "sigmaReparam, a spectral step limit); watch the head's attention entropy and rank",
-    "malignant_collapse": "go back to a checkpoint from before it and restart with warmup, a lower learning "
-                          "rate, QK-norm or a spectral step bound",
-    "collapse_damage": "stop: restart from a checkpoint before the collapse with warmup, a lower learning rate, "
-                       "QK-norm or a spectral step limit",
-    "collapse_stall": "compare the loss with a run you trust (an earlier run, a QK-norm run) and look at the "
-                      "learning-rate schedule; restart from before the collapse if it sits above",
-    "benign_collapse": "usually nothing: sparse but full-rank heads train well; watch whether it spreads or "
-                       "turns malignant",
-    "uniform_attention": "look at the head; low-rank attention across layers is rank collapse",
-    "eureka_plateau": "rule out a data or label bug first; then NormSoftmax, or train longer",
-    "eureka_moment": "nothing to do: the plateau ended",
-    "nonfinite_loss": "check the data of that step, lower the learning rate, clip gradients, check loss scaling",
-    "nonfinite_weights": "check the data of that step, lower the learning rate, clip gradients, check loss scaling",
-    "nonfinite_gradients": "check the data of that step, lower the learning rate, clip gradients, check loss scaling",
-    "gradient_overflow": "nothing if rare; if it repeats at every sample, look for non-finite float32 "
-                         "gradients or use bf16",
-    "loss_spike": "inspect the batch; clip gradients; if attn_max_logit climbs too, QK-norm or a lower "
-                  "learning rate",
-}
-
+__all__ = ["MOMENTS", "Run", "alert_episodes", "frame_of", "read_run", "split_advice", "write_run_report"]
 
 @dataclass
 class Run:
@@ -136,40 +115,28 @@ def _spacing(run: Run) -> int:
     return int(np.median(np.diff(steps))) if len(steps) > 1 else 1
 
 
-def _mark_alerts(ax, run: Run, layer_of: str | None = None) -> None:
-    """Shade each alert episode from its start to its resolved record (an open one to the run's last step) in
-    its level's colour; a moment is a thin band at its step; one legend entry per level."""
-    spacing, seen = _spacing(run), set()
-    end = max((max(v) for v in run.series.values() if v), default=0)
-    for level, _, where_text, first, last in alert_episodes(run.alerts, end):
-        where = parse_where(where_text)
-        if layer_of is not None and where is not None and where[0] != layer_of:
-            continue
-        colour = LEVEL_COLOURS.get(level, "#888888")
-        label = None if level in seen else f"{level} alert"
-        seen.add(level)
-        ax.axvspan(first - spacing / 4, last + spacing / 4, color=colour, alpha=0.15, lw=0, label=label)
+def frame_of(run: Run) -> Frame:
+    """The whole run, for every chart: its first and last step (of ``metrics.jsonl``, or a later alert's), its
+    alert episodes and a colour per layer."""
+    steps = [s for series in run.series.values() for s in series] + [int(a["step"]) for a in run.alerts]
+    last = max(steps)
+    return Frame(min(steps), last, _spacing(run), tuple(alert_episodes(run.alerts, last)),
+                 layer_colours(run.layers()))
 
 
-def _curves(run: Run, metric: str, stat: str | None) -> str | None:
-    layers = [la for la in run.layers() if (f"{metric}/{la}/{stat}" if stat else f"{metric}/{la}") in run.series]
-    if not layers:
+def _curves(run: Run, frame: Frame, metric: str, stat: str | None) -> str | None:
+    tags = {la: f"{metric}/{la}/{stat}" if stat else f"{metric}/{la}" for la in run.layers()}
+    lines = [Line(la, *run.curve(tag)) for la, tag in tags.items() if tag in run.series]
+    if not lines:
         return None
-    fig = figure(8, 3.6)
-    ax = fig.subplots()
-    for la in layers:
-        ax.plot(*run.curve(f"{metric}/{la}/{stat}" if stat else f"{metric}/{la}"), marker=".", label=la)
-    _mark_alerts(ax, run)
     what = f"{metric} ({stat} over heads)" if stat else metric
-    ax.set(title=f"{what}, a line per layer", xlabel="step", ylabel=what)
-    if METRICS[metric].log:
-        ax.set_yscale("log")
-    integer_steps(ax)
-    ax.legend(fontsize="small", ncol=max(1, len(layers) // 6), loc="best")
-    return inline_img(fig, f"{what} per layer over the sampled steps; shaded: alert episodes")
+    unit = METRICS[metric].unit
+    fig = line_chart(frame, lines, title=f"{what}, a line per layer", ylabel=f"{metric} ({unit})" if unit else metric,
+                     log=METRICS[metric].log)
+    return inline_img(fig, f"{what} per layer over the sampled steps; above: alert episodes by level")
 
 
-def _heatmap_over_time(run: Run, metric: str) -> str | None:
+def _heatmap_over_time(run: Run, frame: Frame, metric: str) -> str | None:
     rows = sorted({t for t in run.series if (p := parse_tag(t)) and p.metric == metric and p.head is not None},
                   key=lambda t: (parse_tag(t).layer, parse_tag(t).head))
     per_head = bool(rows)
@@ -184,28 +151,24 @@ def _heatmap_over_time(run: Run, metric: str) -> str | None:
     labels = [f"{p.layer}/{p.part}" if per_head else p.layer for p in parsed]
     title = METRICS[metric].label
     lo, hi = METRICS[metric].colour_range(*finite_range(grid))
-    fig = grid_figure(grid, title=f"{title}, {'every head' if per_head else 'per layer'} over time", rows=labels,
-                      cols=[str(s) for s in steps], xlabel="sampled step", ylabel="layer/head" if per_head else
-                      "layer", cbar=title, lo=lo, hi=hi, annotate=False)
-    return inline_img(fig, f"{title}: rows are heads, columns sampled steps")
+    fig = steps_heatmap(frame, grid, steps, labels, title=f"{title}, {'every head' if per_head else 'per layer'}"
+                        " over the run", ylabel="layer/head" if per_head else "layer", cbar=title, lo=lo, hi=hi)
+    return inline_img(fig, f"{title}: rows are heads, each sample a cell at its step")
 
 
-def _timeline(run: Run) -> str | None:
+def _timeline(run: Run, frame: Frame) -> str | None:
     if not run.alerts:
         return None
     kinds = sorted({a["kind"] for a in run.alerts})
-    fig = figure(8, 1.2 + 0.35 * len(kinds))
-    ax = fig.subplots()
-    for rank, (level, colour) in enumerate(LEVEL_COLOURS.items()):
-        chosen = [a for a in run.alerts if a["level"] == level]
-        if chosen:  # the most severe on top: a layer's critical record shares its step with its heads' warnings
-            ax.scatter([a["step"] for a in chosen], [kinds.index(a["kind"]) for a in chosen], color=colour,
-                       label=level, marker="|" if level == "info" else "o", s=60, zorder=3 + len(LEVEL_COLOURS) - rank)
-    ax.set_yticks(range(len(kinds)), kinds)
-    ax.set(title="alerts over the run", xlabel="step")
-    integer_steps(ax)
-    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    return inline_img(fig, "each alert at its step, by kind; colour: level")
+    return inline_img(timeline(frame, kinds), "each alert episode from its start to its end, by kind; colour: level",
+                      wide=True)
+
+
+def _loss(run: Run, frame: Frame) -> str | None:
+    if "loss" not in run.series:
+        return None
+    fig = line_chart(frame, [Line("loss", *run.curve("loss"))], title="training loss", ylabel="loss")
+    return inline_img(fig, "training loss at the sampled steps; above: alert episodes by level")
 
 
 def split_advice(message: str) -> tuple[str, str | None]:
@@ -214,16 +177,27 @@ def split_advice(message: str) -> tuple[str, str | None]:
     return (what, todo) if sep else (message, None)
 
 
+def _advice(a: dict) -> str:
+    """What to do about one record, said once: the message's own advice, else the catalog's (a resolved record:
+    nothing, its episode ended)."""
+    todo = split_advice(a["message"])[1]
+    if todo is not None:
+        return todo
+    if a.get("status") == "resolved":
+        return "nothing: the episode ended"
+    return advice(a["kind"], a.get("since")) or "see the docs"
+
+
 def _alert_table(run: Run) -> str:
-    """Every record once: what happened, and what to do said once (the message's own advice, else the kind's)."""
+    """Every record once: what happened, what to do (:func:`_advice`) and a link to the kind's docs section."""
     if not run.alerts:
         return "<p>No alert was raised in this run.</p>"
     rows = []
     for a in run.alerts:
-        what, todo = split_advice(a["message"])
-        advice = todo if todo is not None else ADVICE.get(a["kind"], "see the docs")
-        rows.append([a["step"], a["level"], a["kind"], a.get("where") or "model", what,
-                     html.escape(advice) + "<br>" + docs_link("alerts.md", "the-kinds", f"docs: {a['kind']}")])
+        entry = ALERTS.get(a["kind"])
+        anchor = (entry.anchor or entry.name) if entry is not None else "the-kinds"
+        rows.append([a["step"], a["level"], a["kind"], a.get("where") or "model", split_advice(a["message"])[0],
+                     html.escape(_advice(a)) + "<br>" + docs_link("alerts.md", anchor, f"docs: {a['kind']}")])
     return table(["step", "level", "kind", "where", "message", "what to do"], rows, raw=(5,),
                  classes=[a["level"] for a in run.alerts])
 
@@ -243,25 +217,18 @@ def write_run_report(folder: str | Path, out: str | Path | None = None) -> Path:
     """Write the report of the run in ``folder`` to ``out`` (default ``folder/report.html``)."""
     run = read_run(folder)
     out = Path(out) if out is not None else run.folder / "report.html"
+    frame = frame_of(run)
     steps = sorted({s for series in run.series.values() for s in series})
     levels = {lv: sum(a["level"] == lv for a in run.alerts) for lv in LEVEL_COLOURS}
     body = [f"<p>Run <b>{html.escape(str(run.folder))}</b>: {len(run.layers())} attention layers, sampled steps "
             f"{steps[0]}..{steps[-1]} ({len(steps)} samples); alerts: "
             + ", ".join(f"<span class='{lv}'>{n} {lv}</span>" for lv, n in levels.items()) + ".</p>",
-            "<h2>Alerts</h2>", _timeline(run) or "", _alert_table(run), "<h2>Curves</h2>"]
-    if "loss" in run.series:
-        fig = figure(8, 3.2)
-        ax = fig.subplots()
-        ax.plot(*run.curve("loss"), marker=".", color="black", label="loss")
-        _mark_alerts(ax, run)
-        ax.set(title="training loss", xlabel="step", ylabel="loss")
-        integer_steps(ax)
-        ax.legend(fontsize="small")
-        body.append(inline_img(fig, "training loss at the sampled steps; shaded: alert episodes"))
-    body += [c for m in metrics_with("report") if (c := _curves(run, m.name, m.stat))]
-    body.append("<h2>Heatmaps over time</h2>")
-    body += [h for m in metrics_with("heatmap") if (h := _heatmap_over_time(run, m.name))]
-    body.append(_constants(run))
+            "<h2>Curves</h2>",
+            grid([_loss(run, frame), *(_curves(run, frame, m.name, m.stat) for m in metrics_with("report"))]),
+            "<h2>Alerts</h2>", grid([_timeline(run, frame)]), _alert_table(run),
+            "<h2>Heatmaps over time</h2>",
+            grid(_heatmap_over_time(run, frame, m.name) for m in metrics_with("heatmap")),
+            _constants(run)]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(page("attnscope run report", body), encoding="utf-8")
     return out

@@ -43,6 +43,7 @@ class DemoRun:
     overwrite: bool = False
     quiet: bool = False
     wandb: bool = False  # also write into a W&B run (offline unless WANDB_MODE says otherwise)
+    mlflow: str | None = None  # also write into an MLflow run at this tracking URI
 
     def __post_init__(self) -> None:
         for name, low in (("steps", 1), ("warmup", 0)):
@@ -89,6 +90,24 @@ def _wandb_sink(args: DemoRun) -> Sink:
     return WandbSink(project="attnscope-demo", dir=args.logdir or ".", mode=os.getenv("WANDB_MODE") or "offline")
 
 
+def _mlflow_sink(args: DemoRun) -> Sink:
+    """The demo's MLflow run: a run of its own in the experiment ``attnscope-demo`` at the tracking URI
+    ``args.mlflow``, named after the logdir, ended at close (with the run report as an artifact)."""
+    import importlib.util
+
+    from diag.outputs.mlflow_sink import MLflowSink
+
+    if importlib.util.find_spec("mlflow") is None:
+        raise ConfigError("--mlflow needs the mlflow package: pip install -e '.[mlflow]'")
+    name = Path(args.logdir).name if args.logdir else "demo"
+    return MLflowSink(tracking_uri=args.mlflow, experiment="attnscope-demo", run_name=name)
+
+
+def _requested_sinks(args: DemoRun) -> tuple[Sink, ...]:
+    """The sinks the command line asked for (--wandb, --mlflow)."""
+    return (*((_wandb_sink(args),) if args.wandb else ()), *((_mlflow_sink(args),) if args.mlflow else ()))
+
+
 def train(args: DemoRun, cfg: GPTConfig | None = None, *, sinks: Sequence[Sink] = (),
           callbacks: Sequence[StepCallback] = ()) -> tuple[Monitor, list[float]]:
     """Train with the Monitor attached; returns the closed Monitor and every step's loss.
@@ -103,8 +122,7 @@ def train(args: DemoRun, cfg: GPTConfig | None = None, *, sinks: Sequence[Sink] 
     gen = torch.Generator().manual_seed(args.seed)
     model = GPT(cfg)
     optimizer = adamw(model, lr)
-    if args.wandb and not sinks:
-        sinks = (_wandb_sink(args),)
+    sinks = sinks or _requested_sinks(args)
     monitor = Monitor(model, logdir=args.logdir, every=args.every, overwrite=args.overwrite, sinks=sinks)
     if args.step_limit is not None:  # the remedy (hooks.SpectralStepLimit); the schedule drives the shared lr
         optimizer = SpectralStepLimit(optimizer, args.step_limit, model=model, monitor=monitor, audit=True)
@@ -127,8 +145,9 @@ def train(args: DemoRun, cfg: GPTConfig | None = None, *, sinks: Sequence[Sink] 
     return monitor, losses
 
 
-def run_demo(args: DemoRun) -> None:
-    """Entry point of ``python -m diag demo``: train, then print the warning and critical alerts."""
+def run_demo(args: DemoRun) -> Monitor:
+    """Entry point of ``python -m diag demo``: train, then print the warning and critical alerts. Returns the
+    closed Monitor (its ``sinks`` hold the W&B and MLflow sinks the arguments asked for)."""
     monitor, _ = train(args)
     alerts = monitor.alert_sink.history
     if not args.quiet:
@@ -140,3 +159,4 @@ def run_demo(args: DemoRun) -> None:
         if info:
             print("  and info alerts: " + ", ".join(f"{kind} x{n}" for kind, n in sorted(info.items()))
                   + f" (all in {Path(args.logdir) / 'alerts.jsonl'})")
+    return monitor

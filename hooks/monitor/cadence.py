@@ -108,13 +108,13 @@ class CloserLook:
       50 steps apart: a head hovering at the entropy line can sit inside it between two samples and above it at
       each;
     * **at risk** (``Detectors.at_risk``: a layer's ``collapse_risk`` at ``watch_risk`` or more, a head's
-      ``sigma_1`` growing ``watch_growth``-fold within ``risk_window`` steps, an open warning, large first
-      updates): attention and the spectra with every loss sample (the cadence's shortest period), so that the
-      risk is judged on fresh attention.
+      ``sigma_1`` growing ``watch_growth``-fold within ``risk_window`` steps, large first updates): attention and
+      the spectra with every loss sample (the cadence's shortest period), so that the risk is judged on fresh
+      attention.
 
     The detectors are asked again at every judged step, so a look lasts while its reason does. Off (``period``
-    None) when attention is already sampled at the shortest period, or the Monitor runs on several processes
-    (the ranks would have to agree on every sampled step)."""
+    None) when attention is already sampled at the shortest period. On several processes rank 0's detectors
+    decide and every rank takes the same look (:mod:`hooks.monitor.sharedlook`)."""
 
     def __init__(self, cadence: Cadence, enabled: bool = True) -> None:
         base = cadence.base

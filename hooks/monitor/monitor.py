@@ -44,6 +44,7 @@ from hooks.capture.capture import ENTROPY_ROWS
 from hooks.layout.discover import AttentionLayer, discover
 from hooks.monitor.cadence import SIGNALS, CloserLook, resolve_cadence
 from hooks.monitor.sampling import Sampler
+from hooks.monitor.sharedlook import SharedCloserLook
 from hooks.parallel.detectors import SharedDetectors
 from hooks.parallel.ranks import rank, world_size
 
@@ -100,8 +101,10 @@ class Monitor:
             ``gradient_overflow`` alert instead of a critical ``nonfinite_gradients``.
         closer_look: sample attention more often while the detectors ask for it: at every step while a head is
             near the malignant lines, with every loss sample while a layer is at risk
-            (:class:`hooks.monitor.cadence.CloserLook`, docs/cost.md#watching-closer). One process only: under DDP,
-            FSDP or tensor parallelism the ranks would have to agree every sampled step, so it is off there.
+            (:class:`hooks.monitor.cadence.CloserLook`, docs/cost.md#watching-closer). Under DDP, FSDP2 or tensor
+            parallelism rank 0's detectors decide and every rank samples the steps they ask for: one broadcast of
+            two int64 from rank 0 after every step the detectors judged, none on other steps
+            (docs/distributed.md#alerts-across-ranks).
     """
 
     def __init__(
@@ -161,7 +164,12 @@ class Monitor:
         detectors = Detectors(alerts or AlertConfig())
         self._updates_at_once = detectors.cfg.note_horizon  # updates of steps before this are measured on the next
         self.detectors: Detector = SharedDetectors(detectors, stop_on_critical) if world_size() > 1 else detectors
-        self.closer = CloserLook(self.cadence, bool(closer_look) and world_size() == 1 and "attention" in self.signals)
+        look = bool(closer_look) and "attention" in self.signals
+        # several ranks: rank 0's detectors decide the look, and every rank takes its decision (one broadcast)
+        self.closer = CloserLook(self.cadence, look) if world_size() == 1 else SharedCloserLook(
+            self.cadence, look, self._device())
+        shared = isinstance(self.closer, SharedCloserLook) and self.closer.period is not None
+        self._agree = self.closer.agree if shared else None
         self._views = TensorBoardViews(self.sinks, [layer.label for layer in self.layers], images=self.images,
                                        image_every=self.image_every, updates="updates" in self.signals,
                                        with_o=any(layer.o is not None for layer in self.layers))
@@ -193,10 +201,12 @@ class Monitor:
             due = due | self.closer.adds(step)
         if weights.applied is not None and (due or weights.applied.step < self._updates_at_once):
             self._guard("updates", self._finish_updates)  # on a sampled step, or in the run's first steps
+            self._agree_closer()
             if self.closer.until >= step:  # the ratios may have started a closer look
                 due = due | self.closer.adds(step)
         if due:
             self._guard("sample", self._sample, step, loss, due)
+            self._agree_closer()
         if self.capture.armed and "attention" not in due:
             self.capture.disarm()
         # the closer look's check only while one is on (until >= the next step): nothing more on a quiet step
@@ -296,6 +306,18 @@ class Monitor:
         """After the detectors judged ``step``: start or extend the closer look if they ask for it."""
         for started in self.closer.heed(step, self.detectors):
             log.info("diag: %s (closer_look)", started)
+
+    def _agree_closer(self) -> None:
+        """Several ranks, after each step the detectors judged (every rank gets here, whatever failed before): every
+        rank takes rank 0's closer look, so that all sample the same steps. Nothing in one process."""
+        if self._agree is not None:
+            self._guard("closer look", self._agree)
+
+    def _device(self) -> torch.device:
+        """Where the Monitor's own collectives put a tensor of its own: the watched parameters' device, which the
+        process group serves (the training's collectives move them)."""
+        params = (p for layer in self.layers for p in layer.params().values())
+        return next(params, torch.empty(0)).device
 
     def _guard(self, what: str, fn: Callable, *args: object) -> None:
         """A fault in the monitor is reported once per kind and never reaches training."""

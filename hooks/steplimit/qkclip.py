@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from diag.catalog.alerts import ALERTS
 from diag.catalog.tags import head_label
 from diag.detectors.base import Alert
 from diag.errors import ConfigError, WarnOnce
@@ -289,7 +290,7 @@ class QKClip:
         return Alert(step, "qk_clip", "info", layers[0] if len(layers) == 1 else "",
                      f"QK-clip scaled W_Q and W_K of {len(done)} head(s) whose largest logit exceeded tau={self.tau:g} "
                      f"(largest {worst.max_logit:.4g} at {worst.layer}/{head_label(worst.head, heads[worst.layer])}, "
-                     f"its logits scaled by {worst.factor:.4g})",
+                     f"its logits scaled by {worst.factor:.4g}). What to do: {ALERTS['qk_clip'].todo}",
                      {"max_logit": worst.max_logit, "factor": worst.factor, "heads": float(len(done))}, heads=names)
 
     # ------------------------------------------------------------------ resume and removal

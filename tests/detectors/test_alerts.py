@@ -234,7 +234,7 @@ def test_config_checks_itself():
     ("risk_window", 20.5, "risk_window=20.5: expected a whole number of steps"),
     ("exit_dwell", float("inf"), "exit_dwell=inf: expected a whole number of steps"),
     ("exit_factor", 0.9, "exit_factor=0.9: expected a factor of at least 1"),  # the exit line inside the entry
-    ("warn_risk", 1.5, "warn_risk=1.5: expected a probability"),
+    ("watch_risk", 1.5, "watch_risk=1.5: expected a probability"),
     ("nonsense", 1, "unknown field(s) ['nonsense']"),
     ("uniform_frac", 80, "uniform_frac=80: expected a fraction"),  # a percentage
     ("uniform_frac", 0, "uniform_frac=0: expected a fraction"),

@@ -178,10 +178,10 @@ def test_the_records_announce_each_episode_of_the_machine_on_a_noisy_run():
 
 @pytest.mark.parametrize("seed", range(6))
 def test_the_detector_and_the_evaluations_second_implementation_find_the_same_episodes(seed):
-    """The same definition written twice (diag.detectors.states and evaluation.groundtruth, which imports
-    nothing of the detectors): random walks of 4 heads' entropy, rank and sink share around every line, at
+    """The same definition written twice (diag.detectors.states, a stream, and evaluation.replica, vectorised
+    over the whole series): random walks of 4 heads' entropy, rank and sink share around every line, at
     every step and at every 3rd, give the same episodes (state, where, since, opened, until, baseline)."""
-    from evaluation import groundtruth
+    from evaluation import replica
 
     rng = np.random.default_rng(seed)
     e = np.clip(0.6 + np.cumsum(rng.normal(0, 0.1, (500, 4)), 0), 0.01, 4.0)
@@ -190,7 +190,7 @@ def test_the_detector_and_the_evaluations_second_implementation_find_the_same_ep
     for every in (1, 3):
         obs = [Observation(s, None, {"L00": attn(e[s], r[s], sink=share[s])}) for s in range(0, 500, every)]
         mine = {(x.state, x.where, x.since, x.opened, x.until, x.baseline) for x in episodes_of(obs, StatesConfig())}
-        theirs = {(x.state, x.where, x.since, x.opened, x.until, x.baseline) for x in groundtruth.episodes(obs)}
+        theirs = {(x.state, x.where, x.since, x.opened, x.until, x.baseline) for x in replica.episodes(obs)}
         assert mine == theirs and len(mine) >= 3
 
 

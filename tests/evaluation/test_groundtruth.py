@@ -1,195 +1,282 @@
-"""The evaluation's own attention states (evaluation/groundtruth.py) on hand-labelled sequences: each case is a
-small series of one layer's samples whose episodes are worked out by hand from the definition and asserted
-exactly.
+"""The ground truth of the attention states (evaluation/groundtruth.py) on hand-labelled attention maps, and its
+independence from the detectors.
 
-The samples below use 64 rows: the low-rank line is 1 + 0.1 * 63 = 7.3 (exit 10.95), the sparse line 0.5 nats
-(exit 0.75), uniform attention's entropy 3.5 nats (uniform from 2.8, exit below 2.45)."""
+Each map below is built by hand so that its state follows from the words of the definition (Qi et al.'s
+matrices: C, every query on the same key; B, the identity; A, uniform), measured by evaluation.maps.measure as a
+recording measures it, and judged at the definition's defaults. The episodes over time are hand-labelled
+sequences of such samples."""
 
 from __future__ import annotations
 
+import ast
 import math
+import subprocess
+import sys
+from dataclasses import fields
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from diag.detectors import Observation
-from evaluation.groundtruth import Definition, Episode, episodes, layer_needs, series_of
+from evaluation.groundtruth import Definition, Episode, episodes, head_name, head_states, smooth
+from evaluation.maps import Maps, measure
 
-IN = (0.1, 2.0)  # malignant entry: sparse and low-rank
-OUT = (2.0, 40.0)  # beyond both exit lines: normal attention
-BETWEEN = (0.6, 2.0)  # entropy between the sparse line (0.5) and its exit line (0.75): passes neither test
-NAN = (math.nan, 2.0)
-
-
-def sample(heads, sink=None, rows=64.0, uniform=3.5) -> dict:
-    m = {"attn_entropy": np.array([e for e, _ in heads]), "attn_rank": np.array([r for _, r in heads]),
-         "attn_rows": np.array([rows]), "attn_entropy_uniform": np.array([uniform])}
-    if sink is not None:
-        m["attn_sink"] = np.array(sink, float)
-    return m
+ROOT = Path(__file__).resolve().parents[2]
+T = 64  # queries and keys of the hand-built maps
+SEQS = 3
 
 
-def run(script, steps, **kw) -> list[Observation]:
-    """``script(step)`` -> the heads' (entropy, rank) at that step (or (heads, sink shares)); one layer, L00."""
-    out = []
-    for s in steps:
-        got = script(s)
-        heads, sink = got if isinstance(got, tuple) and isinstance(got[0], list) else (got, None)
-        out.append(Observation(s, 3.0, {"L00": sample(heads, sink, **kw)}))
+def causal_rows(weights: np.ndarray) -> torch.Tensor:
+    """(S, T, T) maps from (S, T, T) non-negative weights: masked causally, each row normalised."""
+    w = torch.tensor(weights, dtype=torch.float64) * torch.ones(T, T, dtype=torch.float64).tril()
+    return (w / w.sum(-1, keepdim=True)).float()
+
+
+def pointer(keys_of_sequence) -> torch.Tensor:
+    """Sequence s: every query that sees them puts its mass on the keys ``keys_of_sequence(s)`` (equally); a
+    query that sees none of them, on itself."""
+    w = np.zeros((SEQS, T, T))
+    for s in range(SEQS):
+        keys = keys_of_sequence(s)
+        for i in range(T):
+            seen = [k for k in keys if k <= i]
+            for k in seen or [i]:
+                w[s, i, k] = 1.0
+    return causal_rows(w)
+
+
+MAPS = {  # one head's maps (S, T, T) and the state they are in, by the words of the definition
+    "malignant": pointer(lambda s: [1 + s, 2 + s]),  # every query on the same 2 keys, not shared by the sequences
+    "sink": pointer(lambda s: [0]),  # Qi et al.'s C: every query on key 0, in every sequence
+    "benign": pointer(lambda s: []),  # Qi et al.'s B: each query on itself (the identity)
+    "uniform": causal_rows(np.ones((SEQS, T, T))),  # Qi et al.'s A: each query spread evenly over what it sees
+    "none": causal_rows(np.exp(np.random.default_rng(0).normal(0, 1.5, (SEQS, T, T)))),  # spread, not evenly
+}
+
+
+def maps_of(heads_per_step: list[list[torch.Tensor]], steps=None, label: str = "L00") -> Maps:
+    """A recording of one layer: per step, each head's maps (S, T, T), measured as evaluation.maps does."""
+    got = [measure(torch.stack(heads, 1), causal=True) for heads in heads_per_step]  # each (S, H, T, T)
+    stack = {k: {label: np.stack([g[k].float().numpy() for g in got])} for k in got[0]}
+    steps = np.arange(len(got)) if steps is None else np.asarray(steps)
+    return Maps(steps, stack["focused"], stack["columns"], stack["even"], stack["shared"], {label: T})
+
+
+def state_at(maps: Maps, d: Definition | None = None) -> list[str]:
+    tests = head_states(maps, "L00", d or Definition())
+    n = next(iter(tests.values())).shape[1]
+    return [next((s for s, x in tests.items() if x[0, h]), "none") for h in range(n)]
+
+
+def test_qi_et_als_matrices_are_in_the_states_the_words_give():
+    """One sample of five heads, one of each map: each is in its own state, and only in it."""
+    assert state_at(maps_of([[MAPS[k] for k in MAPS]])) == list(MAPS)
+
+
+def test_the_shared_key_makes_the_sink_and_moving_it_makes_a_malignant_head():
+    """Every query of every sequence on key 0 holds all the mass on one shared position: a sink; with
+    ``sink_mass`` above what it holds (never, at 1.0 exactly it still holds), and with the key moved per
+    sequence, the same shape is malignant."""
+    assert state_at(maps_of([[MAPS["sink"]]])) == ["sink"]
+    assert state_at(maps_of([[pointer(lambda s: [s])]])) == ["malignant"]
+
+
+def test_few_columns_is_a_share_of_the_rows():
+    """Every query on the same 6 keys: 6 of 64 columns hold the mass, few at 1/8 of the rows (8) and not at
+    1/16 (4): then sparse with many columns, benign."""
+    six = pointer(lambda s: list(range(5 + s, 11 + s)))  # each query's mass on 6 keys: focused on top 8 only
+    d = Definition(top_keys=8)
+    assert state_at(maps_of([[six]]), d.replace(few_columns=1 / 8)) == ["malignant"]
+    assert state_at(maps_of([[six]]), d.replace(few_columns=1 / 16)) == ["benign"]
+    assert state_at(maps_of([[six]]), d.replace(top_keys=4)) == ["none"]  # 4 keys hold 2/3 of a query's mass
+
+
+def test_a_query_counts_for_its_top_keys_only_when_it_sees_more_of_them():
+    """The uniform causal map: query i sees i + 1 keys; its top 4 hold all of it while i < 4, and 4 / (i + 1)
+    after: the share of focused queries counts only queries seeing 5 keys or more (here: none focused)."""
+    m = measure(MAPS["uniform"][:, None], causal=True)
+    top4 = m["focused"][0, 3]  # (TOP_MASS,)
+    assert float(top4[0]) == pytest.approx(sum(1 for i in range(4, T) if 4 / (i + 1) >= 0.5) / (T - 4))
+
+
+def test_measured_columns_and_shared_position_by_hand():
+    """The columns holding each level of all queries' mass and the share of the best shared key position,
+    counted the slow way (a loop over sorted column sums; a minimum over sequences per position)."""
+    p = MAPS["malignant"].double()  # (S, T, T)
+    got = measure(p[:, None], causal=True)
+    for level_index, level in enumerate((0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)):
+        counts = []
+        for s in range(SEQS):
+            column = sorted((p[s].sum(0) / T).tolist(), reverse=True)
+            total, n = 0.0, 0
+            while total < level - 1e-12:
+                total, n = total + column[n], n + 1
+            counts.append(n)
+        assert float(got["columns"][0, level_index]) == pytest.approx(np.mean(counts))
+    slow = max(min(float(p[s, :, k].sum() / T) for s in range(SEQS)) for k in range(T))
+    assert float(got["shared"][0]) == pytest.approx(slow)
+
+
+def test_a_sample_that_is_not_finite_is_in_no_state():
+    nan = torch.full_like(MAPS["malignant"], math.nan)
+    assert state_at(maps_of([[nan]])) == ["none"]
+
+
+def test_a_head_is_in_a_state_where_most_samples_of_its_window_are():
+    """Malignant at 20-79, with other samples at 40, 41 and 60 inside it and single malignant samples
+    at 5 and 100 outside it: one episode, since 20, until 80 (window 21: at most 10 steps either side)."""
+    def head(s):
+        inside = 20 <= s < 80 and s not in (40, 41, 60) or s in (5, 100)
+        return MAPS["malignant"] if inside else MAPS["none"]
+    found = [e for e in episodes(maps_of([[head(s)] for s in range(150)])) if e.state == "malignant"]
+    assert found == [Episode("malignant", "L00", 20, 20, 80, False), Episode("malignant", "L00/H00", 20, 20, 80, False)]
+
+
+def test_a_layer_is_in_a_state_while_more_than_half_its_heads_are():
+    """Four heads, malignant from 20, 40, 60 (the fourth never): the layer from 60, when 3 of 4 are; with the
+    third head gone at 100, back to 2 of 4: the layer's episode ends at 100. Two heads: both are needed."""
+    def heads(s):
+        return [MAPS["malignant"] if (start <= s < (100 if start == 60 else 10**6)) else MAPS["none"]
+                for start in (20, 40, 60, 10**6)]
+    steps = range(0, 150, 2)
+    found = [(e.where, e.since, e.until) for e in episodes(maps_of([heads(s) for s in steps], steps))
+             if e.state == "malignant"]
+    assert ("L00", 60, 100) in found and [f for f in found if f[0] == "L00"] == [("L00", 60, 100)]
+    two = maps_of([[MAPS["malignant"], MAPS["malignant"] if s >= 40 else MAPS["none"]] for s in range(80)])
+    assert [(e.since, e.until) for e in episodes(two) if e.where == "L00" and e.state == "malignant"] == [(40, None)]
+
+
+def test_an_episode_from_the_first_sample_is_a_baseline_and_sparse_samples_are_steps_apart():
+    """Samples every 10 steps from step 5, uniform at the start (a causal model's attention at initialisation):
+    a baseline episode; malignant from step 105: not a baseline."""
+    steps = list(range(5, 300, 10))
+    heads = [[MAPS["uniform"] if s < 100 else MAPS["malignant"]] for s in steps]
+    found = {(e.state, e.where): (e.since, e.until, e.baseline) for e in episodes(maps_of(heads, steps))}
+    assert found[("uniform", "L00")] == (5, 105, True)
+    assert found[("malignant", "L00/H00")] == (105, None, False)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.booleans(), min_size=1, max_size=60), st.integers(1, 41), st.integers(1, 5))
+def test_smoothing_is_the_majority_of_the_samples_within_half_a_window(inside, window, every):
+    """Against the slow reading of the words: count the samples within window // 2 steps, one by one."""
+    steps = np.arange(len(inside)) * every
+    x = np.array(inside)
+    fast = smooth(steps, x[:, None], window)[:, 0]
+    slow = [2 * sum(x[j] for j in range(len(x)) if abs(steps[j] - steps[i]) <= window // 2)
+            > sum(1 for j in range(len(x)) if abs(steps[j] - steps[i]) <= window // 2) for i in range(len(x))]
+    assert fast.tolist() == slow
+
+
+def test_heads_are_named_as_the_monitor_names_them():
+    from diag.catalog.tags import head_label
+
+    assert [head_name(h, n) for n in (1, 8, 12, 100, 101) for h in (0, n - 1)] == \
+        [head_label(h, n) for n in (1, 8, 12, 100, 101) for h in (0, n - 1)]
+
+
+def test_the_definition_refuses_a_level_the_maps_are_not_measured_at():
+    with pytest.raises(ValueError, match=r"Definition.top_mass=0.42: the maps are measured at .*pick one"):
+        Definition(top_mass=0.42)
+    with pytest.raises(ValueError, match=r"Definition.queries=0: a share"):
+        Definition(queries=0)
+
+
+# --- independence from the detectors -------------------------------------------------------------------------
+
+TRUTH = ("evaluation.groundtruth", "evaluation.maps")
+
+
+def _source(name: str, root: Path) -> Path | None:
+    for path in (root / (name.replace(".", "/") + ".py"), root / name.replace(".", "/") / "__init__.py"):
+        if path.exists():
+            return path
+    return None
+
+
+def _imports(name: str, root: Path) -> set[str]:
+    """Every module the source of ``name`` imports, at the top or inside a function (``import a.b``, ``from a
+    import b`` as ``a.b`` and ``a``, relative imports resolved, ``importlib.import_module("a")`` and
+    ``__import__("a")`` with a literal name)."""
+    path = _source(name, root)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            out |= {base} | {f"{base}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            called = getattr(node.func, "attr", getattr(node.func, "id", ""))
+            if called in ("import_module", "__import__") and isinstance(node.args[0].value, str):
+                out.add(node.args[0].value)
     return out
 
 
-def found(obs, state="malignant") -> list[tuple]:
-    return [(e.where, e.since, e.opened, e.until, e.baseline) for e in episodes(obs) if e.state == state]
+def reached(start: tuple[str, ...], root: Path = ROOT) -> set[str]:
+    """The modules under ``root`` that ``start`` imports, directly or through each other, with the packages they
+    live in (whose ``__init__`` runs on import)."""
+    seen, todo = set(), list(start)
+    while todo:
+        name = todo.pop()
+        if name in seen or not (_source(name, root) or (root / name.replace(".", "/")).is_dir()):
+            continue
+        seen.add(name)
+        parts = name.split(".")
+        todo += [".".join(parts[:i]) for i in range(1, len(parts))]
+        if _source(name, root):
+            todo += sorted(_imports(name, root))
+    return seen
 
 
-def test_a_head_enters_after_two_samples_spanning_ten_steps_and_leaves_after_fifty():
-    """In at 20-39: the entry run begins at 20 and spans 10 steps at 30 (established, since 20); out from 40:
-    the exit run spans 50 steps at 90 (it ends, until 40). One head: the layer needs 1 and follows it."""
-    obs = run(lambda s: [IN if 20 <= s < 40 else OUT], range(150))
-    assert found(obs) == [("L00", 20, 30, 40, False), ("L00/H00", 20, 30, 40, False)]
-    assert [e.state for e in episodes(obs)] == ["malignant", "malignant"]  # nothing benign, uniform or sink
+def test_the_ground_truth_reaches_nothing_of_the_detectors():
+    """Neither the truth nor anything it imports (followed through the project's modules by their syntax
+    trees) is diag.detectors, or diag (whose __init__ imports them), or hooks (whose Monitor runs them)."""
+    found = reached(TRUTH)
+    assert "evaluation.maps" in found  # the walk does follow the imports
+    assert sorted(n for n in found if n.startswith(("diag", "hooks"))) == []  # diag's __init__ loads the detectors
 
 
-def test_an_entry_run_shorter_than_the_dwell_establishes_nothing():
-    """In at 20-28: 9 samples spanning 8 steps."""
-    assert found(run(lambda s: [IN if 20 <= s < 29 else OUT], range(100))) == []
+@pytest.mark.parametrize("text", [
+    "import diag.detectors.config", "from diag.detectors import config", "from diag import detectors",
+    "import diag.catalog as c\ndef f():\n    from diag.detectors.config import StatesConfig",
+    "import importlib\nimportlib.import_module('diag.detectors.config')", "__import__('diag.detectors')",
+    "from .helper import x"])
+def test_the_import_walk_finds_every_spelling_of_an_import(tmp_path, text):
+    """The walk above, on a package of its own whose module imports the detectors in one of the ways Python
+    allows (the last through a sibling module that does)."""
+    for package in ("diag", "diag/detectors", "diag/catalog", "truth"):
+        (tmp_path / package).mkdir(parents=True, exist_ok=True)
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / "diag/detectors/config.py").write_text("StatesConfig = None\n")
+    (tmp_path / "truth/helper.py").write_text("from diag.detectors.config import StatesConfig as x\n")
+    (tmp_path / "truth/probe.py").write_text(text + "\n")
+    assert any(n.startswith("diag.detectors") for n in reached(("truth.probe",), tmp_path))
+    (tmp_path / "truth/probe.py").write_text("import diag.catalog\nimport numpy\n")
+    assert not any(n.startswith("diag.detectors") for n in reached(("truth.probe",), tmp_path))
 
 
-def test_samples_between_the_lines_do_not_break_the_entry_run_and_one_beyond_the_exit_line_does():
-    """In at 20, between the lines 21-29, in at 30: two inside samples spanning 10 steps, established at 30
-    since 20. With one sample beyond the exit line at 25 the run starts again at 30 and is established at 40."""
-    between = run(lambda s: [IN if s in (20, 30) or s >= 30 else BETWEEN if 20 < s < 30 else OUT], range(60))
-    broken = run(lambda s: [IN if s in (20, 30) or s >= 30 else OUT if s == 25 else BETWEEN if 20 < s < 30
-                            else OUT], range(60))
-    assert found(between) == [("L00", 20, 30, None, False), ("L00/H00", 20, 30, None, False)]
-    assert found(broken) == [("L00", 30, 40, None, False), ("L00/H00", 30, 40, None, False)]
+def test_importing_the_ground_truth_loads_no_detector():
+    code = ("import sys, evaluation.groundtruth, evaluation.maps; "
+            "print(sorted(m for m in sys.modules if m.startswith(('diag', 'hooks'))))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
 
 
-def test_sparse_samples_count_samples_and_steps():
-    """Samples every 10 steps: in at 10 and 20 (2 samples spanning 10 steps): established at 20, since 10."""
-    assert found(run(lambda s: [IN if s >= 10 else OUT], range(0, 100, 10)))[1] == ("L00/H00", 10, 20, None, False)
+def test_the_definition_repeats_none_of_the_detectors_numbers():
+    """No default of the truth's Definition is a default of the detectors' StatesConfig (their lines, dwells,
+    exit factor, sink share, layer share), and no parameter has one of their names."""
+    from diag.detectors.config import StatesConfig
 
-
-def test_an_inside_sample_resets_the_exit_run():
-    """Established at 30 (since 20); out 40-69, back inside at 70, out again from 71: the exit run starts over at
-    71 and ends at 121 (until 71), not at 90."""
-    obs = run(lambda s: [IN if 20 <= s < 40 or s == 70 else OUT], range(200))
-    assert found(obs)[1] == ("L00/H00", 20, 30, 71, False)
-
-
-def test_samples_between_the_lines_do_not_break_the_exit_run():
-    """Out at 40, between the lines 41-89, out at 90: two outside samples spanning 50 steps (until 40)."""
-    obs = run(lambda s: [IN if 20 <= s < 40 else BETWEEN if 40 < s < 90 else OUT], range(120))
-    assert found(obs)[1] == ("L00/H00", 20, 30, 40, False)
-
-
-def test_a_layer_of_four_heads_needs_two_and_ends_when_one_of_them_has_left():
-    """H0 in from 10 (opened 20), H1 in from 50 (opened 60): the layer enters at 60, since the second smallest
-    since (50). H0 leaves: out from 150 (on its way out: the layer holds, both still in the state), gone at 200:
-    the layer's episode ends at H0's until, 150. H2 is inside for 6 steps only; H3 never."""
-    def heads(s):
-        return [IN if 10 <= s < 150 else OUT, IN if s >= 50 else OUT, IN if 100 <= s < 106 else OUT, OUT]
-    obs = run(heads, range(250))
-    assert layer_needs(4, Definition()) == 2
-    assert found(obs) == [("L00/H00", 10, 20, 150, False), ("L00", 50, 60, 150, False),
-                          ("L00/H01", 50, 60, None, False)]
-
-
-def test_a_head_on_its_way_out_does_not_open_a_layer():
-    """H0 in 10-99 (opened 20), out from 100 (its exit run under way until it ends at 150); H1 in from 120
-    (opened 130): at 130 only H1 holds the state, so the layer of 4 heads (needing 2) never enters it."""
-    obs = run(lambda s: [IN if 10 <= s < 100 else OUT, IN if s >= 120 else OUT, OUT, OUT], range(200))
-    assert found(obs) == [("L00/H00", 10, 20, 100, False), ("L00/H01", 120, 130, None, False)]
-
-
-def test_a_layer_of_eight_heads_needs_four():
-    """Heads 0-3 in from 10, 20, 30 and 40 (opened 20, 30, 40, 50): the layer enters at 50 with the fourth
-    since, 40; three heads (the same series without head 3) never make the layer."""
-    def heads(count):
-        return lambda s: [IN if h < count and s >= 10 * (h + 1) else OUT for h in range(8)]
-    assert layer_needs(8, Definition()) == 4
-    four, three = found(run(heads(4), range(100))), found(run(heads(3), range(100)))
-    assert [e for e in four if "/" not in e[0]] == [("L00", 40, 50, None, False)]
-    assert [e for e in three if "/" not in e[0]] == []
-    assert [e[1:3] for e in four if "/" in e[0]] == [(10, 20), (20, 30), (30, 40), (40, 50)]
-
-
-def test_an_episode_from_the_layers_first_sample_is_a_baseline_episode():
-    """Inside from the layer's first sample (step 5): since 5 is the first sample, a baseline episode; the
-    head's second episode (in again from 200) is not."""
-    obs = run(lambda s: [IN if s < 40 or s >= 200 else OUT], range(5, 260))
-    assert found(obs) == [("L00", 5, 15, 40, True), ("L00/H00", 5, 15, 40, True),
-                          ("L00", 200, 210, None, False), ("L00/H00", 200, 210, None, False)]
-
-
-def test_a_sink_head_is_not_malignant_and_a_head_without_a_sink_is():
-    """From step 20 both heads are sparse with rank 1.5; H0 puts 0.9 of all queries' mass on one key (a sink:
-    since 20, established at 30 by the same entry dwell as malignant), H1 0.1 (malignant, since 20, opened 30).
-    One head of each: neither layer state (the layer needs 2). Both heads sinks: the layer is a sink since 20."""
-    sparse = (0.1, 1.5)
-
-    def script(shares):
-        return lambda s: ([sparse, sparse], shares) if s >= 20 else ([OUT, OUT], [0.05, 0.05])
-    mixed = run(script([0.9, 0.1]), range(80))
-    assert found(mixed, "sink") == [("L00/H00", 20, 30, None, False)]
-    assert found(mixed, "malignant") == [("L00/H01", 20, 30, None, False)]
-    both = run(script([0.9, 0.8]), range(80))
-    assert found(both, "sink") == [("L00", 20, 30, None, False), ("L00/H00", 20, 30, None, False),
-                                   ("L00/H01", 20, 30, None, False)]
-    assert found(both, "malignant") == []
-
-
-def test_a_sink_whose_share_falls_between_its_lines_stays_a_sink_and_its_head_becomes_malignant():
-    """H0 a sink since 20 (share 0.9, established at 30); from 60 its share is 0.4: under the sink's entry line
-    (0.5) and above its exit line (0.5 / 1.5 = 0.33): the sink episode stays open, and the head, no longer
-    sink-in, passes the malignant entry test: malignant since 60, opened 70."""
-    obs = run(lambda s: ([(0.1, 1.5)], [0.9 if s < 60 else 0.4]) if s >= 20 else ([OUT], [0.0]), range(100))
-    assert found(obs, "sink") == [("L00", 20, 30, None, False), ("L00/H00", 20, 30, None, False)]
-    assert found(obs, "malignant")[1] == ("L00/H00", 60, 70, None, False)
-
-
-def test_samples_that_are_not_finite_change_nothing():
-    """In at 20, not finite 21-29, in at 30: established at 30 since 20. Out at 100, not finite 101-149 (rank
-    not finite at 120), out at 150: the episode ends at 150, until 100."""
-    def head(s):
-        if s == 20 or 30 <= s < 100:
-            return IN
-        if 20 < s < 30 or 100 < s < 150:
-            return (0.1, math.nan) if s == 120 else NAN
-        return OUT
-    assert found(run(lambda s: [head(s)], range(200)))[1] == ("L00/H00", 20, 30, 100, False)
-
-
-def test_a_head_pending_or_open_in_the_malignant_state_is_not_benign():
-    """Malignant-in at 20 (pending), then sparse and full rank 21-40 (rank 9: benign-in, between the malignant
-    lines): the pending malignant run blocks benign. Rank 12 at 41 (beyond the malignant exit line) ends the
-    pending run: benign from 41."""
-    obs = run(lambda s: [IN if s == 20 else (0.1, 9.0) if 20 < s <= 40 else (0.1, 12.0) if s > 40 else OUT],
-              range(60))
-    assert found(obs, "malignant") == []
-    assert found(obs, "benign") == [("L00", 41, 41, None, False), ("L00/H00", 41, 41, None, False)]
-
-
-def test_uniform_attention_and_no_uniform_reference():
-    """Entropy 3.0 of uniform's 3.5 at rank 1.5: uniform at once. Without attn_entropy_uniform: never."""
-    obs = run(lambda s: [(3.0, 1.5) if s >= 10 else OUT], range(30))
-    assert found(obs, "uniform") == [("L00", 10, 10, None, False), ("L00/H00", 10, 10, None, False)]
-    for o in obs:
-        del o.layers["L00"]["attn_entropy_uniform"]
-    assert found(obs, "uniform") == []
-
-
-def test_series_default_the_missing_statistics_and_refuse_a_layer_whose_heads_change():
-    obs = run(lambda s: [IN, OUT], range(3))
-    x = series_of(obs)["L00"]
-    assert x.sink.tolist() == [[0.0]] * 3 and x.steps.tolist() == [0, 1, 2]
-    updates = Observation(3, None, {"L00": {"update_ratio_q": np.array([0.1])}})  # no attention: skipped
-    assert series_of([*obs, updates])["L00"].steps.tolist() == [0, 1, 2]
-    with pytest.raises(ValueError, match=r"layer L00: .*\[1, 2\] heads"):
-        series_of([*obs, Observation(3, 1.0, {"L00": sample([IN])})])
-
-
-def test_episodes_are_episode_records():
-    e = episodes(run(lambda s: [IN], range(20)))[0]
-    assert e == Episode("malignant", "L00", 0, 10, None, True)
+    theirs = {f.name: f.default for f in fields(StatesConfig)}
+    mine = {f.name: f.default for f in fields(Definition)}
+    assert not set(mine) & set(theirs)
+    same = [(a, b) for a, x in mine.items() for b, y in theirs.items() if math.isclose(float(x), float(y))]
+    assert same == []

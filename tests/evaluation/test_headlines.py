@@ -25,7 +25,7 @@ def test_a_fine_tune_and_a_healthy_run_are_judged_on_their_own_goals():
 
 def _collapse(damaged, critical=(), twin=""):
     d = {"kind": "collapse", "lr": 1e-2, "twin": twin, "onset": None, "quiet_record": False, "false_records": [],
-         "heads": [], "quiet_warning": False, "damaged": damaged, "alarm_before_damage": True if damaged else None,
+         "heads": [], "damaged": damaged, "alarm_before_damage": True if damaged else None,
          "critical": list(critical), "records": 1}
     return {"default": d}
 

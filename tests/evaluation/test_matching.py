@@ -10,7 +10,7 @@ from diag.detectors import AlertConfig, Observation
 from diag.detectors.base import Alert
 from evaluation import detectors as judge
 from evaluation.groundtruth import Episode
-from evaluation.matching import COLLAPSE, Window, match, records_of, warning_window
+from evaluation.matching import COLLAPSE, Window, match, records_of
 from evaluation.spec import RunSpec
 from evaluation.truth import load_run
 from tests.support.fakeruns import write_run
@@ -27,8 +27,6 @@ def record(step: int, where: str, kind: str = "malignant_collapse", heads: tuple
 def test_the_collapse_window_takes_a_record_10_steps_early_to_50_late():
     assert Window(10, 50) == COLLAPSE
     assert [COLLAPSE.holds(s, 100) for s in (89, 90, 100, 150, 151)] == [False, True, True, True, False]
-    warn = warning_window(50)
-    assert [warn.holds(s, 100) for s in (49, 50, 99, 100)] == [False, True, True, False]
 
 
 def test_a_record_counts_only_for_its_own_layer():

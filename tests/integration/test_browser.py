@@ -51,15 +51,15 @@ def seen(tmp_path_factory):
         torch.set_num_threads(threads)
     assert main(["report", str(logdir)]) == 0
     case = zoo.nanogpt()
-    for step in (1, 2):
-        with torch.no_grad():  # a second checkpoint that moved: update ratios, a series
+    for step in (1, 2, 3):
+        with torch.no_grad():  # checkpoints that moved: update ratios over a series
             for p in case.model.parameters():
                 if p.dim() == 2:
                     p.mul_(1.0 + 0.5 * step)
         torch.save({k: v.detach().clone() for k, v in case.model.state_dict().items()}, root / f"step_{step}.pt")
     out = root / "analyze"
-    assert main(["analyze", str(root / "step_1.pt"), str(root / "step_2.pt"), "--heads", "4", "--out", str(out),
-                 "--quiet"]) == 0
+    assert main(["analyze", *(str(root / f"step_{step}.pt") for step in (1, 2, 3)), "--heads", "4", "--out",
+                 str(out), "--quiet"]) == 0
     shots = root / "shots"
     facts = _screenshots().shoot(logdir, shots, [logdir / "report.html", out / "report" / "index.html"])
     return {"facts": facts, "shots": shots, "logdir": logdir}
@@ -140,3 +140,19 @@ def test_checkpoint_report_figures_decode(seen):
     page = seen["facts"]["checkpoints"]
     assert page["headings"][0] == "attnscope checkpoint report"
     assert len(page["figures"]) >= 4 and all(w > 300 and h > 200 for w, h, _ in page["figures"]), page["figures"]
+
+
+@pytest.mark.parametrize("report", ["run", "checkpoints"])
+def test_the_report_figures_fill_the_page_width_side_by_side(seen, report):
+    """As the browser lays the page out: each grid of figures spans the window's width (less its margins), with
+    two figures side by side on a row."""
+    page = seen["facts"][report]
+    width = page["page_width"]
+    assert page["grids"] and sum(len(g) for g in page["grids"]) == len(page["figures"]), page["grids"]
+    for boxes in page["grids"]:
+        if len(boxes) < 2:
+            continue
+        left, right = min(b[0] for b in boxes), max(b[0] + b[2] for b in boxes)
+        assert right - left >= 0.9 * width, (left, right, width)
+        tops = [round(b[1]) for b in boxes]
+        assert max(tops.count(t) for t in tops) >= 2, boxes  # small multiples side by side

@@ -124,7 +124,13 @@ def test_analyze_checkpoints(tmp_path):
     assert (tmp_path / "analyze" / "report" / "sigma1.png").exists()
     table = [line.split() for line in out.splitlines() if line[:4].strip().isdigit() and "L0" in line]
     assert len(table) == 6 and all(float(r[2]) == pytest.approx(float(r[3]), rel=1e-5) for r in table)
-    assert written_alerts(tmp_path / "analyze" / "alerts.jsonl")  # the sigma_1 growth warning, as live
+    # The live run notes its first update (one step, a ratio over note_ratio = 0.25); the analysis's update at
+    # step 0 spans the 5 steps to the next checkpoint, judged by the least ratio one of them had, (1 + r)^(1/5) - 1
+    assert [a[2] for a in written_alerts(tmp_path / "live" / "alerts.jsonl")][:1] == ["large_early_updates"]
+    first = max(r["value"] for r in offline if r["step"] == 0 and r["tag"].startswith(("update_ratio_q/L",
+                                                                                        "update_ratio_k/L")))
+    noted = [a for a in written_alerts(tmp_path / "analyze" / "alerts.jsonl") if a[2] == "large_early_updates"]
+    assert bool(noted) == ((1 + first) ** (1 / 5) - 1 >= 0.25), first
 
 
 @pytest.mark.parametrize("model", ["gpt2", "llama", "bert", "modernbert", "roformer", "vit"])

@@ -20,7 +20,6 @@ import pytest
 import torch
 
 from evaluation import eureka
-from evaluation.seeds import BOUNDARY_LR
 from evaluation.spec import RunSpec
 from evaluation.truth import (
     Run,
@@ -176,7 +175,7 @@ def test_an_attention_state_alert_is_checked_against_the_logged_attention(monkey
     assert judge.in_state(run, Alert(970, "malignant_collapse", "warning", "L02/H03", ""))
     assert not judge.in_state(run, Alert(970, "malignant_collapse", "warning", "L02/H01", ""))
     assert not judge.in_state(run, Alert(970, "uniform_attention", "warning", "L02/H03", ""))
-    assert not judge.in_state(run, Alert(970, "collapse_warning", "warning", "L02", ""))
+    assert not judge.in_state(run, Alert(970, "collapse_damage", "critical", "L02", ""))
     # a record that two heads share is true when both are in the state (Alert.heads)
     both = Alert(970, "malignant_collapse", "warning", "L02/H01+H03", "", heads=("L02/H01", "L02/H03"))
     assert not judge.in_state(run, both)
@@ -254,48 +253,6 @@ def test_a_claim_whose_recorder_is_gone_is_taken_over_and_a_living_one_is_not(tm
         claim(tmp_path)
 
 
-def test_the_warning_threshold_that_meets_both_goals_beats_a_quieter_one_with_the_same_plain_score():
-    from evaluation.tune import warn_score
-
-    def rows(caught: int, missed: int, false: int, quiet: int) -> list[dict]:
-        row = {"kind": "collapse", "lr": 1e-2}
-        return ([{**row, "onset": 100, "warned": True, "lead": 20, "false_warning": False}] * caught
-                + [{**row, "onset": 100, "warned": False, "lead": None, "false_warning": False}] * missed
-                + [{**row, "onset": None, "warned": False, "lead": None, "false_warning": True}] * false
-                + [{**row, "onset": None, "warned": False, "lead": None, "false_warning": False}] * quiet)
-
-    meets = warn_score(rows(43, 1, 2, 46))  # 98% warned, 4% false: both goals (CATCH_GOAL, FALSE_GOAL)
-    quiet = warn_score(rows(39, 5, 0, 48))  # 89% warned, none false: the same plain score, 43 - 2 x 2 = 39
-    assert meets[1:] == (43, 44, 2, 48) and quiet[1:] == (39, 44, 0, 48)
-    assert meets[0] > quiet[0]
-    noisy = warn_score(rows(44, 0, 4, 44))  # all warned, 8% false: misses the second goal, plain score 36
-    assert quiet[0] > noisy[0]  # neither meets both: the plain score decides
-    boundary = warn_score([{**r, "lr": BOUNDARY_LR} for r in rows(0, 44, 9, 39)])
-    assert boundary[1:] == (0, 0, 0, 0)  # the boundary's runs are not scored
-
-
-def test_the_warning_threshold_that_meets_both_goals_on_more_sets_one_at_a_time_comes_first():
-    """Pooled, the quieter pair meets both goals (95% warned, 4.5% false) and the other misses the second (100%,
-    13.6%); set by set the quieter one meets both on one of four sets (a miss in 10 collapses or a false warning
-    in 11 fails a set) and the other on two: the goals are judged on one set, so that one is chosen."""
-    from evaluation.tune import choose_warn
-
-    def rows(name: str, caught: int, missed: int, false: int, quiet: int) -> list[dict]:
-        row = {"kind": "collapse", "lr": 1e-2, "set": name}
-        return ([{**row, "onset": 100, "warned": True, "lead": 20, "false_warning": False}] * caught
-                + [{**row, "onset": 100, "warned": False, "lead": None, "false_warning": False}] * missed
-                + [{**row, "onset": None, "warned": False, "lead": None, "false_warning": True}] * false
-                + [{**row, "onset": None, "warned": False, "lead": None, "false_warning": False}] * quiet)
-
-    quiet = rows("a", 9, 1, 1, 10) + rows("b", 10, 0, 0, 11) + rows("c", 9, 1, 0, 11) + rows("d", 10, 0, 1, 10)
-    eager = rows("a", 10, 0, 0, 11) + rows("b", 10, 0, 3, 8) + rows("c", 10, 0, 3, 8) + rows("d", 10, 0, 0, 11)
-    pair, table = choose_warn({(0.2, 3): eager, (0.2, 5): quiet})
-    assert table[2:] == ["| 0.2 | 3 | 40 of 40 | 6 of 44 | no | 2 | 28 |",
-                         "| 0.2 | 5 | 38 of 40 | 2 of 44 | yes | 1 | 34 |"]
-    assert pair == (0.2, 3)
-    assert choose_warn({(0.2, 3): rows("a", 10, 0, 3, 8), (0.2, 5): rows("a", 10, 0, 0, 11)})[0] == (0.2, 5)
-
-
 def test_a_plateau_alert_at_the_context_free_loss_is_not_scored_false_when_tuning():
     from evaluation.tune import plateau_score
 
@@ -358,8 +315,8 @@ def collapse_and_twin(tmp_path_factory):
 def test_a_reproduced_collapse_is_warned_before_its_damage_and_its_twin_is_not(collapse_and_twin):
     """The plain run's loss ends clearly above its QK-norm twin's (the twin test: damaged, from some step on), a
     layer of it collapses by the evaluation's own ground truth, and the detectors at the Monitor's default cadence
-    (evaluation.detectors.replay) raise a collapse record on that layer (a malignant_collapse, collapse_warning
-    or collapse_damage) before the damage begins. The twin, undamaged, gets none of them."""
+    (evaluation.detectors.replay) raise a collapse record on that layer (a malignant_collapse or collapse_damage)
+    before the damage begins. The twin, undamaged, gets none of them."""
     from diag.detectors import AlertConfig
     from evaluation.detectors import replay
     from evaluation.truth import onsets
@@ -369,7 +326,7 @@ def test_a_reproduced_collapse_is_warned_before_its_damage_and_its_twin_is_not(c
     assert damaged and begins is not None
     layer_onsets = onsets(run)
     assert layer_onsets, "the reproduction's attention collapses"
-    kinds = ("malignant_collapse", "collapse_warning", "collapse_damage")
+    kinds = ("malignant_collapse", "collapse_damage")
     alerts = [a for a in replay(run.obs, AlertConfig(), "default", run.losses)
               if a.kind in kinds and a.status == "firing" and a.level != "info"]
     first = min((a.step for a in alerts if a.where.split("/")[0] in layer_onsets), default=None)

@@ -404,3 +404,28 @@ def test_update_ratio_o_between_checkpoints_against_full_svd(name, tmp_path):
         assert metrics.pop("update_ratio_o")[0] == pytest.approx(ratio.item(), rel=1e-4), label
         assert metrics.pop("update_fro_o")[0] == pytest.approx((dw.norm() / w0.norm()).item(), rel=1e-4), label
         assert len(metrics) == 6 and all(v[0] == 0.0 for v in metrics.values()), (label, metrics)
+
+
+def _scaled_series(folder, names: list[str], scales: list[float]) -> None:
+    """nanoGPT state dicts whose Q/K/V weights are the first one's times ``scales``: sigma_1(dW)/sigma_1(W)
+    between two of them is ``scales[i + 1] / scales[i] - 1`` exactly."""
+    folder.mkdir()
+    state = _plain(zoo.nanogpt().model)
+    for name, scale in zip(names, scales):
+        torch.save({k: v * scale if "c_attn" in k else v for k, v in state.items()}, folder / name)
+
+
+def test_the_early_update_note_of_a_series_states_the_gap_and_its_bound(tmp_path):
+    scales = [1.0, 21.0, 21.2, 21.4]  # an update 20 times the weights over the first 10 steps
+    _scaled_series(tmp_path / "steps", [f"step_{s}.pt" for s in (0, 10, 20, 30)], scales)
+    analysis = analyze_checkpoints([tmp_path / "steps"], heads=4)
+    (note,) = [a for a in analysis.alerts if a.kind == "large_early_updates"]
+    assert analysis.updates[0]["L00"]["update_ratio_q"][0] == pytest.approx(20.0, rel=1e-5)
+    bound = (1 + 0.004) ** 10 - 1
+    assert note.step == 0 and note.values["update_steps"] == 10 and note.values["bound"] == pytest.approx(bound)
+    assert "from step 0 to step 10" in note.message and "over these 10 optimizer steps" in note.message
+    assert f"{bound:.3g}" in note.message and "0.004)" not in note.message, note.message  # no per-step comparison
+    _scaled_series(tmp_path / "positions", ["a.pt", "b.pt", "c.pt", "d.pt"], scales)  # no step anywhere
+    (note,) = [a for a in analyze_checkpoints([tmp_path / "positions"], heads=4).alerts
+               if a.kind == "large_early_updates"]
+    assert "cannot be compared" in note.message and "update_steps" not in note.values, note.message

@@ -7,6 +7,7 @@ import json
 import pytest
 
 import diag.offline.series as series
+import diag.offline.source as source
 from diag.cli import analyze as analyze_cli
 from diag.cli.main import main
 from tests.offline.reference import LAYERS, G, H, assert_layer, head_spectra, llama_series
@@ -29,13 +30,13 @@ class Count:
 
     def __init__(self, monkeypatch) -> None:
         self.calls: list[str] = []
-        original = series.compute_unit
+        original = source.compute_unit
 
         def counted(entry, previous, *args):
             self.calls.append(entry.path.name)
             return original(entry, previous, *args)
 
-        monkeypatch.setattr(series, "compute_unit", counted)
+        monkeypatch.setattr(source, "compute_unit", counted)
 
 
 def test_jobs_give_the_outputs_of_one_process_byte_for_byte(tmp_path, capsys):

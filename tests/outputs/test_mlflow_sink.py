@@ -181,3 +181,50 @@ def test_values_beyond_max_pending_are_dropped_and_counted(monkeypatch, caplog):
     messages = [r.getMessage() for r in caplog.records]
     assert sum("the oldest are dropped" in m for m in messages) == 1
     assert sum("20 of 20 scalar values did not reach" in m for m in messages) == 1
+
+
+def test_demo_command_writes_its_run_to_the_tracking_server(server, tmp_path, capsys):
+    """``python -m diag demo --mlflow URI``: a run of its own in the experiment attnscope-demo, named after the
+    logdir, ended, holding every value of metrics.jsonl at its step; the command says where it is."""
+    from diag.cli.main import main
+
+    logdir = tmp_path / "demo-mlflow"
+    assert main(["demo", "--logdir", str(logdir), "--steps", "3", "--every", "1", "--mlflow", server, "--quiet"]) == 0
+    client = MlflowClient(server)
+    experiment = client.get_experiment_by_name("attnscope-demo")
+    (run,) = client.search_runs([experiment.experiment_id], filter_string="attributes.run_name = 'demo-mlflow'")
+    assert run.info.status == "FINISHED"
+    assert f"MLflow run:  {run.info.run_id} in experiment attnscope-demo at {server}" in capsys.readouterr().out
+    expected: dict[str, dict[int, float | None]] = {}
+    for line in (logdir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        expected.setdefault(row["tag"], {})[row["step"]] = row["value"]
+    assert len(expected) > 50 and {tag_of_key(k) for k in run.data.metrics} == set(expected)
+    for tag, values in expected.items():
+        got = history(client, run.info.run_id, mlflow_key(tag))
+        assert set(got) == set(values) and all(same(values[s], got[s]) for s in values), (tag, values, got)
+    assert "attnscope/report.html" in [f.path for f in client.list_artifacts(run.info.run_id, "attnscope")]
+
+    # docs/integrations.md's snippet, as a user copies it, at this server: the newest run of attnscope-demo
+    from tests.support.doc_snippets import python_block
+
+    code = python_block("integrations.md", "**Reading a run back** from a script, with MLflow's client")
+    assert '"http://127.0.0.1:5000"' in code
+    scope: dict = {}
+    exec(compile(code.replace('"http://127.0.0.1:5000"', repr(server)), "docs/integrations.md", "exec"), scope)  # noqa: S102
+    assert scope["run"].info.run_id == run.info.run_id
+    wanted = expected["qk_sigma1/L00/max"]
+    assert len(wanted) == 3 and len(scope["points"]) == 3
+    assert all(same(wanted[step], value) for step, value in scope["points"])
+
+
+def test_demo_command_exits_1_when_the_server_gets_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    from diag.cli.main import main
+
+    logdir = tmp_path / "demo-down"
+    uri = f"http://127.0.0.1:{free_port()}"
+    assert main(["demo", "--logdir", str(logdir), "--steps", "2", "--every", "1", "--mlflow", uri, "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert f"error: --mlflow {uri}: " in err and "values did not reach the tracking server" in err
+    assert str(logdir / "metrics.jsonl") in err and (logdir / "metrics.jsonl").stat().st_size > 0

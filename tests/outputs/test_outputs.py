@@ -377,3 +377,28 @@ def test_failing_sink_reported_once_others_go_on(tmp_path):
     # and so did the files
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert len(rows) == sum(len(r.scalars) for r in memory.records)
+
+
+# ---------------------------------------------------------------- alerts.jsonl
+
+
+def test_alerts_jsonl_is_there_from_the_start_and_empty_when_nothing_fired(tmp_path, monkeypatch):
+    """A user who looks can tell "no alert" (an empty file) from "not written" (no file): the file exists from
+    construction, is appended to (never truncated) on resume, replaced with overwrite, and rank != 0 writes none."""
+    case = zoo.nanogpt()
+    monitor = Monitor(case.model, every=1, logdir=tmp_path / "run", signals=("spectra",))
+    assert (tmp_path / "run" / "alerts.jsonl").read_bytes() == b""  # before the first step
+    monitor.step(0)
+    monitor.close()
+    assert monitor.alert_sink.history == [] and (tmp_path / "run" / "alerts.jsonl").read_bytes() == b""
+    earlier = b'{"step": 0, "kind": "nonfinite_loss"}\n'  # a crashed run's line: a resume appends after it
+    (tmp_path / "run" / "alerts.jsonl").write_bytes(earlier)
+    Monitor(case.model, every=1, logdir=tmp_path / "run", purge_step=1).close()
+    assert (tmp_path / "run" / "alerts.jsonl").read_bytes() == earlier
+    Monitor(case.model, every=1, logdir=tmp_path / "run", overwrite=True).close()
+    assert (tmp_path / "run" / "alerts.jsonl").read_bytes() == b""
+    import hooks.monitor.monitor as monitor_module
+
+    monkeypatch.setattr(monitor_module, "rank", lambda: 1)
+    Monitor(case.model, every=1, logdir=tmp_path / "other").close()
+    assert not (tmp_path / "other").exists()  # another rank writes nothing

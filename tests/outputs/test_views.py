@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from matplotlib.colors import to_hex
 
 from diag.catalog.metrics import CHART_STAT
 from diag.catalog.tags import (
@@ -26,6 +27,7 @@ from diag.cli.main import main
 from diag.errors import ConfigError
 from diag.outputs.figures import attention_map_figure, layer_head_figures, update_ratio_figure
 from diag.outputs.tb_views import alert_events, constants_table, image_options
+from diag.reports.html import LEVEL_COLOURS
 from diag.reports.run import alert_episodes, read_run, split_advice, write_run_report
 
 
@@ -104,7 +106,7 @@ def _write_run(folder, alerts=True):
     if alerts:
         found = [{"step": s, "kind": "malignant_collapse", "level": "critical", "where": "L00/H01",
                   "message": f"collapse at {s}", "values": {}} for s in (30, 40)]
-        found.append({"step": 10, "kind": "collapse_warning", "level": "warning", "where": "L01/H00",
+        found.append({"step": 10, "kind": "malignant_collapse", "level": "warning", "where": "L01/H00",
                       "message": "warning <b>. What to do: lower the learning rate now", "values": {}})
         (folder / "alerts.jsonl").write_text("".join(json.dumps(a) + "\n" for a in found))
 
@@ -116,9 +118,9 @@ def test_run_report_is_one_page_with_curves_heatmaps_and_alerts(tmp_path, capsys
     assert capsys.readouterr().out.strip() == f"report: {tmp_path / 'run' / 'report.html'}"
     assert page.count("<img src='data:image/png;base64,") >= 5  # alerts, loss, sigma_1, entropy, heatmap
     assert "collapse at 30" in page and "warning &lt;b&gt;" in page  # messages escaped
-    assert "what to do" in page and "go back to a checkpoint" in page
+    assert "what to do" in page and "restart from a checkpoint before the episode" in page  # the catalog's
     assert page.count("lower the learning rate now") == 1  # the message's own advice, said once
-    assert "rows are heads, columns sampled steps" in page
+    assert "rows are heads, each sample a cell at its step" in page
     run = read_run(tmp_path / "run")
     assert run.layers() == ["L00", "L01"] and np.isnan(run.curve("attn_entropy/L00/min")[1][2])
 
@@ -128,10 +130,10 @@ def test_an_episode_is_shaded_from_its_start_to_its_resolved_record_or_the_end_o
     alerts = [{"step": 40, "since": 30, "kind": "malignant_collapse", "level": "critical", "where": "L00"},
               {"step": 90, "since": 30, "kind": "malignant_collapse", "level": "info", "where": "L00",
                "status": "resolved"},
-              {"step": 60, "since": 55, "kind": "collapse_warning", "level": "warning", "where": "L01"},
+              {"step": 60, "since": 55, "kind": "malignant_collapse", "level": "warning", "where": "L01"},
               {"step": 70, "since": 70, "kind": "eureka_moment", "level": "info", "where": ""}]
     assert alert_episodes(alerts, end=200) == [(("critical", "malignant_collapse", "L00", 30, 90)),
-                                               ("warning", "collapse_warning", "L01", 55, 200),
+                                               ("warning", "malignant_collapse", "L01", 55, 200),
                                                ("info", "eureka_moment", "", 70, 70)]
     assert alert_episodes([], end=10) == []
 
@@ -155,18 +157,20 @@ def test_run_report_errors_name_the_folder_and_the_fix(tmp_path, capsys):
     assert "No alert was raised" in write_run_report(tmp_path / "quiet").read_text()
 
 
-def test_a_critical_alert_is_drawn_over_the_warnings_at_its_step(monkeypatch):
-    """A layer's critical record shares its step (and its row) with its heads' warnings: in the timeline the
-    critical dot is drawn on top, where it stays visible."""
+def test_a_critical_alert_is_drawn_over_the_warnings_at_its_step():
+    """A layer's critical record shares its steps (and its row) with its heads' warnings: in the timeline the
+    critical episode is drawn on top, where it stays visible."""
     from diag.reports import run as run_report
+    from diag.reports.charts import timeline
 
-    drawn = {}
-    monkeypatch.setattr(run_report, "inline_img", lambda fig, caption: drawn.setdefault("fig", fig) and "")
-    alerts = [{"step": 40, "kind": "malignant_collapse", "level": level} for level in ("critical", "warning")]
+    alerts = [{"step": 40, "kind": "malignant_collapse", "level": level, "where": where}
+              for level, where in (("critical", "L00"), ("warning", "L00/H01"))]
     alerts.append({"step": 0, "kind": "large_early_updates", "level": "info"})
-    run_report._timeline(run_report.Run(Path("."), alerts=alerts))
-    order = {c.get_label(): c.get_zorder() for c in drawn["fig"].axes[0].collections}
-    assert order["critical"] > order["warning"] > order["info"]
+    run = run_report.Run(Path("."), {"loss": {0: 1.0, 50: 1.0}}, alerts)
+    fig = timeline(run_report.frame_of(run), ["large_early_updates", "malignant_collapse"])
+    order = {to_hex(p.get_facecolor()): p.get_zorder() for p in fig.axes[0].patches}
+    colours = {level: to_hex(colour) for level, colour in LEVEL_COLOURS.items()}
+    assert order[colours["critical"]] > order[colours["warning"]] > order[colours["info"]]
 
 
 def test_image_options_default_to_the_logdir_and_ten_full_periods_and_name_the_fix():

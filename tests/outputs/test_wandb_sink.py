@@ -1,5 +1,5 @@
 """WandbSink against the real wandb package, offline: every run is read back from its ``.wandb`` file
-(tests/support/wandb_runs.py), nothing is mocked.
+(:func:`diag.outputs.wandb_read.read_offline_run`), nothing is mocked.
 
 The main test trains the demo's GPT (25 steps at the collapse learning rate, every signal every 5 steps, context
 32: alerts fire) with a logdir and a WandbSink inside a run the user started and logs into with W&B's implicit
@@ -23,6 +23,7 @@ import wandb
 from diag.detectors.base import Alert
 from diag.outputs.alert_sink import shown_where
 from diag.outputs.sinks import FanOut, Record
+from diag.outputs.wandb_read import read_offline_run
 from diag.outputs.wandb_sink import ALERT_COLUMNS, ALERT_TABLE, CHART_PREFIX, STEP_METRIC, WandbSink, wandb_key
 from tests.support import wandb_runs
 
@@ -77,9 +78,9 @@ def test_demo_run_in_the_users_run_holds_every_metric_and_alert(tmp_path, offlin
     run.finish()
 
     assert wandb_runs.run_dirs(offline) == [run_dir]  # one run: the user's
-    recs = wandb_runs.records(run_dir)
-    assert wandb_runs.run_id(recs) == run.id
-    rows = wandb_runs.history(recs)
+    back = read_offline_run(run_dir)
+    assert back.run_id == run.id
+    rows = back.history
     # the user's rows: at the steps W&B would give them without the Monitor, with the user's values
     assert [(r["_step"], r["loss"]) for r in rows if "loss" in r] == list(enumerate(user_losses))
     assert user_losses == losses
@@ -95,25 +96,25 @@ def test_demo_run_in_the_users_run_holds_every_metric_and_alert(tmp_path, offlin
 
     alerts = [json.loads(line) for line in (logdir / "alerts.jsonl").read_text().splitlines()]
     assert alerts, "the configuration raises no alert: the alert checks would check nothing"
-    table = wandb_runs.table(run_dir, rows, ALERT_TABLE)
+    table = back.table(ALERT_TABLE)
     assert table["columns"] == ALERT_COLUMNS
     history = monitor.alert_sink.history
     assert [[a["step"], a["kind"], a["level"], a["status"], a["since"], a["message"], a["docs"]] for a in alerts] == \
         [[r[0], r[1], r[2], r[4], r[5], r[6], r[7]] for r in table["data"]]
     assert [r[3] for r in table["data"]] == [shown_where(a) for a in history]
-    sent = wandb_runs.alerts(recs)  # run.alert: one per alert record, at its level
+    sent = back.alerts  # run.alert: one per alert record, at its level
     assert len(sent) == len(alerts)
     levels = {("critical", "firing"): "ERROR", ("warning", "firing"): "WARN", ("info", "firing"): "INFO"}
     for a, s in zip(alerts, sent):
         assert s["level"] == levels.get((a["level"], a["status"]), "INFO")
         assert a["kind"] in s["title"] and a["message"] in s["text"] and a["docs"] in s["text"]
-    summary = wandb_runs.summary(recs)
+    summary = back.summary
     assert summary["attnscope/alerts_fired"] == sum(a["status"] == "firing" for a in alerts)
 
     # the layout's charts: a line_series per chart, a line per layer
     charts = {k.rsplit(".", 1)[0] for r in rows for k in r if k.startswith(CHART_PREFIX) and k.endswith("._type")}
     sigma = next(c for c in charts if "qk_sigma1" in c)
-    data = wandb_runs.table(run_dir, rows, sigma)
+    data = back.table(sigma)
     assert {line for _, line, _ in data["data"]} == {"L00", "L01", "L02", "L03"}
     per_step = {(line, step): value for step, line, value in data["data"]}
     for (step, key), value in logged.items():
@@ -133,16 +134,18 @@ def test_a_run_of_its_own_is_started_committed_and_finished(tmp_path, offline):
     sink.close()
     assert wandb.run is None  # the sink's own run, finished
     (run_dir,) = wandb_runs.run_dirs(tmp_path / "own")
-    rows = wandb_runs.history(wandb_runs.records(run_dir))
+    back = read_offline_run(run_dir)
+    rows = back.history
     assert [r["_step"] for r in rows] == [0, 1, 2, 3]
     assert [r[STEP_METRIC] for r in rows] == [0, 10, 20, 10]
     assert [r.get("attnscope/loss") for r in rows[:3]] == [1.0, pytest.approx(math.nan, nan_ok=True), 3.0]
     assert rows[3]["update_ratio_q/L00"] == 0.5
     assert rows[0]["qk_spectrum/L00._type"] == "histogram" and sum(rows[0]["qk_spectrum/L00.values"]) == 2
     assert rows[0]["heatmap/x._type"] == "image-file"
-    metrics = [r for r in wandb_runs.records(run_dir) if r["type"] == "metric"]
+    metrics = [r for r in back.records if r["type"] == "metric"]
     assert {m["metric"].get("glob_name") for m in metrics} >= {"attnscope/*", "qk_sigma1/*", "update_ratio_q/*"}
     assert all(m["metric"].get("step_metric") == STEP_METRIC for m in metrics if "glob_name" in m["metric"])
+    assert back.summary["attnscope/alerts_fired"] == 0  # no alert fired: the summary says so, not nothing
 
 
 def test_monitor_steps_wait_for_the_users_rows_and_close_writes_the_rest(tmp_path, offline):
@@ -161,7 +164,7 @@ def test_monitor_steps_wait_for_the_users_rows_and_close_writes_the_rest(tmp_pat
     wandb.log({"loss": 2.0})
     run_dir = Path(run.dir).parent
     run.finish()
-    rows = wandb_runs.history(wandb_runs.records(run_dir))
+    rows = read_offline_run(run_dir).history
     assert [(r["_step"], r.get("loss"), r.get(STEP_METRIC), r.get("a/x")) for r in rows] == [
         (0, 0.0, 0, 1.0), (1, 1.0, 5, 2.0), (2, None, 10, 3.0), (3, 2.0, 15, 4.0)]
 
@@ -169,28 +172,28 @@ def test_monitor_steps_wait_for_the_users_rows_and_close_writes_the_rest(tmp_pat
 def test_alerts_go_to_run_alert_the_summary_and_the_table(tmp_path, offline):
     run = wandb.init(project="attnscope-test", dir=str(offline))
     sink = WandbSink()
-    fired = Alert(3, "collapse_warning", "warning", "L01", "entropy falls. What to do: warm up.", since=2,
+    fired = Alert(3, "malignant_collapse", "warning", "L01", "entropy falls. What to do: warm up.", since=2,
                   heads=("L01/H00", "L01/H02"))
     critical = Alert(4, "malignant_collapse", "critical", "L01/H00", "collapsed. What to do: lower lr.", since=4)
-    resolved = Alert(6, "collapse_warning", "warning", "L01", "recovered.", status="resolved", since=2)
+    resolved = Alert(6, "malignant_collapse", "warning", "L01", "recovered.", status="resolved", since=2)
     sink.write_alerts([fired, critical])
     sink.write_alerts([resolved])
     sink.close()
     run_dir = Path(run.dir).parent
     run.finish()
-    recs = wandb_runs.records(run_dir)
-    sent = wandb_runs.alerts(recs)
+    back = read_offline_run(run_dir)
+    sent = back.alerts
     assert [s["level"] for s in sent] == ["WARN", "ERROR", "INFO"]
-    assert sent[0]["title"] == "attnscope collapse_warning at L01 (H00, H02)"
-    assert "What to do: warm up." in sent[0]["text"] and "docs/alerts.md#collapse_warning" in sent[0]["text"]
-    assert sent[2]["title"] == "attnscope collapse_warning resolved at L01"
-    table = wandb_runs.table(run_dir, wandb_runs.history(recs), ALERT_TABLE)
-    assert [row[:6] for row in table["data"]] == [[3, "collapse_warning", "warning", "L01 (H00, H02)", "firing", 2],
+    assert sent[0]["title"] == "attnscope malignant_collapse at L01 (H00, H02)"
+    assert "What to do: warm up." in sent[0]["text"] and "docs/alerts.md#malignant_collapse" in sent[0]["text"]
+    assert sent[2]["title"] == "attnscope malignant_collapse resolved at L01"
+    table = back.table(ALERT_TABLE)
+    assert [row[:6] for row in table["data"]] == [[3, "malignant_collapse", "warning", "L01 (H00, H02)", "firing", 2],
                                                   [4, "malignant_collapse", "critical", "L01/H00", "firing", 4],
-                                                  [6, "collapse_warning", "warning", "L01", "resolved", 2]]
-    summary = wandb_runs.summary(recs)
+                                                  [6, "malignant_collapse", "warning", "L01", "resolved", 2]]
+    summary = back.summary
     assert summary["attnscope/alerts_fired"] == 2
-    assert summary["attnscope/last_alert"].startswith("diag alert collapse_warning resolved at L01, step 6")
+    assert summary["attnscope/last_alert"].startswith("diag alert malignant_collapse resolved at L01, step 6")
 
 
 def test_a_failing_run_never_reaches_training(tmp_path, offline, recwarn):
@@ -204,7 +207,7 @@ def test_a_failing_run_never_reaches_training(tmp_path, offline, recwarn):
     run.finish()
     start = time.perf_counter()
     fan.write(Record(5, {"a/x": 2.0}))
-    fan.write_alerts([Alert(5, "collapse_warning", "warning", "L00", "m")])
+    fan.write_alerts([Alert(5, "malignant_collapse", "warning", "L00", "m")])
     sink.write_layout({"c": {"t": ["Multiline", ["^a/x$"]]}})
     fan.close()  # nothing raised
     assert time.perf_counter() - start < 5  # no call waited on the finished run (W&B's step query waits 30 s)
@@ -222,7 +225,7 @@ def test_a_sink_that_does_not_start_runs_waits_for_one(tmp_path, offline):
     assert wandb.run is run  # not the sink's to finish
     run_dir = Path(run.dir).parent
     run.finish()
-    rows = wandb_runs.history(wandb_runs.records(run_dir))
+    rows = read_offline_run(run_dir).history
     assert [(r[STEP_METRIC], r["a/x"]) for r in rows] == [(1, 2.0)]
 
 
@@ -238,7 +241,7 @@ def test_only_rank_0_writes_under_ddp(tmp_path):
     assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
     assert wandb_runs.run_dirs(out / "rank1") == [] and not (out / "rank1" / "wandb").exists()
     (run_dir,) = wandb_runs.run_dirs(out / "rank0")
-    rows = wandb_runs.history(wandb_runs.records(run_dir))
+    rows = read_offline_run(run_dir).history
     metrics = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
     logged = _monitor_scalars(rows)
     assert metrics and {(m["step"], wandb_key(m["tag"])) for m in metrics} == set(logged)
@@ -256,5 +259,5 @@ def test_demo_command_writes_an_offline_run_beside_its_logdir(tmp_path, offline,
     (run_dir,) = wandb_runs.run_dirs(logdir / "wandb")
     assert run_dir.name.startswith("offline-run-")
     metrics = [json.loads(line) for line in (logdir / "metrics.jsonl").read_text().splitlines()]
-    logged = _monitor_scalars(wandb_runs.history(wandb_runs.records(run_dir)))
+    logged = _monitor_scalars(read_offline_run(run_dir).history)
     assert metrics and {(m["step"], wandb_key(m["tag"])) for m in metrics} == set(logged)

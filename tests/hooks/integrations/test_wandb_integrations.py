@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 import wandb
 
+from diag.outputs.wandb_read import read_offline_run
 from diag.outputs.wandb_sink import STEP_METRIC, WandbSink, wandb_key
 from tests.support import wandb_runs, zoo
 
@@ -51,9 +52,9 @@ def test_hf_trainer_reporting_to_wandb_gets_the_monitor_in_its_run(tmp_path, off
     run.finish()
 
     assert wandb_runs.run_dirs(offline) == [run_dir]  # one run
-    recs = wandb_runs.records(run_dir)
-    assert wandb_runs.run_id(recs) == run.id
-    rows = wandb_runs.history(recs)
+    back = read_offline_run(run_dir)
+    assert back.run_id == run.id
+    rows = back.history
     assert _monitor_keys(rows) == _metrics(tmp_path / "logs")
     assert [r["train/global_step"] for r in rows if "train/loss" in r] == [1, 2, 3]  # the Trainer's own rows
 
@@ -112,9 +113,9 @@ def test_lightning_wandb_logger_gets_the_monitor_in_its_run(tmp_path, offline):
     run.finish()
 
     assert wandb_runs.run_dirs(tmp_path / "lit") == [run_dir] and wandb_runs.run_dirs(offline) == []
-    recs = wandb_runs.records(run_dir)
-    assert wandb_runs.run_id(recs) == run.id
-    rows = wandb_runs.history(recs)
+    back = read_offline_run(run_dir)
+    assert back.run_id == run.id
+    rows = back.history
     assert _monitor_keys(rows) == _metrics(tmp_path / "logs")
     assert [r["trainer/global_step"] for r in rows if "train_loss" in r] == [0, 1, 2]  # Lightning's own rows
 

@@ -217,7 +217,7 @@ def test_alerts_jsonl_is_one_os_write_per_emit(tmp_path, monkeypatch):
         return real_write(fd, data)
 
     monkeypatch.setattr(os, "write", spy)
-    big = [Alert(7, "collapse_warning", "warning", f"L00/H{h:02d}", "x" * 3000, {"v": float(h)}) for h in range(8)]
+    big = [Alert(7, "malignant_collapse", "warning", f"L00/H{h:02d}", "x" * 3000, {"v": float(h)}) for h in range(8)]
     sink.emit(big)  # 24 kB: more than one buffer of a buffered text file
     sink.emit([Alert(8, "nonfinite_loss", "critical", "", "non-finite loss at step 8")])
     assert len(writes) == 2

@@ -15,8 +15,9 @@ and one all-reduce of float64 scalars; on a step that samples only the loss and 
 norms, that all-reduce alone (per-head sums of squares of each rank's shards: no gradient
 moves); on a step that samples attention, then one all-reduce of the owners' attention
 statistics; where the update ratios are measured, one gather per layer of its dW to its owner and
-one all-reduce of the ratios; nothing on other steps. It also records which layers' attention
-statistics each rank computed: under FSDP2 alone, once the layouts are settled, the layers it owns.
+one all-reduce of the ratios; where attention is sampled less often than the loss (the closer look is on), one
+broadcast of the look's decision (2 int64) after each of those; nothing on other steps. It also records which
+layers' attention statistics each rank computed: under FSDP2 alone, once the layouts are settled, the layers it owns.
 """
 
 from __future__ import annotations
@@ -154,7 +155,7 @@ def test_two_ranks_log_the_single_process_numbers(mode, single, tmp_path, reques
     # beside the run's own files: TensorBoard sub-runs (L00/, alerts/<level>/) holding event files only
     logs = tmp_path / "logs"
     assert sorted(p.name for p in logs.iterdir() if not p.name.startswith("events") and not p.is_dir()) == [
-        "attnscope_layout.json", "metrics.jsonl"  # the layouts, for `python -m diag analyze`
+        "alerts.jsonl", "attnscope_layout.json", "metrics.jsonl"  # the layouts, for `python -m diag analyze`
     ]
     assert all(f.name.startswith("events") for d in logs.iterdir() if d.is_dir() for f in d.rglob("*") if f.is_file())
     _check_collectives(mode, tmp_path)
@@ -191,6 +192,9 @@ def _attention(layers: int, heads: int) -> int:
 
 NANO = [(45, 15), (15, 15)]  # c_attn and c_proj of the default nanoGPT (3 heads of 5)
 GATHER, ALL_REDUCE = "c10d.gather_", "c10d.allreduce_"
+# the closer look's decision (on where attention is sampled less often than the loss): rank 0's two int64, broadcast
+# after every step the detectors judged
+AGREE = ["c10d.broadcast_", 2, 16]
 
 
 def _per_rank(out: Path, ranks: int) -> list[dict[int, list]]:
@@ -231,7 +235,8 @@ def test_fsdp_default_cadence_gathers_what_each_step_samples(tmp_path_factory):
     """Default cadence (spectra every 100) over 12 steps: step 0 samples everything (two layers: one gather each of
     its weights to its owner, then the scalars, then the attention's), step 1 measures its update ratios (each
     layer's dW to its owner), step 10 samples loss and gradient norms only (one all-reduce of per-head scalars,
-    nothing gathered); the values equal one process's (layer 1's attention: on rank 1's sequences)."""
+    nothing gathered); each of them ends with the closer look's broadcast (attention every 50 steps: the look is
+    on); the values equal one process's (layer 1's attention: on rank 1's sequences)."""
     single, fsdp = tmp_path_factory.mktemp("single_default"), tmp_path_factory.mktemp("fsdp_default")
     rolled = tmp_path_factory.mktemp("single_default_rolled")
     extra = ("--every", "0", "--steps", "12", "--cadence", '{"spectra": 100}')
@@ -246,18 +251,20 @@ def test_fsdp_default_cadence_gathers_what_each_step_samples(tmp_path_factory):
     assert not bad, f"{len(bad)} of {len(ref)} values differ, e.g. {bad[:5]}"
     for rank, steps in enumerate(_per_rank(fsdp, 2)):
         assert {s for s, calls in steps.items() if calls} == {0, 1, 10}
+        assert all(steps[s][-1] == AGREE and AGREE not in steps[s][:-1] for s in (0, 1, 10))
         for step in (0, 1):  # the weights (step 0) and dW (step 1) of each layer to its owner, then the scalars
             _check_owned(steps[step], rank, 2, LAYERS, _packed(NANO, 2))
-        assert steps[0][-2:] == [[ALL_REDUCE, n, 8 * n] for n in (_scalars(LAYERS, 3, 5), _attention(LAYERS, 3))]
-        assert steps[1][-1] == [ALL_REDUCE, LAYERS * 8, 8 * LAYERS * 8]
+        assert steps[0][-3:-1] == [[ALL_REDUCE, n, 8 * n] for n in (_scalars(LAYERS, 3, 5), _attention(LAYERS, 3))]
+        assert steps[1][-2] == [ALL_REDUCE, LAYERS * 8, 8 * LAYERS * 8]
         # loss and gradient norms only: per-head sums of squares of this rank's shards, 2 x (1 + 3 x 3) float64
-        assert steps[10] == [[ALL_REDUCE, _scalars(LAYERS, 3, 5, spectra=False), 8 * LAYERS * 10]]
+        assert steps[10] == [[ALL_REDUCE, _scalars(LAYERS, 3, 5, spectra=False), 8 * LAYERS * 10], AGREE]
 
 
 def test_fsdp_deferred_update_ratios_gather_nothing_on_the_step_after(tmp_path_factory):
     """Past a run's first steps the update ratios of a sampled step are finished on the next sampled step:
     under FSDP2 the step after takes dW shard by shard (no collective) and step 10 gathers each layer's
-    dW to its owner beside the gradient norms' scalars; the ratios, logged at step 0, equal one process's."""
+    dW to its owner beside the gradient norms' scalars, each judgement (the ratios', the sample's) followed by the
+    closer look's broadcast; the ratios, logged at step 0, equal one process's."""
     single, fsdp = tmp_path_factory.mktemp("single_deferred"), tmp_path_factory.mktemp("fsdp_deferred")
     rolled = tmp_path_factory.mktemp("single_deferred_rolled")
     extra = ("--every", "0", "--steps", "12", "--cadence", '{"spectra": 100}', "--at-once", "0")
@@ -276,7 +283,8 @@ def test_fsdp_deferred_update_ratios_gather_nothing_on_the_step_after(tmp_path_f
         _check_owned(steps[10], rank, 2, LAYERS, _packed(NANO, 2))
         assert sorted(c[1] for c in steps[10] if c[0] == ALL_REDUCE) == [LAYERS * 8, _scalars(LAYERS, 3, 5,
                                                                                                spectra=False)]
-        assert len(steps[10]) == LAYERS + 2
+        assert steps[10].count(AGREE) == 2 and steps[10][-1] == AGREE
+        assert len(steps[10]) == LAYERS + 4
 
 
 def test_stop_on_critical_agrees_across_ranks(tmp_path):
@@ -345,21 +353,28 @@ def test_fsdp_ranks_log_the_single_process_numbers_wide(wide, wide_rolled, ranks
 
 
 def _received(out: Path, ranks: int, step: int) -> list[int]:
-    return [sum(c[2] for c in steps[step]) for steps in _per_rank(out, ranks)]
+    """Per rank, the bytes the sample's collectives at ``step`` wrote on it (the closer look's broadcast left out)."""
+    return [sum(c[2] for c in steps[step] if c != AGREE) for steps in _per_rank(out, ranks)]
 
 
 def test_fsdp_bytes_per_rank_fall_with_the_ranks(wide):
     """Bytes each rank receives per sample: a gradient sample moves one all-reduce of per-head float64 scalars,
     the same size at any world; a spectra or update sample receives, per rank, the layers it owns (4 layers: 2 on 2
     ranks, 1 on 4) and the scalars, so it falls about as 1/world; an attention sample adds one all-reduce of the
-    owners' attention statistics (4 x (2 + 6 x 4) float64); the call that measures the update ratios likewise."""
+    owners' attention statistics (4 x (2 + 6 x 4) float64); the call that measures the update ratios likewise. Every
+    call that judged a step (each step samples the loss) ends with the closer look's broadcast of 16 bytes (step 1
+    twice: step 0's update ratios, then its own sample); none at close."""
     scalars = {"grads": _scalars(4, 4, 8, spectra=False), "spectra": _scalars(4, 4, 8, grads=False),
                "all": _scalars(4, 4, 8), "attention": _attention(4, 4)}
     qkv, qkvo = WIDE_SHAPES[:1], WIDE_SHAPES
     table = {}
     for world in (2, 4):
         per_rank = _per_rank(wide[world], world)
-        for rank, steps in enumerate(per_rank):
+        for rank, calls in enumerate(per_rank):
+            agreed = {s: c.count(AGREE) for s, c in calls.items()}
+            assert agreed == {0: 1, 1: 2, 2: 1, 3: 1, 4: 1, 5: 1, 6: 1, 7: 0}, (rank, calls)
+            assert all(c[-1] == AGREE for s, c in calls.items() if s < 7)
+            steps = {s: [c for c in cs if c != AGREE] for s, cs in calls.items()}
             assert steps[2] == [[ALL_REDUCE, scalars["grads"], 8 * scalars["grads"]]]  # gradients: scalars only
             _check_owned(steps[3], rank, world, 4, _packed(qkv, world))  # spectra: Q/K/V to the owner
             assert steps[3][-1] == [ALL_REDUCE, scalars["spectra"], 8 * scalars["spectra"]]

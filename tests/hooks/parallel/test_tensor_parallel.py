@@ -35,6 +35,9 @@ SAMPLED, AFTER = {0, 3, 6}, {1, 4, 7}
 F32, F64 = 4, 8
 # beside FSDP2 and under HSDP: gradient norms every 3 steps, everything else every 6 (step 3: gradients only)
 SLOW = ("--cadence", json.dumps({"grads": 3, "spectra": 6, "updates": 6, "attention": 6}))
+# attention sampled less often than the loss, so the closer look is on: after every step the detectors judged (SLOW:
+# 0, 3, 6, and 1, which measures step 0's update ratios) rank 0's decision is broadcast, 2 int64
+AGREE = ("c10d.broadcast_", 2 * 8)
 
 
 def _run(mode: str, out: Path, ranks: int, *extra: str) -> dict[int, dict]:
@@ -165,8 +168,8 @@ def test_tensor_parallel_beside_fsdp2(singles, tmp_path):
     layer = [dp_gather] + _update_reduces([(2, E), (2, E)])  # one layer per group: {W_Q, W_O^T}, {W_K, W_V}
     every = ("c10d._allgather_base_", _scalar_gather_bytes(4, [1] * 4, [2 + 2] * 4))
     grads_only = ("c10d._allgather_base_", _scalar_gather_bytes(4, [1] * 4, [2 + 2] * 4, every_family=False))
-    want = {0: layer * LAYERS + [every], 1: layer * LAYERS, 3: [grads_only], 6: layer * LAYERS + [every],
-            7: layer * LAYERS}
+    want = {0: layer * LAYERS + [every, AGREE], 1: layer * LAYERS + [AGREE], 3: [grads_only, AGREE],
+            6: layer * LAYERS + [every, AGREE], 7: layer * LAYERS}
     for r in ranks:
         seen = {int(s): [tuple(c) for c in v] for s, v in ranks[r]["collectives"].items()}
         for step in range(STEPS + 1):
@@ -182,10 +185,13 @@ def test_hsdp(singles, tmp_path):
     ranks = _run("hsdp", tmp_path, 4, "--step-limit", "0.01", *SLOW)
     _same(_metrics(singles["titan-limit"]), _metrics(tmp_path), skip=("loss",))
     for r in ranks:
-        seen = {int(s): v for s, v in ranks[r]["collectives"].items()}
+        seen = {int(s): [tuple(c) for c in v] for s, v in ranks[r]["collectives"].items()}
         for step in range(STEPS + 1):
-            assert len(seen[step]) == (LAYERS if step in {0, 1, 3, 6, 7} else 0), (r, step, seen[step])
-            assert all(name == "c10d._allgather_base_" for name, _ in seen[step])
+            agreed = [AGREE] if step in {0, 1, 3, 6} else []
+            assert seen[step][len(seen[step]) - len(agreed):] == agreed, (r, step, seen[step])
+            gathers = seen[step][:len(seen[step]) - len(agreed)]
+            assert len(gathers) == (LAYERS if step in {0, 1, 3, 6, 7} else 0), (r, step, seen[step])
+            assert all(name == "c10d._allgather_base_" for name, _ in gathers)
         assert seen[0][0][1] > seen[1][0][1] > seen[3][0][1]  # weights and gradients > dW > gradients
     assert [ranks[r]["snapshot_bytes"] for r in ranks] == [LAYERS * (H + G + G + H) * D * E * F32 // 2] * 4
     _same_weights(singles["titan-limit"], ranks[0])
@@ -205,6 +211,45 @@ def test_step_limit_under_tensor_parallelism_is_the_one_process_limit(singles, t
     # on a 2-core machine the gradient norms at step 6 differ from one process's by up to 1.3e-5 relative
     _same(ref, got, rtol=5e-5)
     _same_weights(singles["llama-limit"], ranks[0])
+
+
+# the closer look on: the loss, gradients and spectra every 2 steps, attention every 6; lines so loose that every head
+# is inside the malignant state from its first sample, so the detectors ask for attention at every step while the
+# state is settled (2 samples over 4 steps)
+LOOK = ("--every", "0", "--steps", "9",
+        "--cadence", json.dumps({"loss": 2, "grads": 2, "spectra": 2, "attention": 6, "updates": 6}),
+        "--alerts", json.dumps({"sparse_entropy": 10.0, "low_rank_frac": 1.0, "collapse_persist": 2,
+                                "collapse_dwell": 4}))
+
+
+def _alerts(out: Path) -> list[tuple[int, str, str, str]]:
+    rows = [json.loads(line) for line in (out / "logs" / "alerts.jsonl").read_text().splitlines()]
+    return [(a["step"], a["kind"], a["level"], a["where"]) for a in rows]
+
+
+def test_tensor_parallel_closer_look_samples_the_one_process_steps(tmp_path):
+    """Rank 0's detectors decide the closer look and one broadcast after every judged step gives the decision to
+    rank 1, so both ranks sample attention at the same steps, and every such sample gathers every rank's heads (a
+    rank that sampled alone would wait for ever). Attention at every step from 0 until the layers' malignant state
+    is established (step 4: steps 1 and 3 sample attention alone, between two loss samples), then at 6: as one
+    process, with the same tags at the same steps, every value to rtol 1e-5 and the same alerts; the broadcast
+    (16 bytes) inside every call that judged a step, none in the others."""
+    single, tp = tmp_path / "single", tmp_path / "tp"
+    single.mkdir()
+    tp.mkdir()
+    _run("single-llama", single, 1, *LOOK)
+    ranks = _run("tp", tp, 2, *LOOK)
+    ref, got = _metrics(single), _metrics(tp)
+    _same(ref, got)
+    assert {s for s, tag in got if tag.startswith("attn_entropy/")} == {0, 1, 2, 3, 4, 6}
+    assert {s for s, tag in got if tag.startswith("qk_sigma1/")} == {0, 2, 4, 6, 8}
+    alerts = _alerts(tp)
+    assert alerts == _alerts(single) and (4, "malignant_collapse", "L00") in {(s, k, w) for s, k, _, w in alerts}
+    judged = {0: 1, 1: 2, 2: 1, 3: 1, 4: 1, 6: 1, 7: 1, 8: 1}  # 1: step 0's update ratios, then its sample; 7: 6's
+    for r in ranks:
+        seen = {int(s): [tuple(c) for c in v] for s, v in ranks[r]["collectives"].items()}
+        assert {s: v.count(AGREE) for s, v in seen.items() if AGREE in v} == judged, (r, seen)
+        assert all(not v for s, v in seen.items() if s not in judged), (r, seen)
 
 
 def _same_histograms(single: Path, ranks: dict[int, dict]) -> None:

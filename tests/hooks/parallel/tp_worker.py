@@ -182,9 +182,10 @@ def main() -> None:
     parser.add_argument("mode", choices=tuple(MODES))
     parser.add_argument("out", type=Path)
     parser.add_argument("--steps", type=int, default=7)
-    parser.add_argument("--every", type=int, default=3)
+    parser.add_argument("--every", type=int, default=3, help="0: the Monitor's default per-family cadence")
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--cadence", type=json.loads, default=None, help='e.g. {"spectra": 6}')
+    parser.add_argument("--alerts", type=json.loads, default=None, help='AlertConfig fields')
     parser.add_argument("--step-limit", type=float, default=None, help="wrap SGD in SpectralStepLimit(tau=...)")
     parser.add_argument("--qk-clip", type=float, default=None, metavar="TAU",
                         help="QKClip(tau=TAU) after every optimizer step; W_Q and W_K times --grow first")
@@ -196,6 +197,7 @@ def main() -> None:
     single = args.mode.startswith("single")
     if not single:
         dist.init_process_group("gloo")
+    from diag.detectors import AlertConfig
     from diag.outputs.sinks import MemorySink
     from hooks import Monitor
     from hooks.monitor.weightside import ShardSnapshot
@@ -208,8 +210,8 @@ def main() -> None:
     part, parts = data_rank(args.mode, mesh), MODES[args.mode] if not single else 1
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     memory = MemorySink()  # every rank's records, with the per-head spectra (histograms: not in metrics.jsonl)
-    monitor = Monitor(model, logdir=args.out / "logs", every=args.every, cadence=args.cadence, attn_seqs=1,
-                      images=False, sinks=[memory])
+    monitor = Monitor(model, logdir=args.out / "logs", every=args.every or None, cadence=args.cadence, attn_seqs=1,
+                      images=False, sinks=[memory], alerts=AlertConfig(**args.alerts) if args.alerts else None)
     if args.step_limit is not None:
         opt = SpectralStepLimit(opt, tau=args.step_limit, model=model, monitor=monitor)
     clip = None
