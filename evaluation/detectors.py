@@ -163,7 +163,7 @@ def collapse_matches(run: Run, alerts: list) -> dict:
             "quiet_record": onset is None and first_record is not None}
 
 
-ALARMS = ("malignant_collapse", "collapse_damage")  # a collapse alert, for the twin test
+ALARMS = ("malignant_collapse", "collapse_damage", "collapse_stall")  # a collapse alert, for the twin test
 
 
 def judge_collapse(run: Run, cfg: AlertConfig, every, twin: Run | None) -> dict:

@@ -78,7 +78,8 @@ ROWS = (
          Measure("finetune_quiet", "sink fine-tunes without a warning or critical record")),
         "only sinks built into the model were measured, not sinks grown by pre-training"),
     Row("[`collapse_damage`](#collapse_damage) (**critical**)",
-        "a collapse after which the loss stopped falling: stopping or restarting the run",
+        "a collapse after which the loss rose and stays up, or stopped well above the trend it had: stopping or "
+        "restarting the run",
         (Measure("alert_before_damage", "runs the twin test calls damaged with a collapse alert before the damage "
                  "began"),
          Measure("no_critical_without_damage", "collapse runs the twin test calls undamaged (twins left out) "
@@ -86,8 +87,10 @@ ROWS = (
          Measure("no_critical_without_damage", "QK-norm twins without a critical record", _twin),
          Measure("healthy_no_critical", "healthy runs from scratch without a critical record"),
          Measure("finetune_quiet", "sink fine-tunes without a warning or critical record")),
-        "it reads the run's own loss, not a twin's: a collapse followed by a stall the learning rate causes anyway "
-        "can get it, and a run that keeps falling, only slower than it would have, does not"),
+        "it reads the run's own loss, not a twin's: a run that keeps falling, only slower than it would have, does "
+        "not get it, nor a collapse before the loss showed a trend that slows down, unless the loss rises; a stall "
+        "the learning rate causes anyway is a [`collapse_stall`](#collapse_stall) warning, not this record, unless "
+        "the loss stops well above its trend"),
     Row("[`collapse_risk`](#collapse_risk) (a logged number, no alert)",
         "ranking layers by how likely they are to collapse soon; it starts the closer look", (),
         "read 0.55 as \"likely\", not as its number. No line on it warned before half the collapses without "

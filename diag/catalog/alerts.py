@@ -72,7 +72,7 @@ ALERTS: dict[str, AlertKind] = {k.name: k for k in (
     AlertKind("malignant_collapse", ("warning", "info"),
               "malignant entropy collapse: most queries put their mass on the same few keys (sparse and low-rank "
               "attention, which precedes the crash in Qi et al.)",
-              f"watch the loss; if it stops falling (a collapse_damage record), {_RESTART}"),
+              f"watch the loss; if it rises or stops well above its trend (a collapse_damage record), {_RESTART}"),
     AlertKind("benign_collapse", ("info",),
               "benign entropy collapse: sparse attention, each query on a different key (full rank)",
               "usually nothing; watch whether it turns malignant"),
@@ -83,8 +83,15 @@ ALERTS: dict[str, AlertKind] = {k.name: k for k in (
               "pretrained language models' heads do with their first token; it does not hurt the loss by itself)",
               "nothing; a head that leaves its sink for a few keys of its own is a malignant_collapse record"),
     AlertKind("collapse_damage", ("critical",),
-              "a layer's malignant collapse is hurting the run: the loss fell before it and stopped falling after it",
+              "a layer's malignant collapse is hurting the run: after it the loss rose and stays up, or stopped well "
+              "above the trend it had",
               f"{_RESTART} (docs/steplimit.md)"),
+    AlertKind("collapse_stall", ("warning",),
+              "the loss stopped falling after a layer's malignant collapse; every loss curve slows down, so this "
+              "alone does not show damage",
+              "compare the loss over the same steps with a run you trust (an earlier run, a run with QK-norm), and "
+              "look at the learning-rate schedule (a decay, or its end, stalls the loss by itself); if this run sits "
+              f"above the other, {_RESTART} (docs/steplimit.md)"),
     AlertKind("large_early_updates", ("info",),
               "the first updates are large next to the weights: no (or a short) warmup at this learning rate",
               "nothing if the run is meant to have no warmup; collapse_risk shows which layers are heading for "

@@ -106,10 +106,16 @@ class RiskConfig(Checked):
 
 @dataclass(frozen=True)
 class DamageConfig(Checked):
-    """``collapse_damage``, the critical record (:mod:`diag.detectors.damage`): the loss against its own trend."""
+    """``collapse_damage`` (critical) and ``collapse_stall`` (:mod:`diag.detectors.damage`): the loss after a
+    collapse against its level and its trend before it."""
 
     damage_window: Annotated[int, Kind(2, whole="steps", meaning="a number of steps")] = 50  # the loss's windows
-    damage_rel: Share = 0.01  # a window whose loss falls by less than 1% of its level has stopped falling
+    # (and 3 samples or more)
+    damage_fit: Annotated[int, Kind(2, whole="steps", meaning="a number of steps")] = 200  # the trend before a
+    # collapse is fitted over this many steps (and 5 samples or more) and read over as many after it
+    damage_rel: Fraction = 0.05  # critical: the loss above its level, or its trend, by 5% (the twin test's line) ...
+    damage_noise: Positive = 3.0  # ... and by this many of the trend's noise deviations
+    stall_rel: Fraction = 0.01  # a window whose loss falls by less than 1% of its level has stopped falling
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """The detectors behind one protocol, fanned out by one container that carries their state.
 
 ``Detectors(cfg).observe(obs)`` asks every detector in turn (non-finite values, attention
-states, the collapse risk (a logged number), the collapse's damage, the early-update note, loss spikes, the plateau)
-and returns their alerts in that order; each detector takes its own part of ``cfg``.
+states, the collapse risk (a logged number), the collapse's damage and stall, the early-update
+note, loss spikes, the plateau) and returns their alerts in that order; each detector takes
+its own part of ``cfg``.
 ``state_dict()`` is the union of the detectors' states (their keys are distinct; checked
 here) plus ``"version"``. Older states load what carries over: format 2 (before the collapse
 risk) the heads' attention episodes (the layers' are derived at the next sample) and every

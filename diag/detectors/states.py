@@ -59,7 +59,7 @@ KINDS = {"malignant": "malignant_collapse", "benign": "benign_collapse", "unifor
 LEVELS = {"malignant": "warning"}  # the rest, and every baseline episode: info
 # kind -> (what it is, what to do: both from the catalog, diag/catalog/alerts.py; a head's note)
 HEAD_NOTES = {"malignant_collapse": "one head alone can be a deliberate pointer head: watch whether more heads of "
-              "the layer follow and whether the loss still falls (collapse_damage says when it stops)"}
+              "the layer follow and whether the loss still falls (collapse_stall says when it stops)"}
 WHAT = {kind: (ALERTS[kind].means, ALERTS[kind].todo, HEAD_NOTES.get(kind, "")) for kind in KINDS.values()}
 BASELINE = ("present when monitoring began (the model came with it, e.g. a pretrained model's heads): a "
             "baseline, not an event of this run", "nothing by itself; a head or layer that enters it later is "
@@ -270,6 +270,15 @@ class AttentionStates(Detector):
     def baseline(self, label: str, since: int | None) -> bool:
         """Whether an episode of layer ``label`` that began at ``since`` is the model's baseline."""
         return self.machine.baseline(label, since)
+
+    def head_sinces(self, state: str) -> dict[str, set[int]]:
+        """Per layer label, where the episodes in ``state`` of its heads began, open or still settling their dwell:
+        the steps at which a layer episode that opens later can say it began."""
+        episodes, out = self.machine.heads[state], {}
+        for key in episodes.keys:
+            if (since := episodes.since(key)) is not None:
+                out.setdefault(key.rsplit("/", 1)[0], set()).add(since)
+        return out
 
     def on_sink(self, key: str) -> bool:
         """Whether the head ``key`` holds a sink, or its last sample put ``sink_share`` of the queries' mass or more

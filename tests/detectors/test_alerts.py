@@ -271,7 +271,7 @@ def test_stop_on_critical_raises_after_writing(tmp_path):
     mem = MemorySink()
     sink = AlertSink(FanOut([mem]), tmp_path / "alerts.jsonl", None, stop_on_critical=True)
     alerts = [Alert(3, "malignant_collapse", "warning", "L00", "a malignant collapse"),
-              Alert(3, "collapse_damage", "critical", "L00", "the loss stopped falling")]
+              Alert(3, "collapse_damage", "critical", "L00", "the loss rose after the collapse and stays up")]
     with pytest.raises(TrainingHalted) as info:
         sink.emit(alerts)
     assert info.value.alert.kind == "collapse_damage"
