@@ -35,8 +35,9 @@ class NonFinite(Detector):
 
     def observe(self, obs: Observation) -> list[Alert]:
         seen: dict[str, bool] = {}
-        if obs.loss is not None:
-            seen["loss"] = not math.isfinite(obs.loss)
+        losses = [x for x in (obs.loss, obs.loss_mean) if x is not None]  # the mean covers the unsampled steps
+        if losses:
+            seen["loss"] = not all(math.isfinite(x) for x in losses)
         for metrics in obs.layers.values():
             for kind, keys in CHECKS:
                 if all(k in metrics for k in keys):
@@ -50,9 +51,8 @@ class NonFinite(Detector):
                                     f"after {event.duration} steps", {"duration_steps": float(event.duration)},
                                     "resolved", event.since))
             elif event is not None:
-                alerts.append(Alert(obs.step, KINDS[what], "critical", "", f"non-finite {what} at step "
-                                    f"{obs.step}. What to do: {ALERTS[KINDS[what]].todo}", {}, "firing",
-                                    obs.step))
+                alerts.append(Alert(obs.step, KINDS[what], "critical", "", f"non-finite {what} {_when(what, obs)}. "
+                                    f"What to do: {ALERTS[KINDS[what]].todo}", {}, "firing", obs.step))
         return alerts
 
     def state_dict(self) -> dict:
@@ -62,6 +62,13 @@ class NonFinite(Detector):
         if isinstance(state.get("nonfinite"), list):  # format 1: the kinds that were non-finite
             self.episodes.keys = {k: [True, 0, 1, None, 0] for k in state["nonfinite"]}
         self.episodes.load_state_dict(state.get("nonfinite_episodes", self.episodes.state_dict()))
+
+
+def _when(what: str, obs: Observation) -> str:
+    """At the sampled step, or (a loss finite there whose mean since the last loss sample is not) before it."""
+    if what == "loss" and obs.loss is not None and math.isfinite(obs.loss):
+        return f"at a step before step {obs.step}, since the previous loss sample (their mean is {obs.loss_mean})"
+    return f"at step {obs.step}"
 
 
 def unreported(step: int, scalars: Mapping[str, float], skip: Iterable[str] = ()) -> str | None:

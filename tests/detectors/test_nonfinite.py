@@ -39,3 +39,18 @@ def test_an_overflow_is_a_non_finite_gradient_metric_and_an_info_alert():
     alert = overflow_alert(12)
     assert (alert.step, alert.kind, alert.level, alert.where) == (12, "gradient_overflow", "info", "")
     assert "GradScaler skips this update" in alert.message
+
+
+def test_a_non_finite_loss_between_loss_samples_is_critical_through_its_mean():
+    """The loss at the sampled step is finite, but one of the steps since the previous sample was not: the mean the
+    Monitor keeps of them is, and the nonfinite_loss record says so; it resolves once both are finite again."""
+    from diag.detectors import AlertConfig, Detectors, Observation
+
+    det = Detectors(AlertConfig())
+    quiet = det.observe(Observation(0, 2.0, {}, loss_mean=2.0))
+    fired = det.observe(Observation(10, 1.9, {}, loss_mean=math.inf))
+    ended = det.observe(Observation(20, 1.8, {}, loss_mean=1.85))
+    assert not [a for a in quiet if a.kind == "nonfinite_loss"]
+    (record,) = [a for a in fired if a.kind == "nonfinite_loss"]
+    assert record.level == "critical" and "before step 10" in record.message
+    assert [(a.kind, a.status) for a in ended if a.kind == "nonfinite_loss"] == [("nonfinite_loss", "resolved")]
