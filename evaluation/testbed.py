@@ -29,7 +29,7 @@ from dataclasses import replace
 
 from evaluation.spec import RunSpec
 
-__all__ = ["LLAMA_LRS", "SINKS", "normsoftmax", "testbed"]
+__all__ = ["LLAMA_LRS", "LONG_STEPS", "SINKS", "demo_twin", "healthy_twins", "normsoftmax", "testbed"]
 
 SHAPE = {"layers": 4, "heads": 8, "width": 128}
 FINETUNE = {"lr": 3e-4, "steps": 300, "warmup": 30, "schedule": "cosine", "corpus": "pydoc", "every": 0}
@@ -43,7 +43,13 @@ HEALTHY = {  # family -> what its runs are given beside the shape
     "modernbert": {"task": "hf", "model": "modernbert", "context": 512, "batch": 4},
 }
 LM_STEPS = 300
+# the collapse sweep of the sets that judge collapse_damage on runs as long as people's first look at a run: long
+# enough after a collapse at steps 40-300 that a loss slowing down by itself and one stopped by the collapse part
+LONG_STEPS = 1500
 LLAMA_STEPS = 200
+# the README demo's healthy twin run longer (`python -m diag demo --warmup 100 --steps 1500`): the demo's learning
+# rate, 100 warmup steps, every signal every 10 steps as the demo samples them
+DEMO_LR, DEMO_WARMUP, DEMO_STEPS, DEMO_EVERY = 5e-3, 100, 1500, 10
 # at 4 x 8 x 128 and context 512 no rate from 3e-3 to 1e-1 damaged the LLaMA against its twin within 200 steps
 # (final losses within 2% of the twin's): the sweep checks that a high rate is not called a collapse
 LLAMA_LRS = (3e-3, 1e-2, 3e-2)
@@ -74,9 +80,23 @@ def healthy(seeds: range) -> list[RunSpec]:
     return out
 
 
-def lm_sweep(seeds: range, lrs: tuple[float, ...]) -> list[RunSpec]:
+def lm_sweep(seeds: range, lrs: tuple[float, ...], steps: int = LM_STEPS) -> list[RunSpec]:
     """The nanoGPT at context 128 at each rate and seed, each with its QK-norm twin."""
-    return [RunSpec("lm", s, lr, LM_STEPS, twin=twin) for s in seeds for lr in lrs for twin in ("", "qknorm")]
+    return [RunSpec("lm", s, lr, steps, twin=twin) for s in seeds for lr in lrs for twin in ("", "qknorm")]
+
+
+def healthy_twins(seeds: range) -> list[RunSpec]:
+    """The NormSoftmax twins of :func:`healthy`'s language models (every family is one): the causal test of a
+    plateau alert on any of them (docs/evaluation.md#the-ground-truth)."""
+    return [replace(s, twin="normsoftmax") for s in healthy(seeds)]
+
+
+def demo_twin(seeds: range) -> list[RunSpec]:
+    """The README demo's healthy twin at 1,500 steps (healthy: warmup at the demo's rate) and its NormSoftmax
+    twin, each seed."""
+    runs = [RunSpec("lm", s, DEMO_LR, DEMO_STEPS, warmup=DEMO_WARMUP, every=DEMO_EVERY, purpose="healthy")
+            for s in seeds]
+    return runs + [replace(r, twin="normsoftmax") for r in runs]
 
 
 def llama_sweep(seeds: range, lrs: tuple[float, ...]) -> list[RunSpec]:
