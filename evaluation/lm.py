@@ -3,9 +3,9 @@
 The GPT of ``hooks.demo`` (4 layers of 2 heads, d_model 128, context 128, batch 16, AdamW betas 0.9/0.95,
 weight decay 0.1) on the standard library's source (``corpus="stdlib"``) or on the English text of Python's own
 documentation (``corpus="pydoc"``: ``pydoc_data.topics``), with the spec's learning-rate schedule, optionally
-with QK-norm (the twin that cannot collapse) or NormSoftmax attention (the causal twin of a plateau: the logits over
-the keys a query sees divided by their standard deviation, Hoffmann et al.; :func:`evaluation.healthy.normsoftmax_attention`)
-and at another width, depth, context and batch. A run recorded at
+with QK-norm (the twin that cannot collapse) or NormSoftmax attention (the causal twin of a plateau: the logits
+over the keys a query sees divided by their standard deviation, Hoffmann et al.;
+:func:`evaluation.healthy.normsoftmax_attention`) and at another width, depth, context and batch. A run recorded at
 every step keeps its attention maps' measurements too (``attention.npz``, :mod:`evaluation.maps`).
 """
 

@@ -105,9 +105,10 @@ ROWS = (
          Measure("healthy_no_plateau", "healthy runs from scratch without a plateau alert"),
          Measure("finetune_no_plateau", "sink fine-tunes without a plateau alert")),
         "from-scratch language models that hold a layer of near-uniform heads with small Q/K gradients over a flat "
-        "loss for 200 steps or more are flagged, stuck or slow; missed: a plateau whose most uniform layer sits "
-        "just under `plateau_uniformity`, a jump with no loss plateau before it, NormSoftmax plateaus (their "
-        "layers further from uniform)"),
+        "loss for 200 steps or more while the learning rate still moves Q and K are flagged, stuck or slow; missed: "
+        "a plateau whose least uniform head sits more than `plateau_entropy_gap` nats under uniform's entropy, a "
+        "plateau under a learning rate decayed to a quarter of its largest updates, a jump with no loss plateau "
+        "before it, NormSoftmax plateaus (their layers further from uniform)"),
     Row("[`eureka_moment`](#eureka_moment)", "the step the model found the intermediate step",
         (Measure("moment_within_2", "Eureka runs whose moment came within 2 sampling intervals of the jump"),
          Measure("no_false_moment", "Eureka runs without a moment on the plateau")),

@@ -137,7 +137,8 @@ class PlateauConfig(Checked):
     # flagged at every cadence alike (docs/alerts.md#defaults)
     plateau_qk_motion: Positive = 0.25  # ln sigma_1(Wq^T Wk) growth per unit of Q/K update ratio (inf: off) ...
     plateau_max_growth: Factor = 1.35  # ... and sigma_1(Wq^T Wk) grew at most 1.35x over the window (inf: off)
-    plateau_uniformity: Share = 0.72  # ... and each of its heads keeps this share of uniform's entropy (0: off)
+    plateau_entropy_gap: Positive = 1.0  # ... and each of its heads within this many nats of uniform's entropy
+    # (inf: off): a perplexity of at least exp(-1) = 37% of the keys in play, at any context length
     plateau_min_update: Share = 0.25  # ... and the Q/K updates at least this share of their largest window's (0: off)
     eureka_depth: Annotated[float, Kind(0, 1, hi_open=True, meaning="the drop's depth as a fraction of the "
                                         "plateau's level")] = 0.385

@@ -6,13 +6,14 @@ plateau is recognised by its mechanism (Hoffmann et al.: attention that has not 
 softmax-damped Q/K gradients and cannot start to), not by where the loss sits: the mean losses of the two halves
 of the last ``plateau_window`` steps differ by at most ``plateau_rel``, and at least one layer is **stuck**: its
 Q/K-to-V gradient ratio, averaged over the window, is at most ``plateau_qk_ratio`` and every one of its heads
-keeps an attention entropy of at least ``plateau_uniformity`` of uniform's (the window's mean of the layer's
-least uniform head: no head of the layer has learned to select); and, where the window holds them, the stuck
+keeps an attention entropy within ``plateau_entropy_gap`` nats of uniform's (the window's mean of the layer's
+least uniform head: no head of the layer has learned to select; a gap of g nats is a perplexity of ``exp(-g)``
+of the keys in play, the same share of them at any context length); and, where the window holds them, the stuck
 layers' ``sigma_1(Wq^T Wk)`` moved at most ``plateau_qk_motion`` per unit of the Q/K update ratios applied
 meanwhile (:func:`_motion`: the heads' geometric mean growth, schedule-free) and grew at most
 ``plateau_max_growth`` over the window (a flat loss while the query/key product still grows is another state);
-and the window's mean Q/K update ratio is at least ``plateau_min_update`` of the largest window's (the learning rate
-has not decayed away: a schedule's tail is flat because training stopped). The
+and the latest Q/K update ratio is at least ``plateau_min_update`` of the largest since half a window into the run
+(the learning rate has not decayed away: a schedule's tail is flat because training stopped). The
 plateau is an episode, ``since`` the first sample of the window inside its band (at most ``1 + plateau_rel``
 times the level); while it lasts its trend is refitted. The Eureka-moment: the loss, the median of the samples
 of the last ``eureka_span`` steps, is at two samples (in a row, or with one sample just over the line between
@@ -76,38 +77,37 @@ def _log_sigma(obs: Observation) -> dict[str, list[float]] | None:
 
 def _layer_signals(obs: Observation) -> dict[str, list[float]]:
     """Per layer ``[Q/K-to-V gradient ratio, attention entropy of its least uniform head as a fraction of
-    uniform's]``, NaN where the sample does not hold the signal."""
+    uniform's, uniform's entropy less that head's in nats]``, NaN where the sample does not hold the signal."""
     out = {}
     for label, m in obs.layers.items():
         ratio = float(m["grad_ratio_qk_v"][0]) if "grad_ratio_qk_v" in m else math.nan
-        least = math.nan
+        least = gap = math.nan
         if "attn_entropy" in m and "attn_entropy_uniform" in m:
             entropy = np.atleast_1d(np.asarray(m["attn_entropy"], float))
             uniform = float(np.atleast_1d(np.asarray(m["attn_entropy_uniform"], float))[0])
             if entropy.size and np.isfinite(entropy).all() and math.isfinite(uniform) and uniform > 0:
-                least = float(entropy.min()) / uniform
+                least, gap = float(entropy.min()) / uniform, uniform - float(entropy.min())
         if math.isfinite(ratio) or math.isfinite(least):
-            out[label] = [ratio, least]
+            out[label] = [ratio, least, gap]
     return out
 
 
-def stuck_layers(points: list[list], qk_ratio: float, uniformity: float) -> dict[str, tuple[float, float]]:
+def stuck_layers(points: list[list], qk_ratio: float, entropy_gap: float) -> dict[str, tuple[float, float, float]]:
     """The layers stuck over the window ``points``: ``{label: (mean Q/K-to-V ratio, mean uniformity of the least
-    uniform head)}`` for each layer whose mean ratio is at most ``qk_ratio`` and whose mean least uniformity is at
-    least ``uniformity`` (``uniformity`` 0: not asked, a layer without attention samples may be stuck)."""
-    values: dict[str, tuple[list[float], list[float]]] = {}
+    uniform head, mean gap of that head's entropy under uniform's in nats)}`` for each layer whose mean ratio is at
+    most ``qk_ratio`` and whose mean gap is at most ``entropy_gap`` (``inf``: not asked, a layer without attention
+    samples may be stuck)."""
+    values: dict[str, tuple[list[float], list[float], list[float]]] = {}
     for p in points:
-        for label, (ratio, least) in (p[5] or {}).items():
-            r, u = values.setdefault(label, ([], []))
-            if math.isfinite(ratio):
-                r.append(ratio)
-            if math.isfinite(least):
-                u.append(least)
+        for label, signals in (p[5] or {}).items():
+            for column, x in zip(values.setdefault(label, ([], [], [])), signals):
+                if math.isfinite(x):
+                    column.append(x)
     out = {}
-    for label, (r, u) in values.items():
-        ratio, least = (float(np.mean(v)) if v else math.nan for v in (r, u))
-        if ratio <= qk_ratio and (uniformity == 0 or least >= uniformity):
-            out[label] = (ratio, least)
+    for label, columns in values.items():
+        ratio, least, gap = (float(np.mean(v)) if v else math.nan for v in columns)
+        if ratio <= qk_ratio and (math.isinf(entropy_gap) or gap <= entropy_gap):
+            out[label] = (ratio, least, gap)
     return out
 
 
@@ -173,9 +173,7 @@ class Plateau(Detector):
         self.recent: list[list[float]] = []  # the samples of the last eureka_span steps (the smoothed loss)
         self.start: int | None = None  # the first step of the current watch (the run's, or after a moment)
         self.updates: list[list[float]] = []  # [step, mean Q/K update ratio over layers] in the window
-        # the largest window's mean Q/K update ratio (plateau_min_update), over the windows after the run's first:
-        # a run without warmup takes first steps as large as its weights, which would make any later window small
-        self.peak_update: float | None = None
+        self.peak_update: float | None = None  # the largest Q/K update ratio since half a window in (observe)
 
     def observe(self, obs: Observation) -> list[Alert]:
         ratios = [(float(m["update_ratio_q"][0]) + float(m["update_ratio_k"][0])) / 2 for m in obs.layers.values()
@@ -183,6 +181,10 @@ class Plateau(Detector):
         if ratios:
             self.updates = [u for u in self.updates if u[0] > obs.step - self.cfg.plateau_window] + \
                 [[float(obs.step), float(np.mean(ratios))]]
+            # the largest update since half a window into the run: a run without warmup takes first steps as large
+            # as its weights, which would make any later one small
+            if obs.step >= self.cfg.plateau_window / 2:
+                self.peak_update = max(self.peak_update or 0.0, float(np.mean(ratios)))
         # the mean loss of the steps since the previous sample where the Monitor measured it: a single batch's
         # loss at the default cadence scatters sqrt(10) times as much, and the moment's line is crossed by noise
         loss = obs.loss if obs.loss_mean is None else obs.loss_mean
@@ -213,7 +215,7 @@ class Plateau(Detector):
         # plateau
         rise_noise = 2.0 * noise * math.sqrt(sum(1.0 / max(len(h), 1) for h in halves))
         flat = first - second <= self.cfg.plateau_rel * first and second - first <= rise_noise
-        stuck = stuck_layers(self.losses, self.cfg.plateau_qk_ratio, self.cfg.plateau_uniformity)
+        stuck = stuck_layers(self.losses, self.cfg.plateau_qk_ratio, self.cfg.plateau_entropy_gap)
         (growth, motion) = _motion(self.losses, self.updates, set(stuck)) if stuck else (math.nan, math.nan)
         # what the alert claims is measured, or the test is switched off: a missing signal (no spectra, no update
         # ratio, no attention in the window) is missing, not a pass
@@ -225,15 +227,17 @@ class Plateau(Detector):
         # (a cosine schedule's tail, whose Q/K updates are a few percent of what they were) has stopped training,
         # it is not stuck (Hugging Face GPT-2 under warmup + cosine goes flat over its last steps, and its
         # NormSoftmax twin is no faster there)
-        update = _mean_update(self.updates, step)
-        if math.isfinite(update) and step >= 2 * window:  # not a window over the run's first steps (huge updates)
-            self.peak_update = max(self.peak_update or 0.0, update)
+        # The updates now, the latest sample's (at the default cadence they are sampled every 100 steps: a window's
+        # mean would still average the steps before a cosine decay), against the largest sample since half a
+        # window into the run (observe)
+        update = self.updates[-1][1] if self.updates else math.nan
         moving = (self.cfg.plateau_min_update == 0 or not math.isfinite(update) or self.peak_update is None
                   or update >= self.cfg.plateau_min_update * self.peak_update)
         if not (flat and stuck and still and settled and moving):
             return []
-        ratio = float(np.mean([r for r, _ in stuck.values()]))
-        uniformity = min(u for _, u in stuck.values())
+        ratio = float(np.mean([r for r, _, _ in stuck.values()]))
+        uniformity = min(u for _, u, _ in stuck.values())
+        gap = max(g for _, _, g in stuck.values())
         # the plateau began where the loss came down into its band (a window flat to plateau_rel may still hold
         # the end of the fall before it); how fast it sinks is measured from there
         band = level * (1.0 + self.cfg.plateau_rel)
@@ -245,8 +249,10 @@ class Plateau(Detector):
         sinking = -100.0 * slope / level if level > 0 else 0.0  # the fall per 100 steps, relative
         names = ", ".join(sorted(stuck))
         evidence = [f"Q/K gradients are {ratio:.2f}x of V's"]
-        if math.isfinite(uniformity):
-            evidence.append(f"every head keeps at least {uniformity:.0%} of uniform attention entropy")
+        if math.isfinite(gap):
+            evidence.append(f"every head's attention entropy is within {gap:.2f} nats of uniform's (at least "
+                            f"{uniformity:.0%} of it: each query spreads over {math.exp(-gap):.0%} or more of the "
+                            "keys it sees, as perplexity)")
         if math.isfinite(motion):
             evidence.append(f"sigma_1(Wq^T Wk) moved {motion:.2f} per unit of the Q/K updates (grew x{growth:.2f})")
         slow = (f" The loss still sinks {sinking:.1%} per 100 steps, as Eureka plateaus do before their moment; on "
@@ -259,7 +265,7 @@ class Plateau(Detector):
             f"What to do: {TODO}"),
             {"loss": level, "grad_ratio_qk_v": ratio, "noise": noise, "qk_sigma1_growth": growth,
              "qk_motion": motion,
-             "attn_uniformity": uniformity, "loss_sink_per_100": sinking},
+             "attn_uniformity": uniformity, "attn_entropy_gap": gap, "loss_sink_per_100": sinking},
             "firing", since)]
 
     def _moment(self, step: int, point: list[float]) -> list[Alert]:
@@ -338,8 +344,10 @@ class Plateau(Detector):
         # a state without "loss_signals", or with a layer-free second field: unknown, as if those signals had not
         # been sampled
         signals = state.get("loss_signals") or [[None, None]] * len(points)
+        # a layer's signals saved without the entropy gap (two fields) have it unknown
         self.losses = [[p[0], loss, p[1], p[2], sig if isinstance(sig, dict) else None,
-                        {k: [float(x) for x in v] for k, v in layers.items()} if isinstance(layers, dict) else {}]
+                        {k: ([float(x) for x in v] + [math.nan] * 3)[:3] for k, v in layers.items()}
+                        if isinstance(layers, dict) else {}]
                        for loss, p, (sig, layers) in zip(state.get("losses", []), points, signals)]
         self.plateau = state.get("plateau") if isinstance(state.get("plateau"), dict) else None
         self.below = [list(p) for p in state.get("below", [])]

@@ -193,8 +193,8 @@ def test_loss_spike_looks_back_in_steps_at_any_every():
 
 
 def test_state_dict_round_trip_continues_identically():
-    # plateau_uniformity: this head's attention is collapsed (0.03 of uniform), which the plateau test would refuse
-    cfg = AlertConfig(plateau_window=6, collapse_persist=3, eureka_span=1, plateau_uniformity=0.0)
+    # plateau_entropy_gap: this head's attention is collapsed (0.03 of uniform), which the plateau test would refuse
+    cfg = AlertConfig(plateau_window=6, collapse_persist=3, eureka_span=1, plateau_entropy_gap=float("inf"))
     script = [(2.3, attn([0.1], [2])) for _ in range(10)] + [(1.0, attn([0.1], [2]))] * 2  # a moment needs 2
     whole, first = Detectors(cfg), Detectors(cfg)
     out_whole = [a for i, (loss, m) in enumerate(script)
@@ -215,8 +215,8 @@ def test_config_checks_itself():
         AlertConfig(sparse_entropy=-1)
     with pytest.raises(ConfigError, match="plateau_window"):
         AlertConfig(plateau_window=0)
-    with pytest.raises(ConfigError, match="plateau_uniformity=72.*from 0 to 1"):
-        AlertConfig(plateau_uniformity=72)  # a percentage: it would switch the plateau alert off
+    with pytest.raises(ConfigError, match="plateau_entropy_gap=-1.*positive"):
+        AlertConfig(plateau_entropy_gap=-1)
     with pytest.raises(ConfigError, match="plateau_qk_motion=-0.5.*positive"):
         AlertConfig(plateau_qk_motion=-0.5)
     for depth in (42.5, 1.0, -0.1):  # 42.5: a percentage, no loss could ever reach the line
@@ -224,7 +224,7 @@ def test_config_checks_itself():
             AlertConfig(eureka_depth=depth)
     with pytest.raises(ConfigError, match="eureka_drop=25.*in \\(0, 1\\)"):
         AlertConfig(eureka_drop=25)
-    AlertConfig(plateau_uniformity=0.0, plateau_qk_motion=float("inf"))  # both entry tests off
+    AlertConfig(plateau_entropy_gap=float("inf"), plateau_qk_motion=float("inf"))  # both entry tests off
 
 
 @pytest.mark.parametrize("field, value, says", [

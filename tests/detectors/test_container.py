@@ -31,10 +31,10 @@ def script():
 
 
 def test_resume_at_any_point_continues_identically():
-    # plateau_qk_motion, plateau_max_growth and plateau_uniformity off: the script's collapsing head grows and
+    # plateau_qk_motion, plateau_max_growth and plateau_entropy_gap off: the script's collapsing head grows and
     # focuses all along, which the plateau test would refuse (the plateau's entry is tested in test_plateau.py)
     cfg = AlertConfig(plateau_window=100, plateau_qk_motion=float("inf"), plateau_max_growth=float("inf"),
-                      plateau_uniformity=0.0)
+                      plateau_entropy_gap=float("inf"))
     observations = list(script())
     whole = Detectors(cfg)
     expected = [(a.step, a.kind, a.status, a.where, a.since) for o in observations for a in whole.observe(o)]

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from diag.detectors import AlertConfig, Detectors, Observation
 from diag.detectors.plateau import Plateau
@@ -52,21 +55,36 @@ def test_healthy_qk_gradients_give_no_plateau():
     assert run(np.full(400, 1.3), ratio=0.8) == []
 
 
-def _layers(step, ratio, sigma, uniformity, update=0.01):
+def _layers(step, ratio, sigma, uniformity, update=0.01, uniform=3.0):
     """One layer of 2 heads: Q/K:V gradient ratio, sigma_1(Wq^T Wk) per head, Q/K update ratios ``update``,
-    attention at ``uniformity`` of uniform's entropy (3.0 nats over the same keys)."""
+    attention at ``uniformity`` of uniform's entropy (``uniform`` nats over the same keys)."""
     return {"L00": {**STILL, "grad_ratio_qk_v": np.array([ratio]), "qk_sigma1": np.array(sigma, float),
                     "update_ratio_q": np.array([update]), "update_ratio_k": np.array([update]),
-                    "attn_entropy": np.array([3.0 * uniformity] * 2), "attn_rank": np.array([20.0] * 2),
-                    "attn_rows": np.array([64.0]), "attn_entropy_uniform": np.array([3.0])}}
+                    "attn_entropy": np.array([uniform * uniformity] * 2), "attn_rank": np.array([20.0] * 2),
+                    "attn_rows": np.array([64.0]), "attn_entropy_uniform": np.array([uniform])}}
 
 
-def _flat_run(sigma_of_step, uniformity, cfg=None, update=0.01):
+def _flat_run(sigma_of_step, uniformity, cfg=None, update=0.01, uniform=3.0):
     """A flat loss, Q/K gradients at 0.3x of V's, every family every 10 steps for 500 steps."""
     det, out = Detectors(cfg or AlertConfig()), []
     for step in range(0, 500, 10):
-        out += det.observe(Observation(step, 1.3, _layers(step, 0.3, sigma_of_step(step), uniformity, update)))
+        out += det.observe(Observation(step, 1.3, _layers(step, 0.3, sigma_of_step(step), uniformity, update,
+                                                          uniform)))
     return [a for a in out if a.kind == "eureka_plateau"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(keys=st.integers(2, 8192), spread=st.floats(0.05, 1.0))
+def test_a_stuck_layer_is_one_whose_heads_spread_over_the_same_share_of_the_keys_at_any_context(keys, spread):
+    """Whether a layer has learned where to look is read as the share of the keys its least uniform head spreads
+    over (perplexity against uniform's, ``exp(-gap)``), the same at 17 keys and at 8,192: a head over 30% of 4,096
+    keys (1.2 nats under uniform's 8.3: 86% of its entropy) has learned as much as one over 30% of 17 keys (1.2
+    nats under 2.8: 58% of it); neither is stuck at the default gap of 1 nat (37% of the keys)."""
+    uniform = math.log(keys)
+    gap = -math.log(spread)
+    assume(gap < uniform)  # a head over fewer keys than one
+    flagged = _flat_run(lambda s: [1.0, 2.0], (uniform - gap) / uniform, uniform=uniform)
+    assert bool(flagged) == (gap <= 1.0 + 1e-9) or abs(gap - 1.0) < 1e-6, (keys, spread, flagged)
 
 
 def test_a_plateau_needs_query_key_weights_that_do_not_move_and_diffuse_attention():
@@ -80,7 +98,9 @@ def test_a_plateau_needs_query_key_weights_that_do_not_move_and_diffuse_attentio
     assert still[0].values["qk_motion"] == pytest.approx(0.0) and still[0].values["qk_sigma1_growth"] == 1.0
     assert still[0].values["attn_uniformity"] == pytest.approx(0.85)
     assert "sigma_1(Wq^T Wk) moved 0.00 per unit of the Q/K updates" in still[0].message
-    assert "85% of uniform" in still[0].message and "still sinks" not in still[0].message  # a flat loss
+    assert still[0].values["attn_entropy_gap"] == pytest.approx(0.45)  # 3 nats of uniform's, 85% of them
+    assert "within 0.45 nats of uniform's (at least 85% of it" in still[0].message
+    assert "still sinks" not in still[0].message  # a flat loss
     # one head x1, the other x4 per 190 steps until step 300: over the samples t - 190 .. t the heads' mean ln
     # growth is 0.5 ln 4 (490 - t) / 190, per unit of 190 steps x 1% of updates: <= 0.12 from t = 427.5 (a line
     # set below the default 0.25, so that the motion, not the window's growth of at most 1.35x, decides)
@@ -94,9 +114,9 @@ def test_a_plateau_needs_query_key_weights_that_do_not_move_and_diffuse_attentio
     # sqrt(4^((490 - t) / 190)) <= 1.35) t >= 407.7: the first sample after both is 410
     assert [a.step for a in _flat_run(lambda s: [1.0, 2.0 * 4 ** (min(s, 300) / 190)], 0.85)] == [410]
     assert _flat_run(lambda s: [1.0 * 1.004**s, 2.0 * 1.004**s], 0.85) == []  # 0.4% per step for ever: motion 0.4
-    assert _flat_run(lambda s: [1.0, 2.0], 0.65) == []  # focused attention
+    assert _flat_run(lambda s: [1.0, 2.0], 0.65) == []  # focused attention: 1.05 nats under uniform's 3
     # the lines are AlertConfig fields
-    assert _flat_run(lambda s: [1.0, 2.0], 0.65, AlertConfig(plateau_uniformity=0.6))[0].step == 200
+    assert _flat_run(lambda s: [1.0, 2.0], 0.65, AlertConfig(plateau_entropy_gap=1.2))[0].step == 200
     off = AlertConfig(plateau_qk_motion=float("inf"), plateau_max_growth=float("inf"))
     assert _flat_run(lambda s: [s + 1.0, s + 1.0], 0.85, off)[0].step == 200
 
@@ -128,18 +148,17 @@ def _decaying_run(update_of_step, cfg=None, start=600, steps=1000):
 def test_a_loss_flat_under_a_decayed_learning_rate_is_no_plateau():
     """Hugging Face GPT-2 under warmup + cosine goes flat at steps 880-900 of 1,000, where its Q/K update ratios
     are 6-12% of their largest; its NormSoftmax twin is no faster: it has stopped training, it is not stuck. The
-    window's
-    mean Q/K update must be at least plateau_min_update (0.25) of the largest window's since the run's first
-    window (not counting it: a run without warmup takes first steps as large as its weights). A constant
-    learning rate is flagged once the loss has been flat a window; the same run whose updates decayed to 5%
-    before its loss went flat is not; with the test off (0) it is."""
+    latest Q/K update must be at least plateau_min_update (0.25) of the largest since half a window into the run
+    (not before: a run without warmup takes first steps as large as its weights). A constant learning rate is
+    flagged once the loss has been flat a window; the same run whose updates decayed to 5% before its loss went
+    flat is not; with the test off (0) it is."""
     constant = _decaying_run(lambda s: 0.01)
     assert [a.step for a in constant] == [670]
     cosine = [0.01 if s < 400 else 0.0005 for s in range(0, 1000, 10)]
     assert _decaying_run(lambda s: cosine[s // 10]) == []
     off = AlertConfig(plateau_min_update=0)
     assert [a.step for a in _decaying_run(lambda s: cosine[s // 10], off)] == [670]
-    # huge first updates (no warmup) do not count: the largest window is taken from the second one on
+    # huge first updates (no warmup) do not count: the largest is taken from half a window (100 steps) on
     first = [0.5 if s < 100 else 0.01 for s in range(0, 1000, 10)]
     assert [a.step for a in _decaying_run(lambda s: first[s // 10])] == [670]
     # the largest window survives a resume: resumed at step 450, the decayed run is still no plateau
@@ -147,13 +166,37 @@ def test_a_loss_flat_under_a_decayed_learning_rate_is_no_plateau():
     for step in range(0, 1000, 10):
         if step == 450:
             state = json.loads(json.dumps(det.state_dict()))
-            # the window (200, 400] at step 400: 19 samples of 0.01 held 10 steps each, then one of 0.0005 (1 step)
-            assert state["plateau_peak_update"] == pytest.approx((1.9 + 0.0005) / 191)
+            assert state["plateau_peak_update"] == pytest.approx(0.01)  # the largest sample from step 100 on
             det = Detectors(AlertConfig())
             det.load_state_dict(state)
         loss = 1.3 * 1.2 ** (max(600 - step, 0) / 100)
         alerts = det.observe(Observation(step, loss, _layers(step, 0.3, [1.0, 2.0], 0.85, cosine[step // 10])))
         assert not [a for a in alerts if a.kind == "eureka_plateau"], step
+
+
+def test_a_decay_seen_only_at_the_latest_sparse_update_sample_counts():
+    """At the default cadence the update ratios come every 100 steps, after the loss sample of their step: at a
+    loss sample the latest is up to 100 steps old. A warmup + cosine run whose losses go flat from step 300 (its
+    updates: 0.003 in warmup, 0.03, 0.012, 0.0058, 0.0023 at steps 0-400, as a byte-level GPT-2 of 4 x 8 x 128
+    had them) is no plateau: from step 370, where the same losses at a constant rate are flagged, the latest update
+    (0.0058, of step 300) is under a quarter of the largest (0.03)."""
+    updates = {0: 0.003, 100: 0.03, 200: 0.012, 300: 0.0058, 400: 0.0023}
+    det, out = Detectors(), []
+    for step in range(0, 500, 10):
+        loss = 1.3 * 1.2 ** (max(300 - step, 0) / 100)
+        layers = _layers(step, 0.3, [1.0, 2.0], 0.85, updates.get(step, 0.01))
+        if step not in updates:  # the update ratios only at their own samples
+            layers["L00"] = {k: v for k, v in layers["L00"].items() if not k.startswith("update_")}
+        out += det.observe(Observation(step, loss, layers))
+    assert [a for a in out if a.kind == "eureka_plateau"] == []
+    constant = {s: 0.01 for s in updates}  # the same losses at a constant learning rate: flagged
+    det, out = Detectors(), []
+    for step in range(0, 500, 10):
+        layers = _layers(step, 0.3, [1.0, 2.0], 0.85, constant.get(step, 0.01))
+        if step not in constant:
+            layers["L00"] = {k: v for k, v in layers["L00"].items() if not k.startswith("update_")}
+        out += det.observe(Observation(step, 1.3 * 1.2 ** (max(300 - step, 0) / 100), layers))
+    assert [a.step for a in out if a.kind == "eureka_plateau"][:1] == [370]
 
 
 def test_a_plateau_without_spectra_or_attention_is_not_flagged():
