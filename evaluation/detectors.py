@@ -233,7 +233,8 @@ def judge_hf(run: Run, cfg: AlertConfig, every, twin: Run | None) -> dict:
         if twin is not None:
             truth, stuck = plateau_by_twin(run, twin, level), stuck_with_twin(run, twin, level)
     return {"run": run.name, "every": every, "model": run.spec.model, "schedule": run.spec.schedule,
-            "twin": run.spec.twin, "plateau_alerts": len(plateaus), "plateau_real": truth, "stuck": stuck,
+            "twin": run.spec.twin, "has_twin": twin is not None, "plateau_alerts": len(plateaus),
+            "plateau_real": truth, "stuck": stuck,
             "context_free": context_free,
             "records": records_per_head(alerts),
             "bad": sorted({f"{a.kind}@{a.step}:{a.where}" for a in firing}),

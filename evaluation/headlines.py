@@ -86,6 +86,10 @@ GOALS = (
          lambda rs: _healthy(rs, lambda d: not d["bad"])),
     Goal("healthy_no_plateau", "healthy runs from scratch: no plateau alert",
          lambda rs: _healthy(rs, lambda d: not d["plateau_alerts"])),
+    Goal("healthy_plateau_by_twin", "healthy runs from scratch with a NormSoftmax twin: no plateau alert that the "
+         "twin does not confirm (the twin leaves the plateau's level no sooner)",
+         lambda rs: _healthy(rs, lambda d: None if not d.get("has_twin") else
+                             not (d["plateau_alerts"] and d["plateau_real"] is False))),
     Goal("records_per_head", "every run: at most 3 records of one kind on one head or layer, at every cadence",
          lambda rs: all(r["records"] <= 3 for r in rs.values())),
 )

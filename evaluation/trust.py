@@ -103,6 +103,8 @@ ROWS = (
          Measure("plateau_every_cadence", "the same at every cadence"),
          Measure("normsoftmax_flagged", "NormSoftmax twins flagged before their jump"),
          Measure("healthy_no_plateau", "healthy runs from scratch without a plateau alert"),
+         Measure("healthy_plateau_by_twin", "healthy runs with a NormSoftmax twin without a plateau alert the twin "
+                 "does not confirm"),
          Measure("finetune_no_plateau", "sink fine-tunes without a plateau alert")),
         "from-scratch language models that hold a layer of near-uniform heads with small Q/K gradients over a flat "
         "loss for 200 steps or more while the learning rate still moves Q and K are flagged, stuck or slow; missed: "

@@ -23,6 +23,17 @@ def test_a_fine_tune_and_a_healthy_run_are_judged_on_their_own_goals():
                        "records_per_head": True}
 
 
+def test_a_healthy_plateau_alert_counts_against_the_run_only_where_its_twin_denies_the_plateau():
+    def run(plateaus, real, has_twin=True):
+        rows = _hf("healthy", plateaus=plateaus)
+        rows["default"].update(plateau_real=real, has_twin=has_twin)
+        return verdicts(rows).get("healthy_plateau_by_twin")
+
+    assert run(1, False) is False  # the twin leaves the level no sooner: no plateau by the twin
+    assert run(1, True) is True and run(0, None) is True  # confirmed by the twin; or no alert
+    assert run(1, None, has_twin=False) is None  # no twin: the goal does not apply
+
+
 def _collapse(damaged, critical=(), twin=""):
     d = {"kind": "collapse", "lr": 1e-2, "twin": twin, "onset": None, "quiet_record": False, "false_records": [],
          "heads": [], "damaged": damaged, "alarm_before_damage": True if damaged else None,
