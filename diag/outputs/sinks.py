@@ -219,6 +219,18 @@ def json_value(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
+def jsonl_line(step: str, tag: str, value: float) -> str:
+    """``json.dumps({"step": step, "tag": tag, "value": json_value(float(value))})`` to the byte (``step`` already
+    JSON), formatted directly: the tag is escaped by json's own ASCII encoder, a finite value written as json writes a
+    float (its ``repr``), a non-finite one as null."""
+    v = float(value)
+    number = float.__repr__(v) if math.isfinite(v) else "null"
+    return f'{{"step": {step}, "tag": {_json_string(tag)}, "value": {number}}}'
+
+
+_json_string = json.encoder.encode_basestring_ascii  # what json.dumps uses with its default ensure_ascii=True
+
+
 class JsonlSink:
     """``metrics.jsonl``: one ``{"step", "tag", "value"}`` object per scalar (null if not finite).
 
@@ -231,10 +243,8 @@ class JsonlSink:
         self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def write(self, record: Record) -> None:
-        lines = [
-            json.dumps({"step": record.step, "tag": tag, "value": json_value(float(value))})
-            for tag, value in record.scalars.items()
-        ]
+        step = json.dumps(record.step)
+        lines = [jsonl_line(step, tag, value) for tag, value in record.scalars.items()]
         if lines and self._fd is not None:
             if os.fstat(self._fd).st_nlink == 0:  # deleted (e.g. the logdir removed mid-run): say so
                 raise SinkError(f"{self.path} was deleted while the run was writing it; later steps are "
