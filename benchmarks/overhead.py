@@ -16,7 +16,9 @@ machine's load (``uptime``) beside each item. Times are this process's CPU time
 to it; run with ``--threads 1`` so it counts one core's work) or wall time:
   1. exact spectra of all heads (d_head x d_head core) vs the naive full SVD of each
      d_model x d_model product: time ratio and the largest relative disagreement;
-  2. training-step time with the Monitor at its default cadence (``every`` unset:
+  2. training-step time with the Monitor (writing to a logdir in a temporary folder, as the README's first
+     example: TensorBoard events, metrics.jsonl, alerts.jsonl, images, layout; ``--sink-only``: a MemorySink
+     and no logdir) at its default cadence (``every`` unset:
      loss and gradient norms every 10 steps, the spectra every 20, attention every 50,
      update ratios every 100) and at every=1, 10, 100 vs no Monitor, over whole sampling periods (100 steps
      for the default and every=100), each window run back to back with the same steps
@@ -73,6 +75,38 @@ CLOCK = "cpu"
 DEVICE = "cpu"
 DATA = "fixed"
 BATCH = (4, 128)  # sequences x tokens of a training batch (--batch, --min-step-ms)
+LR = 1e-4  # AdamW's learning rate (--lr)
+SINK_ONLY = False  # item 2 with a MemorySink and no logdir (--sink-only)
+
+
+class Watched:
+    """Item 2's Monitor as the README's first example builds it: a ``logdir`` (TensorBoard events and sub-runs,
+    ``metrics.jsonl``, ``alerts.jsonl``, the images and the custom-scalars layout: whatever the defaults write) in a
+    fresh temporary folder, removed at :meth:`close`; with ``--sink-only`` no logdir. A ``MemorySink`` rides along
+    in both (the blocks count the sampled steps from it: a list append per record)."""
+
+    def __init__(self, model, every: int | None) -> None:
+        import tempfile
+
+        self.sink = MemorySink()
+        self.folder = None if SINK_ONLY else tempfile.mkdtemp(prefix="attnscope-overhead-")
+        self.monitor = Monitor(model, every=every, sinks=[self.sink], logdir=self.folder)
+
+    def close(self) -> float:
+        """Closes the Monitor (timed: its seconds are returned) and removes the folder."""
+        import shutil
+
+        t0 = clock()
+        self.monitor.close()
+        took = clock() - t0
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+        return took
+
+
+def outputs() -> str:
+    """What item 2's Monitor writes to, for its heading."""
+    return "a MemorySink, no logdir (--sink-only)" if SINK_ONLY else "a logdir, as the README's first example"
 
 
 class Batches:
@@ -164,7 +198,7 @@ def train_steps(model, monitor, steps: int, start: int, parts: list | None = Non
     """Step times; with ``parts``, also appends (forward+backward seconds, monitor.step seconds, capture
     seconds inside that forward) per step."""
     captured = timed_capture(monitor) if monitor is not None else [0.0]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
     batches = Batches(DATA)
     times = []
     for step in range(start, start + steps):
@@ -194,7 +228,7 @@ def train_paired(plain_model, model, monitor, steps: int, per_step: list | None 
     process's load, frequency changes) that make two back-to-back windows differ by a percent or more."""
     captured = timed_capture(monitor)
     batches = Batches(DATA)
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-4) for m in (plain_model, model)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=LR) for m in (plain_model, model)]
     plain = watched = 0.0
     parts = []
     took = [0.0, 0.0]  # this step's seconds: plain, watched
@@ -226,7 +260,8 @@ def paired_overhead(model, reps: int, steps: int, everys=("default",)) -> float:
     Monitor and another without it, one step of each in turn, over whole sampling periods (as item 2)."""
     import copy
 
-    print(f"2. paired steps, the Monitor's copy / the plain copy (one step of each in turn): {load()}")
+    print(f"2. paired steps, the Monitor's copy / the plain copy (one step of each in turn), the Monitor writing to "
+          f"{outputs()}: {load()}")
     steps_plain: list[float] = []
     for name in everys:
         every, n = window(model, name, steps)
@@ -235,15 +270,13 @@ def paired_overhead(model, reps: int, steps: int, everys=("default",)) -> float:
             plain_model, watched_model = copy.deepcopy(model), copy.deepcopy(model)
             for m in (plain_model, watched_model):  # a first step of each copy, untimed (allocator, caches)
                 train_steps(m, None, 1, 0)
-            monitor = Monitor(watched_model, every=every, sinks=[MemorySink()])
-            plain, watched, parts = train_paired(plain_model, watched_model, monitor, n)
-            t0 = clock()
-            monitor.close()
-            close = clock() - t0
+            watch = Watched(watched_model, every)
+            plain, watched, parts = train_paired(plain_model, watched_model, watch.monitor, n)
+            close = watch.close()
             ratios.append((watched + close) / plain)
             shares.append(accounted(parts, close, plain / n))
             steps_plain.append(plain / n)
-            del plain_model, watched_model, monitor
+            del plain_model, watched_model, watch
         report(every, n, ratios, shares)
     base = statistics.median(steps_plain)
     print(f"   training step without monitor: {base * 1e3:.0f} ms (median)")
@@ -256,20 +289,19 @@ def paired_blocks(model, blocks: int, steps: int, everys=("default",)) -> float:
     block holds the run's cold first samples and its early look, and the others the steady state."""
     import copy
 
-    print(f"2. one run of paired steps in blocks of one sampling period, the Monitor's copy / the plain copy: {load()}")
+    print(f"2. one run of paired steps in blocks of one sampling period, the Monitor's copy / the plain copy, the "
+          f"Monitor writing to {outputs()}; lr {LR:g}, data {DATA}: {load()}")
     steps_plain: list[float] = []
     for name in everys:
         every, n = window(model, name, steps)
         plain_model, watched_model = copy.deepcopy(model), copy.deepcopy(model)
         for m in (plain_model, watched_model):  # a first step of each copy, untimed (allocator, caches)
             train_steps(m, None, 1, 0)
-        sink = MemorySink()
-        monitor = Monitor(watched_model, every=every, sinks=[sink])
+        watch = Watched(watched_model, every)
+        sink, monitor = watch.sink, watch.monitor
         per_step: list[tuple[float, float]] = []
         _, _, parts = train_paired(plain_model, watched_model, monitor, n * blocks, per_step)
-        t0 = clock()
-        monitor.close()
-        close = clock() - t0
+        close = watch.close()
         ratios, shares = [], []
         for b in range(blocks):
             block = per_step[b * n : (b + 1) * n]
@@ -327,19 +359,18 @@ def overhead(model, reps: int, steps: int, everys=("default", "1", "10", "100"))
     run back to back in every repetition."""
     train_steps(model, None, 2, 0)  # warm up
     base_times: list[float] = []
-    print(f"2. training-step time with the Monitor / without (same steps, back to back): {load()}")
+    print(f"2. training-step time with the Monitor / without (same steps, back to back), the Monitor writing to "
+          f"{outputs()}: {load()}")
     for name in everys:
         every, n = window(model, name, steps)
         ratios, shares = [], []
         for _ in range(reps):
             plain_parts: list = []
             plain = sum(train_steps(model, None, n, 0, plain_parts))
-            monitor = Monitor(model, every=every, sinks=[MemorySink()])
+            watch = Watched(model, every)
             watched_parts: list = []
-            watched = sum(train_steps(model, monitor, n, 0, watched_parts))
-            t0 = clock()
-            monitor.close()  # measures the last sampled step's pending update ratios
-            close = clock() - t0
+            watched = sum(train_steps(model, watch.monitor, n, 0, watched_parts))
+            close = watch.close()  # measures the last sampled step's pending update ratios, writes what waits
             ratios.append((watched + close) / plain)
             shares.append(accounted(watched_parts, close, plain / n))
             base_times.append(plain / n)
@@ -534,10 +565,16 @@ def main() -> None:
     parser.add_argument("--min-step-ms", type=float, default=0.0,
                         help="items 2-4: double the batch's sequences until a plain training step takes this long")
     parser.add_argument("--max-batch", type=int, default=1024, help="with --min-step-ms: at most this many sequences")
+    parser.add_argument("--lr", type=float, default=1e-4,
+                        help="items 2-4: AdamW's learning rate (e.g. 3e-3 for a run whose attention collapses)")
+    parser.add_argument("--sink-only", action="store_true",
+                        help="item 2: the Monitor writes to a MemorySink only, no logdir (default: a logdir in a "
+                             "temporary folder, as the README's first example; removed after each run)")
     parser.add_argument("--memory-child", choices=["plain", "monitored"], help=argparse.SUPPRESS)
     args = parser.parse_args()
-    global CLOCK, DEVICE, DATA, BATCH
+    global CLOCK, DEVICE, DATA, BATCH, LR, SINK_ONLY
     CLOCK, DEVICE, DATA, BATCH = args.clock, args.device, args.data, tuple(args.batch)
+    LR, SINK_ONLY = args.lr, args.sink_only
     if DEVICE != "cpu" and "5" in set(args.only or "123456"):
         parser.error("--device other than cpu measures items 1-4 and 6 only (5 is the host's memory): pass --only")
     torch.set_num_threads(args.threads)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 
 from diag.catalog.metrics import chart_stat, charted
 
@@ -68,6 +69,7 @@ class Tag:
         return int(self.part[1:]) if self.part and self.part[0] == "H" else None
 
 
+@lru_cache(maxsize=8192)  # a run's tags recur at every sample; a Tag is frozen, so one object serves every call
 def parse_tag(tag: str) -> Tag | None:
     """The parts of a tag of this scheme; a global tag (no ``/``) is ``Tag(tag)``; None for anything else
     (``alerts/<kind>``, the per-matrix ``step_limit_<key>/Lxx/<role>`` and the other tags written outside this

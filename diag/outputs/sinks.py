@@ -15,10 +15,10 @@ the function that writes the run report of its files (``write_report(logdir, out
 the report at close (the MLflow sink); :class:`FanOut` passes
 them only to the sinks that have them.
 
-Chosen libraries: ``torch.utils.tensorboard.SummaryWriter`` (the official
-writer, from the ``tensorboard`` package) for event files; the standard
-library's ``json`` for JSONL, one whole step per ``write`` call and a flush, so a
-killed process never leaves a torn line behind.
+Chosen libraries: ``torch.utils.tensorboard``'s ``FileWriter`` and summary builders (what its
+``SummaryWriter`` writes with, from the ``tensorboard`` package) for event files, one event per record
+and run; the standard library's ``json`` for JSONL, one whole step per ``write`` call with no user-space
+buffer, so a killed process never leaves a torn line behind.
 """
 
 from __future__ import annotations
@@ -110,7 +110,10 @@ def check_logdir(logdir: str | os.PathLike, *, overwrite: bool = False, resume: 
 
 
 class TensorBoardSink:
-    """Event files through TensorBoard's own writer; no flush per write.
+    """Event files through TensorBoard's own writer (``torch.utils.tensorboard``'s ``FileWriter`` and summary
+    builders, as ``SummaryWriter`` uses them): one event per record and run, holding every value of the record
+    (scalars, histograms, texts, images) under the tags ``add_scalar``, ``add_histogram``, ``add_text`` and
+    ``add_image`` would give them. The writer's own thread serialises and writes the events; no flush per write.
 
     Besides the run in ``logdir`` (every tag), one run per layer in ``logdir/L03`` with the
     charted statistics under one name for all layers (:func:`diag.catalog.tags.layer_runs`), so
@@ -119,38 +122,40 @@ class TensorBoardSink:
     """
 
     def __init__(self, logdir: str | os.PathLike, purge_step: int | None = None) -> None:
-        from torch.utils.tensorboard import SummaryWriter
-
         self.logdir, self.purge_step = Path(logdir), purge_step
-        self.writer = SummaryWriter(log_dir=str(logdir), purge_step=purge_step)
-        self.runs: dict[str, SummaryWriter] = {}
+        self.writer = self._open(self.logdir)
+        self.runs: dict[str, object] = {}  # sub-run name -> its FileWriter
+
+    def _open(self, path: Path):
+        """A ``FileWriter`` on ``path``; with ``purge_step``, the restart events ``SummaryWriter(purge_step=...)``
+        writes, after which TensorBoard drops the events of steps from ``purge_step`` on written before them."""
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+        from torch.utils.tensorboard.writer import FileWriter
+
+        writer = FileWriter(str(path))
+        if self.purge_step is not None:
+            writer.add_event(Event(step=self.purge_step, file_version="brain.Event:2"))
+            writer.add_event(Event(step=self.purge_step, session_log=SessionLog(status=SessionLog.START)))
+        return writer
 
     def _run(self, name: str):
         if name not in self.runs:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.runs[name] = SummaryWriter(log_dir=str(self.logdir / name), purge_step=self.purge_step)
+            self.runs[name] = self._open(self.logdir / name)
         return self.runs[name]
 
     def write(self, record: Record) -> None:
-        for tag, value in record.scalars.items():
-            self.writer.add_scalar(tag, value, record.step)
+        values = summary_values(record)
+        if values:
+            self.writer.add_summary(_summary(values), record.step)
         for run, scalars in [*layer_runs(record.scalars).items(), *record.runs.items()]:
-            writer = self._run(run)
-            for tag, value in scalars.items():
-                writer.add_scalar(tag, value, record.step)
-        for tag, values in record.histograms.items():
-            finite = values[np.isfinite(values)]
-            if finite.size:
-                self.writer.add_histogram(tag, finite, record.step)
-        for tag, text in record.texts.items():
-            self.writer.add_text(tag, text, record.step)
-        for tag, image in record.images.items():
-            self.writer.add_image(tag, image, record.step, dataformats="HWC")
+            if scalars:
+                self._run(run).add_summary(_summary(scalar_values(scalars)), record.step)
 
     def write_layout(self, layout: dict) -> None:
         """The custom-scalars layout; TensorBoard shows the newest one of the run."""
-        self.writer.add_custom_scalars(layout)
+        from torch.utils.tensorboard.summary import custom_scalars
+
+        self.writer.add_summary(custom_scalars(layout))
 
     def write_view(self, record: Record) -> None:
         self.write(record)
@@ -164,9 +169,66 @@ class TensorBoardSink:
             writer.close()
 
 
+def _summary(values: list):
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    return Summary(value=values)
+
+
+def scalar_values(scalars: dict[str, float]) -> list:
+    """``Summary.Value`` protos of scalars, as ``SummaryWriter.add_scalar`` writes each (a float32 simple value)."""
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    return [Summary.Value(tag=tag, simple_value=float(value)) for tag, value in scalars.items()]
+
+
+_BINS: list[np.ndarray] = []  # SummaryWriter's default histogram bins, built once
+
+
+def default_bins() -> np.ndarray:
+    """The bin edges of ``SummaryWriter.add_histogram(bins="tensorflow")`` (its ``default_bins``: +-1e-12 to 1e20 in
+    steps of 10%, and 0), as one array: the same histogram as that list gives, without converting it at every call."""
+    if not _BINS:
+        edges, v = [], 1e-12
+        while v < 1e20:
+            edges.append(v)
+            v *= 1.1
+        _BINS.append(np.array([-e for e in reversed(edges)] + [0.0] + edges))
+    return _BINS[0]
+
+
+def summary_values(record: Record) -> list:
+    """Every value of ``record`` for its run's event: its scalars, the histograms of the finite values of its
+    histograms, its texts and its images, each as the matching ``SummaryWriter.add_*`` would tag and encode it."""
+    from torch.utils.tensorboard.summary import histogram, image, text
+
+    values = scalar_values(record.scalars)
+    for tag, array in record.histograms.items():
+        finite = array[np.isfinite(array)]
+        if finite.size:
+            values.extend(histogram(tag, finite, default_bins()).value)
+    for tag, message in record.texts.items():
+        values.extend(text(tag, message).value)
+    for tag, picture in record.images.items():
+        values.extend(image(tag, picture, dataformats="HWC").value)
+    return values
+
+
 def json_value(value: float) -> float | None:
     """A measured value as JSON: null if not finite (strict JSON readers reject a bare NaN or Infinity)."""
     return value if math.isfinite(value) else None
+
+
+def jsonl_line(step: str, tag: str, value: float) -> str:
+    """``json.dumps({"step": step, "tag": tag, "value": json_value(float(value))})`` to the byte (``step`` already
+    JSON), formatted directly: the tag is escaped by json's own ASCII encoder, a finite value written as json writes a
+    float (its ``repr``), a non-finite one as null."""
+    v = float(value)
+    number = float.__repr__(v) if math.isfinite(v) else "null"
+    return f'{{"step": {step}, "tag": {_json_string(tag)}, "value": {number}}}'
+
+
+_json_string = json.encoder.encode_basestring_ascii  # what json.dumps uses with its default ensure_ascii=True
 
 
 class JsonlSink:
@@ -181,10 +243,8 @@ class JsonlSink:
         self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def write(self, record: Record) -> None:
-        lines = [
-            json.dumps({"step": record.step, "tag": tag, "value": json_value(float(value))})
-            for tag, value in record.scalars.items()
-        ]
+        step = json.dumps(record.step)
+        lines = [jsonl_line(step, tag, value) for tag, value in record.scalars.items()]
         if lines and self._fd is not None:
             if os.fstat(self._fd).st_nlink == 0:  # deleted (e.g. the logdir removed mid-run): say so
                 raise SinkError(f"{self.path} was deleted while the run was writing it; later steps are "

@@ -8,7 +8,9 @@
   text table, once;
 * at image steps: layer x head heatmaps and the update-ratio strips, with axes, tick values and
   colour bars (:mod:`diag.outputs.figures`, matplotlib imported then); at every sampled step the
-  attention maps of the heads an alert names.
+  attention maps of the heads an alert names. They are drawn on a worker thread
+  (:class:`diag.outputs.drawer.Drawer`) from copies of their data and written, at their own step, at
+  the next sampled step or at :meth:`TensorBoardViews.close`.
 
 No live model here: the Monitor hands in its record, per-layer arrays, the captured attention
 maps by layer label, and the alerts. :func:`image_options` checks the Monitor's ``images`` and
@@ -17,6 +19,7 @@ maps by layer label, and the alerts. :func:`image_options` checks the Monitor's 
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 from collections.abc import Mapping, Sequence
 
@@ -24,6 +27,7 @@ import numpy as np
 
 from diag.catalog.metrics import metrics_with, update_metric_names
 from diag.errors import ConfigError
+from diag.outputs.drawer import Drawer, Drawn
 from diag.outputs.images import UpdateRatioHistory, flagged_heads
 from diag.outputs.sinks import FanOut, Record
 from diag.outputs.tb_layout import ALERT_EVENT_TAG, ALERT_LEVELS, alert_run, build_layout
@@ -84,6 +88,7 @@ class TensorBoardViews:
         self.images, self.image_every = images, image_every
         self.updates = update_metric_names("qkvo" if with_o else "qkv") if updates else ()
         self.history = UpdateRatioHistory()
+        self.drawer = Drawer()  # the images are drawn on its thread, written at the next sample or at close
         self._layout_written = False
         self._constants_written = False
         if images and updates:
@@ -105,20 +110,49 @@ class TensorBoardViews:
                 extra.texts["run/attention_sample"] = table
         self.sinks.write_view(extra)  # dashboards only: not metrics.jsonl, not the records of a MemorySink
         if self.images:  # after the events: a drawing that fails costs only the images
-            images = self._images(record.step, arrays, maps, alerts)
-            if images:
-                self.sinks.write(Record(record.step, images=images))
+            draw = self._drawing(record.step, arrays, maps, alerts)
+            if draw is not None:
+                self.drawer.submit(record.step, draw)
+            self._write(self.drawer.ready())
 
-    def _images(self, step: int, arrays: Mapping, maps: Mapping[str, object], alerts: Sequence) -> dict:
-        from diag.outputs.figures import attention_map_figure, layer_head_figures, update_ratio_figures
+    def close(self) -> None:
+        """Wait for the images still being drawn and write them (the sinks are closed after this)."""
+        self._write(self.drawer.close())
 
-        images: dict[str, np.ndarray] = {}
-        if step % self.image_every == 0:
-            images.update(layer_head_figures(arrays, self.labels, step))
-            images.update(update_ratio_figures(self.history, self.labels))
+    def _write(self, drawn: list[Drawn]) -> None:
+        """The images drawn, each step's as a record of its step; then the first drawing's error, if one failed."""
+        for done in drawn:
+            if done.images:
+                self.sinks.write(Record(done.step, images=done.images))
+        errors = [done.error for done in drawn if done.error is not None]
+        if errors:
+            raise errors[0]
+
+    def _drawing(self, step: int, arrays: Mapping, maps: Mapping[str, object], alerts: Sequence):
+        """A function that draws this step's images on the drawer's thread from copies taken now (the heatmaps'
+        arrays and the update ratios so far at image steps, the attention maps of the heads the alerts name), or
+        None when the step has none."""
+        full = step % self.image_every == 0
+        heads = []
         for where, label, head in flagged_heads(alerts):
             layer_maps = maps.get(label)
             if layer_maps is not None and head < layer_maps.shape[0]:
-                probs = layer_maps[head].float().cpu().numpy()  # (queries, keys)
+                heads.append((where, layer_maps[head].float().cpu().numpy()))  # (queries, keys)
+        if not full and not heads:
+            return None
+        labels = list(self.labels)
+        grids = {label: dict(metrics) for label, metrics in arrays.items()} if full else {}
+        history = copy.deepcopy(self.history) if full else None
+
+        def draw() -> dict[str, np.ndarray]:
+            from diag.outputs.figures import attention_map_figure, layer_head_figures, update_ratio_figures
+
+            images: dict[str, np.ndarray] = {}
+            if history is not None:
+                images.update(layer_head_figures(grids, labels, step))
+                images.update(update_ratio_figures(history, labels))
+            for where, probs in heads:
                 images[f"attention_map/{where}"] = attention_map_figure(probs, where, step)
-        return images
+            return images
+
+        return draw

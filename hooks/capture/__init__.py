@@ -2,7 +2,8 @@
 
 ``kernels`` reads one attention call (SDPA, a softmax over a product, MHA) into q, k, logits and
 masks; ``capture`` arms the hooks for one forward and reduces each call to per-head statistics;
-``compiled`` runs the captured forward eagerly under ``torch.compile``.
+``forwards`` holds the hooks on the attention modules' forwards that the capture and QK-clip's max-logit reader
+share; ``compiled`` runs the captured forward eagerly under ``torch.compile``.
 """
 
 from hooks.capture.capture import AttentionCapture

@@ -239,6 +239,7 @@ class Monitor:
                 self._guard("updates", self._finish_updates)
         self._weights.pending = self._weights.applied = None
         self._loss_mean.clear()  # nothing of the run's tensors kept
+        self._guard("tensorboard", self._views.close)  # the images still being drawn, written before the sinks close
         self.sinks.close()
 
     def __enter__(self) -> Monitor:

@@ -14,7 +14,7 @@ every micro-batch counts).
 * Eager softmax: the logits the softmax receives, as they are (with whatever the model added to them), a block
   of rows at a time in their own precision (float32 at least).
 
-Padded query rows do not count, by the rule of the Monitor's capture (:func:`hooks.capture.capture.query_rows`):
+Padded query rows do not count, by the rule of the Monitor's capture (:func:`hooks.capture.forwards.query_rows`):
 the model's own ``attention_mask`` (a (B, T) argument of the root module's forward) says which rows are tokens
 when it describes the kernel's sequence, else a row whose position is excluded as a key from every row is
 padding. The real call runs first, unchanged, and the reading runs under ``torch.no_grad()``
@@ -26,77 +26,35 @@ from __future__ import annotations
 
 import math
 import sys
+from functools import partial
 
 import torch
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
-from torch.utils.hooks import RemovableHandle
 
 from diag.math.attention import LazyLogits, excluded_by_additive_mask
-from hooks.capture.capture import ModelMask, query_rows
-from hooks.capture.kernels import Product, Unsupported, is_attention_call, product_operands, read_call
+from hooks.capture.forwards import ArmedForwards, ForwardMode, query_rows
+from hooks.capture.kernels import Product, Unsupported, read_call
 from hooks.layout.discover import AttentionLayer
 
 __all__ = ["MaxLogits", "head_max"]
 
 CHUNK_BYTES = 32 * 2**20  # float32 logits of one block of query rows (every sequence, every head) at most
 _ALL = sys.maxsize // 4  # read_call's "first n sequences": every one
-_PRODUCTS = 4  # products remembered per module forward (a softmax's q and k are among the latest)
 
 
-class _Mode(TorchFunctionMode):
-    """Watches the calls of one attention module's forward: the latest products and the attention calls."""
-
-    def __init__(self, owner: MaxLogits, layer: AttentionLayer) -> None:
-        super().__init__()
-        self.owner, self.layer = owner, layer
-        self.products: tuple[Product, ...] = ()
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        product = product_operands(func, args, kwargs, out)
-        if product is not None:
-            self.products = self.products[-(_PRODUCTS - 1):] + (product,)
-        elif is_attention_call(func, args, kwargs):
-            self.owner._record(self.layer, func, args, kwargs, self.products)
-        return out
-
-
-class MaxLogits:
+class MaxLogits(ArmedForwards):
     """Per attention layer, the largest logit of each query head since the last :meth:`take`.
 
     layers: the attention layers (``hooks.layout.discover.discover``); model: the root module, whose forward's
     ``attention_mask`` tells the padded query rows (None: the kernels' masks alone tell).
     """
 
+    prepend = True  # the outermost mode: another capture on the same modules never sees these reads
+
     def __init__(self, layers: list[AttentionLayer], model: nn.Module | None = None) -> None:
-        self.layers, self.model = layers, model
+        super().__init__(layers, model)
         self.maxima: dict[int, Tensor] = {}  # layer index -> (H,) float64, on the layer's device
         self.problems: dict[int, str] = {}  # layer index -> why an attention call of it was not read
-        self._handles: list[RemovableHandle] = []
-        self._mode: _Mode | None = None
-        self._root = ModelMask()
-
-    @property
-    def armed(self) -> bool:
-        return bool(self._handles)
-
-    def arm(self) -> None:
-        if self._handles:
-            return
-        if self.model is not None:
-            self._handles += self._root.register(self.model)
-        for layer in self.layers:
-            self._handles.append(layer.module.register_forward_pre_hook(self._pre_hook(layer), prepend=True))
-            self._handles.append(layer.module.register_forward_hook(self._post_hook(layer), always_call=True))
-
-    def disarm(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        self._root.mask = None
-        self._exit_mode()
 
     def take(self) -> tuple[dict[int, Tensor], dict[int, str]]:
         """The maxima and problems since the last call (then cleared; the hooks stay as they are)."""
@@ -104,26 +62,10 @@ class MaxLogits:
         self.maxima, self.problems = {}, {}
         return maxima, problems
 
-    def _pre_hook(self, layer: AttentionLayer):
-        def hook(module, args):
-            if self._mode is not None or not module.training or not torch.is_grad_enabled():
-                return
-            self._mode = _Mode(self, layer)
-            self._mode.__enter__()
-
-        return hook
-
-    def _post_hook(self, layer: AttentionLayer):
-        def hook(module, args, output):
-            if self._mode is not None and self._mode.layer is layer:
-                self._exit_mode()
-
-        return hook
-
-    def _exit_mode(self) -> None:
-        if self._mode is not None:
-            mode, self._mode = self._mode, None
-            mode.__exit__(None, None, None)
+    def _start(self, layer: AttentionLayer, module: nn.Module, args: tuple, kwargs: dict) -> ForwardMode | None:
+        if not module.training or not torch.is_grad_enabled():
+            return None
+        return ForwardMode(layer, partial(self._record, layer))
 
     def _record(self, layer: AttentionLayer, func, args: tuple, kwargs: dict, products: tuple[Product, ...]) -> None:
         try:

@@ -55,6 +55,7 @@ from diag.detectors.base import Alert
 from diag.errors import ConfigError, WarnOnce
 from diag.layouts.biases import biases_of
 from diag.layouts.packings import packing_of
+from hooks.capture.forwards import KERNELS, attn_implementation
 from hooks.layout.discover import AttentionLayer, discover
 from hooks.parallel.dtensors import is_dtensor, local_tensor
 from hooks.steplimit.maxlogit import MaxLogits
@@ -67,7 +68,6 @@ QKCLIP_STATE_KEY = "qk_clip"
 # Child modules of an attention module that normalise q or k (QK-norm), by their last name
 QK_NORMS = ("q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_layernorm", "key_layernorm", "norm_q",
             "norm_k", "q_ln", "k_ln", "ln_q", "ln_k")
-_KERNELS = (None, "eager", "sdpa")  # Hugging Face attention implementations whose calls the reader sees
 _TRUSTED = ("given", "confirmed", "adopted")  # layout states whose head rows the clip writes (hooks/layout/record.py)
 
 
@@ -454,8 +454,8 @@ def _check_layer(layer: AttentionLayer, monitored: bool) -> None:
                 f"QKClip: attention layer {name!r} ({type(module).__name__}) normalises q and k ({child!r}, "
                 "QK-norm): scaling its W_Q and W_K does not change its logits, which the norm gains bound. It "
                 f"needs no QK-clip; pass QKClip(..., exclude=[{name!r}]) (or a pattern for every such layer)")
-    impl = getattr(getattr(module, "config", None), "_attn_implementation", None)
-    if isinstance(impl, str) and impl not in _KERNELS:
+    impl = attn_implementation(module)
+    if impl not in KERNELS:
         raise ConfigError(f"QKClip: attention layer {name!r} uses attn_implementation={impl!r}, whose kernel does "
                           "not show q, k or logits; build the model with attn_implementation='sdpa' or 'eager'")
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

@@ -402,3 +402,15 @@ def test_alerts_jsonl_is_there_from_the_start_and_empty_when_nothing_fired(tmp_p
     monkeypatch.setattr(monitor_module, "rank", lambda: 1)
     Monitor(case.model, every=1, logdir=tmp_path / "other").close()
     assert not (tmp_path / "other").exists()  # another rank writes nothing
+
+
+def test_jsonl_lines_are_json_dumps_to_the_byte():
+    from diag.outputs.sinks import json_value, jsonl_line
+
+    values = [0.0, -0.0, 1.5, 2.0, 1e-30, 1e300, 1 / 3, float("nan"), float("inf"), -float("inf"), np.float32(0.1),
+              np.float64(3.3), 7]
+    for step in (0, 10, 123456):
+        for tag in ("loss", "qk_sigma1/L00/H00", 'a"b\\c', "é/ü", "tab\there"):
+            for value in values:
+                want = json.dumps({"step": step, "tag": tag, "value": json_value(float(value))})
+                assert jsonl_line(json.dumps(step), tag, value) == want

@@ -172,7 +172,7 @@ def main() -> None:
     stats_from_logits = capture_module.stats_from_logits
 
     def counted(*a, **k):
-        computed.setdefault(forward[0], []).append(monitor.capture._active.index)
+        computed.setdefault(forward[0], []).append(monitor.capture._mode.layer.index)  # the layer whose forward runs
         return stats_from_logits(*a, **k)
 
     capture_module.stats_from_logits = counted
