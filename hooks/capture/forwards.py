@@ -156,6 +156,8 @@ class ArmedForwards:
         """Called by :meth:`arm` before the hooks are registered; nothing by default."""
 
     def _start(self, layer: AttentionLayer, module: nn.Module, args: tuple, kwargs: dict) -> ForwardMode | None:
+        """The mode ``layer``'s forward runs in (what the subclass reads there), or None to leave it unobserved;
+        every subclass says (the capture: the attention sample, QK-clip's reader: the largest logit)."""
         raise NotImplementedError
 
     def _end(self, layer: AttentionLayer, output: object) -> None:
