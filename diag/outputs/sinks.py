@@ -23,6 +23,7 @@ buffer, so a killed process never leaves a torn line behind.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -182,19 +183,16 @@ def scalar_values(scalars: dict[str, float]) -> list:
     return [Summary.Value(tag=tag, simple_value=float(value)) for tag, value in scalars.items()]
 
 
-_BINS: list[np.ndarray] = []  # SummaryWriter's default histogram bins, built once
-
-
+@functools.cache
 def default_bins() -> np.ndarray:
     """The bin edges of ``SummaryWriter.add_histogram(bins="tensorflow")`` (its ``default_bins``: +-1e-12 to 1e20 in
-    steps of 10%, and 0), as one array: the same histogram as that list gives, without converting it at every call."""
-    if not _BINS:
-        edges, v = [], 1e-12
-        while v < 1e20:
-            edges.append(v)
-            v *= 1.1
-        _BINS.append(np.array([-e for e in reversed(edges)] + [0.0] + edges))
-    return _BINS[0]
+    steps of 10%, and 0), as one array built once: the same histogram as that list gives, without converting it at
+    every call."""
+    edges, v = [], 1e-12
+    while v < 1e20:
+        edges.append(v)
+        v *= 1.1
+    return np.array([-e for e in reversed(edges)] + [0.0] + edges)
 
 
 def summary_values(record: Record) -> list:
