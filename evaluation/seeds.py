@@ -170,6 +170,13 @@ SETS: dict[str, list[RunSpec]] = {
     + testbed.lm_sweep(range(330, 333), (7e-3, 1e-2), steps=testbed.LONG_STEPS)
     + testbed.llama_sweep(range(330, 331), testbed.LLAMA_LRS[1:]) + testbed.eureka(range(330, 331))
     + testbed.normsoftmax(range(330, 331)) + testbed.healthy(range(330, 331)) + testbed.demo_twin(range(330, 331)),
+    # held out after users4, the detectors unchanged, for what users4 could not measure: collapse runs that the twin
+    # test calls undamaged. At 1,500 steps every collapsing run of users4 was damaged; at 300 steps about two in five
+    # of the earlier sets' collapse runs were not. The nanoGPT sweep with twins at 1,500 steps (1e-2: 3 seeds; the
+    # boundary rate 5e-3: 1 seed) and at 300 steps at the boundary and both rates above it (3 seeds)
+    "users5": testbed.lm_sweep(range(340, 343), (1e-2,), steps=testbed.LONG_STEPS)
+    + testbed.lm_sweep(range(343, 344), (BOUNDARY_LR,), steps=testbed.LONG_STEPS)
+    + testbed.lm_sweep(range(344, 347), (BOUNDARY_LR, 7e-3, 1e-2)),
 }
 
 
