@@ -177,6 +177,10 @@ SETS: dict[str, list[RunSpec]] = {
     "users5": testbed.lm_sweep(range(340, 343), (1e-2,), steps=testbed.LONG_STEPS)
     + testbed.lm_sweep(range(343, 344), (BOUNDARY_LR,), steps=testbed.LONG_STEPS)
     + testbed.lm_sweep(range(344, 347), (BOUNDARY_LR, 7e-3, 1e-2)),
+    # held out after users4, the detectors unchanged, for the causal test of every plateau alert on a healthy run:
+    # the 8 healthy runs of one seed (4 families x 2 schedules, contexts 512 and 1,024), each with its NormSoftmax
+    # twin (its attention at SDPA's cost plus the keys' moments: 2-2.5x a step of the run, not the unfused 17x)
+    "users6": testbed.healthy(range(350, 351)) + testbed.healthy_twins(range(350, 351)),
 }
 
 

@@ -29,7 +29,7 @@ from dataclasses import replace
 
 from evaluation.spec import RunSpec
 
-__all__ = ["LLAMA_LRS", "LONG_STEPS", "SINKS", "demo_twin", "normsoftmax", "testbed"]
+__all__ = ["LLAMA_LRS", "LONG_STEPS", "SINKS", "demo_twin", "healthy_twins", "normsoftmax", "testbed"]
 
 SHAPE = {"layers": 4, "heads": 8, "width": 128}
 FINETUNE = {"lr": 3e-4, "steps": 300, "warmup": 30, "schedule": "cosine", "corpus": "pydoc", "every": 0}
@@ -83,6 +83,12 @@ def healthy(seeds: range) -> list[RunSpec]:
 def lm_sweep(seeds: range, lrs: tuple[float, ...], steps: int = LM_STEPS) -> list[RunSpec]:
     """The nanoGPT at context 128 at each rate and seed, each with its QK-norm twin."""
     return [RunSpec("lm", s, lr, steps, twin=twin) for s in seeds for lr in lrs for twin in ("", "qknorm")]
+
+
+def healthy_twins(seeds: range) -> list[RunSpec]:
+    """The NormSoftmax twins of :func:`healthy`'s language models (every family is one): the causal test of a
+    plateau alert on any of them (docs/evaluation.md#the-ground-truth)."""
+    return [replace(s, twin="normsoftmax") for s in healthy(seeds)]
 
 
 def demo_twin(seeds: range) -> list[RunSpec]:
