@@ -1,15 +1,17 @@
-"""docs/alerts.md's "What to trust, what not" table, generated from one frozen set's replay.
+"""docs/alerts.md's "What to trust, what not" table, generated from frozen sets' replays.
 
-    .venv/bin/python -m evaluation.trust --set users3                          # print it
-    .venv/bin/python -m evaluation.trust --set users3 --write docs/alerts.md   # replace it in the page
+    .venv/bin/python -m evaluation.trust --set users4,users5                          # print it
+    .venv/bin/python -m evaluation.trust --set users4,users5 --write docs/alerts.md   # replace it in the page
 
 The numbers come from ``evaluation/frozen/<set>/judged.json`` alone (each run's verdicts on the goals of
 :data:`evaluation.headlines.GOALS`, counted as the report's headlines count them: each run once, 95% Wilson
 intervals) and the set's ``manifest.json`` (when it was frozen, what it holds, the detectors' source hash it was
-replayed with). What each alert is good for and how it is known to fail are written here, per alert
-(:data:`ROWS`). When the detectors' source at this checkout (:func:`evaluation.provenance.detector_hash`) is not
-the one the set was replayed with, the table says so first, with both hashes: its numbers then describe detectors
-that no longer ship, and a changed detector needs a new frozen set.
+replayed with). Several sets (comma-separated, each frozen, recorded and replayed once on its own) pool their runs:
+every run name is one seed's, so no run counts twice. What each alert is good for and how it is known to fail are
+written here, per alert (:data:`ROWS`). When the detectors' source at this checkout
+(:func:`evaluation.provenance.detector_hash`) is not the one a set was replayed with, the table says so first,
+with both hashes: its numbers then describe detectors that no longer ship, and a changed detector needs a new
+frozen set.
 
 In the page the table stands between :data:`BEGIN` (which names the set) and :data:`END`;
 ``tests/evaluation/test_trust.py`` regenerates it and fails on any byte that differs.
@@ -156,28 +158,42 @@ def _scope(manifest: dict) -> str:
     return "; ".join(parts)
 
 
-def _provenance(judged: dict, now: str) -> str:
-    """Whether the detectors replayed are those at this checkout, in one sentence (a warning with both hashes
-    when they differ)."""
-    replayed = judged["detector_hash"]
-    if replayed == now:
+def _provenance(judged: dict[str, dict], now: str) -> str:
+    """Whether the detectors replayed are those at this checkout, in one sentence (a warning with the hashes of
+    every set replayed with other detectors)."""
+    other = {name: doc["detector_hash"] for name, doc in judged.items() if doc["detector_hash"] != now}
+    if not other:
         return f"The detectors at this checkout are the ones replayed (source hash `{now[:16]}`)."
-    return (f"**The detectors have changed since this set was replayed**: it was replayed with detector source "
-            f"hash `{replayed[:16]}`, this checkout's is `{now[:16]}`. The numbers below describe the detectors "
-            "as they were; a changed detector needs a new frozen set.")
+    sets = ", ".join(f"`{name}` was replayed with detector source hash `{h[:16]}`" for name, h in other.items())
+    return (f"**The detectors have changed since this set was replayed**: {sets}; this checkout's is "
+            f"`{now[:16]}`. The numbers below describe the detectors as they were; a changed detector needs a new "
+            "frozen set.")
 
 
 def table(name: str, frozen: Path = FROZEN, now: str | None = None) -> str:
-    """The section's generated text for the frozen set ``name``, markers included."""
-    judged_doc = json.loads((frozen / name / "judged.json").read_text())
-    manifest = json.loads((frozen / name / "manifest.json").read_text())
-    judged = judged_doc["runs"]
+    """The section's generated text for the frozen set ``name`` (or sets, comma-separated, pooled), markers
+    included."""
+    names = name.split(",")
+    docs = {n: json.loads((frozen / n / "judged.json").read_text()) for n in names}
+    manifests = {n: json.loads((frozen / n / "manifest.json").read_text()) for n in names}
+    judged: dict[str, dict] = {}
+    for n in names:
+        clash = judged.keys() & docs[n]["runs"].keys()
+        if clash:
+            raise ValueError(f"sets {name!r}: run {sorted(clash)[0]} is in more than one set; each run counts once")
+        judged.update(docs[n]["runs"])
+    pooled = {"runs": {r: e for m in manifests.values() for r, e in m["runs"].items()}}
     now = now if now is not None else detector_hash()
-    intro = (f"Measured on the held-out set `{name}` of the [evaluation](evaluation.md): {len(judged)} runs of "
-             f"{len(manifest['runs'])} planned, frozen on {manifest['frozen_at'][:10]} before they were recorded and "
-             f"replayed once on {judged_doc['replayed_at'][:10]} at the default cadence (the runs recorded at every "
-             "step also at every 2-20 steps). Each run counts once; intervals are 95% Wilson intervals, wide where "
-             f"the runs are few. {_provenance(judged_doc, now)} **Scope:** {_scope(manifest)}.")
+    planned = sum(len(m["runs"]) for m in manifests.values())
+    which = (f"the held-out set `{name}` of the [evaluation](evaluation.md)" if len(names) == 1
+             else "the held-out sets " + ", ".join(f"`{n}`" for n in names) + " of the [evaluation](evaluation.md), "
+             "pooled")
+    dates = "; ".join(f"{'`' + n + '` ' if len(names) > 1 else ''}frozen on {manifests[n]['frozen_at'][:10]} before "
+                      f"it was recorded and replayed once on {docs[n]['replayed_at'][:10]}" for n in names)
+    intro = (f"Measured on {which}: {len(judged)} runs of {planned} planned "
+             f"({dates}), at the default cadence (the runs recorded at every step also at every 2-20 steps). Each "
+             "run counts once; intervals are 95% Wilson intervals, wide where the runs are few. "
+             f"{_provenance(docs, now)} **Scope:** {_scope(pooled)}.")
     lines = [BEGIN.format(set=name), "", intro, "", "| alert | good for | measured | known to fail |",
              "|---|---|---|---|"]
     for row in ROWS:
@@ -207,7 +223,8 @@ def set_of(page: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--set", required=True, help="a frozen set of evaluation/frozen/")
+    parser.add_argument("--set", required=True,
+                        help="a frozen set of evaluation/frozen/, or several comma-separated (their runs pooled)")
     parser.add_argument("--write", type=Path, help="replace the table in this page (docs/alerts.md)")
     args = parser.parse_args()
     text = table(args.set)

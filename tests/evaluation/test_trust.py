@@ -29,27 +29,28 @@ def test_the_pages_table_is_the_one_its_frozen_set_generates():
 
 def test_the_page_says_when_its_set_was_replayed_with_other_detectors():
     page = PAGE.read_text()
-    name = trust.set_of(page)
-    replayed = json.loads((trust.FROZEN / name / "judged.json").read_text())["detector_hash"]
+    names = trust.set_of(page).split(",")
+    replayed = {json.loads((trust.FROZEN / name / "judged.json").read_text())["detector_hash"] for name in names}
     changed = "**The detectors have changed since this set was replayed**"
-    if replayed == detector_hash():
+    if replayed == {detector_hash()}:
         assert changed not in page
     else:
-        assert changed in page and f"`{replayed[:16]}`" in page and f"`{detector_hash()[:16]}`" in page
+        assert changed in page and f"`{detector_hash()[:16]}`" in page
+        assert all(f"`{h[:16]}`" in page for h in replayed - {detector_hash()})
 
 
 def _frozen(tmp_path: Path, verdicts: dict[str, dict[str, bool]], twins: set[str] = frozenset(),
-            hash_: str = "a" * 64) -> Path:
-    """A frozen set ``demo`` of collapse runs (the demo GPT, seeds 0...) with the given verdicts."""
-    specs = {f"run{i}": RunSpec("lm", i, 5e-3, 300, twin="qknorm" if f"run{i}" in twins else "")
-             for i in range(len(verdicts))}
+            hash_: str = "a" * 64, name: str = "demo") -> Path:
+    """A frozen set ``name`` of collapse runs (the demo GPT, one seed per run) with the given verdicts."""
+    specs = {run: RunSpec("lm", int(run.removeprefix("run")), 5e-3, 300, twin="qknorm" if run in twins else "")
+             for run in verdicts}
     runs = {run: {"kind": "collapse", "verdicts": v,
                   "evidence": {"default": {"twin": specs[run].twin}}} for run, v in verdicts.items()}
-    folder = tmp_path / "demo"
+    folder = tmp_path / name
     folder.mkdir()
-    (folder / "judged.json").write_text(json.dumps({"set": "demo", "replayed_at": "2026-01-02T00:00:00+00:00",
+    (folder / "judged.json").write_text(json.dumps({"set": name, "replayed_at": "2026-01-02T00:00:00+00:00",
                                                     "detector_hash": hash_, "runs": runs}))
-    (folder / "manifest.json").write_text(json.dumps({"set": "demo", "frozen_at": "2026-01-01T00:00:00+00:00",
+    (folder / "manifest.json").write_text(json.dumps({"set": name, "frozen_at": "2026-01-01T00:00:00+00:00",
                                                       "detector_hash": hash_,
                                                       "runs": {r: {"spec": asdict(s)} for r, s in specs.items()}}))
     return tmp_path
@@ -75,7 +76,7 @@ def test_the_counts_are_the_verdicts_with_wilson_intervals(tmp_path):
     damage = _row(text, "collapse_damage")[2]
     assert "(twins left out) without a critical record: 1 of 3 (6-79%)" in damage
     assert "QK-norm twins without a critical record: 1 of 1 (21-100%)" in damage
-    assert "4 runs of 4 planned, frozen on 2026-01-01" in text and "replayed once on 2026-01-02" in text
+    assert "4 runs of 4 planned (frozen on 2026-01-01" in text and "replayed once on 2026-01-02" in text
     assert "**Scope:** 4 collapse runs (the demo GPT; context 128; 300 steps; 1 of them twins)" in text
 
 
@@ -84,8 +85,22 @@ def test_other_detectors_are_said_with_both_hashes(tmp_path):
     same = trust.table("demo", root, now="b" * 64)
     other = trust.table("demo", root, now="c" * 64)
     assert "have changed" not in same and f"`{'b' * 16}`" in same
-    assert ("**The detectors have changed since this set was replayed**: it was replayed with detector source hash "
-            f"`{'b' * 16}`, this checkout's is `{'c' * 16}`.") in other
+    assert ("**The detectors have changed since this set was replayed**: `demo` was replayed with detector source "
+            f"hash `{'b' * 16}`; this checkout's is `{'c' * 16}`.") in other
+
+
+def test_sets_pool_their_runs_each_counted_once(tmp_path):
+    """Two sets of 2 and 3 runs: their verdicts counted together (3 of 5); a run in both sets is refused."""
+    _frozen(tmp_path, {"run0": {"collapse_recorded": True}, "run1": {"collapse_recorded": False}})
+    _frozen(tmp_path, {f"run{i}": {"collapse_recorded": i != 4} for i in (2, 3, 4)}, name="demo2", hash_="d" * 64)
+    text = trust.table("demo,demo2", tmp_path, now="a" * 64)
+    assert text.startswith(trust.BEGIN.format(set="demo,demo2"))
+    assert "onset: 3 of 5 (" in _row(text, "malignant_collapse")[2]
+    assert "the held-out sets `demo`, `demo2` of the [evaluation](evaluation.md), pooled: 5 runs of 5 planned" in text
+    assert "`demo2` was replayed with detector source hash `dddddddddddddddd`" in text and "`demo` was" not in text
+    _frozen(tmp_path, {"run1": {"collapse_recorded": True}}, name="demo3")
+    with pytest.raises(ValueError, match=r"run run1 is in more than one set"):
+        trust.table("demo,demo3", tmp_path, now="a" * 64)
 
 
 def test_replace_table_swaps_exactly_one_generated_block():
