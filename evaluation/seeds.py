@@ -181,6 +181,9 @@ SETS: dict[str, list[RunSpec]] = {
     # the 8 healthy runs of one seed (4 families x 2 schedules, contexts 512 and 1,024), each with its NormSoftmax
     # twin (its attention at SDPA's cost plus the keys' moments: 2-2.5x a step of the run, not the unfused 17x)
     "users6": testbed.healthy(range(350, 351)) + testbed.healthy_twins(range(350, 351)),
+    # held out after users5, the detectors unchanged: the boundary rate at 300 steps with twins, where two of
+    # users5's three seeds collapsed without damage (8 seeds)
+    "users7": testbed.lm_sweep(range(360, 368), (BOUNDARY_LR,)),
 }
 
 
