@@ -184,6 +184,9 @@ SETS: dict[str, list[RunSpec]] = {
     # held out after users5, the detectors unchanged: the boundary rate at 300 steps with twins, where two of
     # users5's three seeds collapsed without damage (8 seeds)
     "users7": testbed.lm_sweep(range(360, 368), (BOUNDARY_LR,)),
+    # held out after users7, the detectors and the twin test unchanged: the boundary rate at 300 steps with twins,
+    # 24 seeds; over users5 and users7 about 2 seeds in 11 there collapsed without damage
+    "users8": testbed.lm_sweep(range(370, 394), (BOUNDARY_LR,)),
 }
 
 
